@@ -1,0 +1,378 @@
+//! Connection settings shared by every binary: NATS and etcd, from CLI flags with `KVROUTE_*`
+//! environment fallbacks, validated once at startup ([`ConfigError`] names the bad flag).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context as _;
+
+use crate::ids::Namespace;
+
+/// A setting that cannot work; `field` is the flag's name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid configuration: --{field}: {message}")]
+pub struct ConfigError {
+    pub field: &'static str,
+    pub message: String,
+}
+
+impl ConfigError {
+    pub fn new(field: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            field,
+            message: message.into(),
+        }
+    }
+}
+
+fn file_must_exist(field: &'static str, path: &Option<PathBuf>) -> Result<(), ConfigError> {
+    match path {
+        Some(p) if !p.is_file() => Err(ConfigError::new(
+            field,
+            format!("file {} does not exist", p.display()),
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn pair_must_match(a: (&'static str, bool), b: (&'static str, bool)) -> Result<(), ConfigError> {
+    match (a.1, b.1) {
+        (true, false) => Err(ConfigError::new(b.0, format!("required with --{}", a.0))),
+        (false, true) => Err(ConfigError::new(a.0, format!("required with --{}", b.0))),
+        _ => Ok(()),
+    }
+}
+
+/// The deployment's namespace.
+#[derive(Debug, Clone, clap::Args)]
+pub struct NamespaceArgs {
+    /// Namespace that scopes every subject, stream, bucket and etcd key (1-64 of [A-Za-z0-9_-]).
+    #[arg(long, env = "KVROUTE_NAMESPACE", default_value = "default")]
+    pub namespace: Namespace,
+}
+
+/// How to reach NATS.
+#[derive(Debug, Clone, clap::Args)]
+pub struct NatsArgs {
+    /// NATS server URLs, comma-separated (nats://, tls://, or host:port).
+    #[arg(
+        long = "nats-url",
+        env = "KVROUTE_NATS_URL",
+        value_delimiter = ',',
+        default_value = "nats://127.0.0.1:4222"
+    )]
+    pub urls: Vec<String>,
+    /// NATS user name (with --nats-password).
+    #[arg(long = "nats-user", env = "KVROUTE_NATS_USER")]
+    pub user: Option<String>,
+    /// NATS password (with --nats-user).
+    #[arg(
+        long = "nats-password",
+        env = "KVROUTE_NATS_PASSWORD",
+        hide_env_values = true
+    )]
+    pub password: Option<String>,
+    /// NATS authentication token.
+    #[arg(
+        long = "nats-token",
+        env = "KVROUTE_NATS_TOKEN",
+        hide_env_values = true
+    )]
+    pub token: Option<String>,
+    /// NATS credentials file (JWT + NKey seed).
+    #[arg(long = "nats-creds", env = "KVROUTE_NATS_CREDS")]
+    pub creds_file: Option<PathBuf>,
+    /// CA certificate (PEM) to verify the NATS server; implies TLS.
+    #[arg(long = "nats-tls-ca", env = "KVROUTE_NATS_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS (with --nats-tls-key).
+    #[arg(long = "nats-tls-cert", env = "KVROUTE_NATS_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// Client private key (PEM) for mutual TLS (with --nats-tls-cert).
+    #[arg(long = "nats-tls-key", env = "KVROUTE_NATS_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// Time to wait for the first connection, in milliseconds.
+    #[arg(
+        long = "nats-connect-timeout-ms",
+        env = "KVROUTE_NATS_CONNECT_TIMEOUT_MS",
+        default_value_t = 5000
+    )]
+    pub connect_timeout_ms: u64,
+}
+
+impl NatsArgs {
+    /// Settings for a server at `url` with no authentication.
+    pub fn plain(url: impl Into<String>) -> Self {
+        Self {
+            urls: vec![url.into()],
+            user: None,
+            password: None,
+            token: None,
+            creds_file: None,
+            tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
+            connect_timeout_ms: 5000,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.urls.is_empty() || self.urls.iter().any(|u| u.trim().is_empty()) {
+            return Err(ConfigError::new(
+                "nats-url",
+                "at least one non-empty URL is required",
+            ));
+        }
+        for url in &self.urls {
+            validate_url("nats-url", url, &["nats", "tls", "ws", "wss"])?;
+        }
+        pair_must_match(
+            ("nats-user", self.user.is_some()),
+            ("nats-password", self.password.is_some()),
+        )?;
+        let methods = [
+            self.user.is_some(),
+            self.token.is_some(),
+            self.creds_file.is_some(),
+        ];
+        if methods.iter().filter(|m| **m).count() > 1 {
+            return Err(ConfigError::new(
+                "nats-token",
+                "use one of --nats-user/--nats-password, --nats-token, --nats-creds",
+            ));
+        }
+        file_must_exist("nats-creds", &self.creds_file)?;
+        file_must_exist("nats-tls-ca", &self.tls_ca)?;
+        file_must_exist("nats-tls-cert", &self.tls_cert)?;
+        file_must_exist("nats-tls-key", &self.tls_key)?;
+        pair_must_match(
+            ("nats-tls-cert", self.tls_cert.is_some()),
+            ("nats-tls-key", self.tls_key.is_some()),
+        )?;
+        if self.connect_timeout_ms == 0 {
+            return Err(ConfigError::new(
+                "nats-connect-timeout-ms",
+                "must be positive",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Connects; `name` identifies the process to the server. Reconnects forever afterwards.
+    pub async fn connect(&self, name: &str) -> anyhow::Result<async_nats::Client> {
+        self.validate()?;
+        let mut opts = async_nats::ConnectOptions::new()
+            .name(name)
+            .connection_timeout(Duration::from_millis(self.connect_timeout_ms))
+            .max_reconnects(None);
+        if let (Some(user), Some(password)) = (&self.user, &self.password) {
+            opts = opts.user_and_password(user.clone(), password.clone());
+        }
+        if let Some(token) = &self.token {
+            opts = opts.token(token.clone());
+        }
+        if let Some(creds) = &self.creds_file {
+            opts = opts
+                .credentials_file(creds)
+                .await
+                .with_context(|| format!("reading --nats-creds {}", creds.display()))?;
+        }
+        if let Some(ca) = &self.tls_ca {
+            opts = opts.add_root_certificates(ca.clone()).require_tls(true);
+        }
+        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
+            opts = opts.add_client_certificate(cert.clone(), key.clone());
+        }
+        let urls: Vec<async_nats::ServerAddr> = self
+            .urls
+            .iter()
+            .map(|u| u.parse())
+            .collect::<Result<_, _>>()
+            .context("parsing --nats-url")?;
+        opts.connect(urls)
+            .await
+            .with_context(|| format!("connecting to NATS at {}", self.urls.join(",")))
+    }
+}
+
+/// How to reach etcd.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EtcdArgs {
+    /// etcd endpoints, comma-separated (http://host:port or https://host:port).
+    #[arg(
+        long = "etcd-endpoints",
+        env = "KVROUTE_ETCD_ENDPOINTS",
+        value_delimiter = ',',
+        default_value = "http://127.0.0.1:2379"
+    )]
+    pub endpoints: Vec<String>,
+    /// etcd user name (with --etcd-password).
+    #[arg(long = "etcd-user", env = "KVROUTE_ETCD_USER")]
+    pub user: Option<String>,
+    /// etcd password (with --etcd-user).
+    #[arg(
+        long = "etcd-password",
+        env = "KVROUTE_ETCD_PASSWORD",
+        hide_env_values = true
+    )]
+    pub password: Option<String>,
+    /// CA certificate (PEM) to verify etcd.
+    #[arg(long = "etcd-tls-ca", env = "KVROUTE_ETCD_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS (with --etcd-tls-key).
+    #[arg(long = "etcd-tls-cert", env = "KVROUTE_ETCD_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// Client private key (PEM) for mutual TLS (with --etcd-tls-cert).
+    #[arg(long = "etcd-tls-key", env = "KVROUTE_ETCD_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// Time to wait for a connection, in milliseconds.
+    #[arg(
+        long = "etcd-connect-timeout-ms",
+        env = "KVROUTE_ETCD_CONNECT_TIMEOUT_MS",
+        default_value_t = 5000
+    )]
+    pub connect_timeout_ms: u64,
+}
+
+impl EtcdArgs {
+    /// Settings for an endpoint with no authentication.
+    pub fn plain(endpoint: impl Into<String>) -> Self {
+        Self {
+            endpoints: vec![endpoint.into()],
+            user: None,
+            password: None,
+            tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
+            connect_timeout_ms: 5000,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.endpoints.is_empty() || self.endpoints.iter().any(|e| e.trim().is_empty()) {
+            return Err(ConfigError::new(
+                "etcd-endpoints",
+                "at least one non-empty endpoint is required",
+            ));
+        }
+        for e in &self.endpoints {
+            validate_url("etcd-endpoints", e, &["http", "https"])?;
+        }
+        pair_must_match(
+            ("etcd-user", self.user.is_some()),
+            ("etcd-password", self.password.is_some()),
+        )?;
+        file_must_exist("etcd-tls-ca", &self.tls_ca)?;
+        file_must_exist("etcd-tls-cert", &self.tls_cert)?;
+        file_must_exist("etcd-tls-key", &self.tls_key)?;
+        pair_must_match(
+            ("etcd-tls-cert", self.tls_cert.is_some()),
+            ("etcd-tls-key", self.tls_key.is_some()),
+        )?;
+        if self.connect_timeout_ms == 0 {
+            return Err(ConfigError::new(
+                "etcd-connect-timeout-ms",
+                "must be positive",
+            ));
+        }
+        Ok(())
+    }
+
+    pub async fn connect(&self) -> anyhow::Result<etcd_client::Client> {
+        self.validate()?;
+        let timeout = Duration::from_millis(self.connect_timeout_ms);
+        let mut opts = etcd_client::ConnectOptions::new()
+            .with_connect_timeout(timeout)
+            .with_timeout(timeout)
+            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(5));
+        if let (Some(user), Some(password)) = (&self.user, &self.password) {
+            opts = opts.with_user(user.clone(), password.clone());
+        }
+        if self.tls_ca.is_some() || self.tls_cert.is_some() {
+            let mut tls = etcd_client::TlsOptions::new();
+            if let Some(ca) = &self.tls_ca {
+                tls = tls.ca_certificate(etcd_client::Certificate::from_pem(read(ca)?));
+            }
+            if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
+                tls = tls.identity(etcd_client::Identity::from_pem(read(cert)?, read(key)?));
+            }
+            opts = opts.with_tls(tls);
+        }
+        etcd_client::Client::connect(&self.endpoints, Some(opts))
+            .await
+            .with_context(|| format!("connecting to etcd at {}", self.endpoints.join(",")))
+    }
+}
+
+fn read(path: &Path) -> anyhow::Result<Vec<u8>> {
+    std::fs::read(path).with_context(|| format!("reading {}", path.display()))
+}
+
+/// Accepts `scheme://host:port` with a listed scheme, or a bare `host:port`.
+fn validate_url(field: &'static str, url: &str, schemes: &[&str]) -> Result<(), ConfigError> {
+    let rest = match url.split_once("://") {
+        Some((scheme, rest)) => {
+            if !schemes.contains(&scheme) {
+                return Err(ConfigError::new(
+                    field,
+                    format!("{url:?}: scheme must be one of {}", schemes.join(", ")),
+                ));
+            }
+            rest
+        }
+        None => url,
+    };
+    let hostport = rest
+        .rsplit('@')
+        .next()
+        .unwrap_or(rest)
+        .trim_end_matches('/');
+    let ok = match hostport.rsplit_once(':') {
+        Some((host, port)) => !host.is_empty() && port.parse::<u16>().is_ok(),
+        None => !hostport.is_empty(),
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::new(field, format!("{url:?} is not host:port")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_names_the_field() {
+        let mut n = NatsArgs::plain("nats://127.0.0.1:4222");
+        assert!(n.validate().is_ok());
+        n.urls = vec!["http://x:1".into()];
+        assert_eq!(n.validate().unwrap_err().field, "nats-url");
+        n.urls = vec!["nats://x:notaport".into()];
+        assert_eq!(n.validate().unwrap_err().field, "nats-url");
+        n.urls = vec!["127.0.0.1:4222".into()];
+        n.user = Some("u".into());
+        assert_eq!(n.validate().unwrap_err().field, "nats-password");
+        n.password = Some("p".into());
+        n.token = Some("t".into());
+        assert_eq!(n.validate().unwrap_err().field, "nats-token");
+        n.user = None;
+        n.password = None;
+        n.token = None;
+        n.tls_ca = Some("/nonexistent/ca.pem".into());
+        assert_eq!(n.validate().unwrap_err().field, "nats-tls-ca");
+
+        let mut e = EtcdArgs::plain("http://127.0.0.1:2379");
+        assert!(e.validate().is_ok());
+        e.endpoints = vec!["nats://x:1".into()];
+        let err = e.validate().unwrap_err();
+        assert_eq!(err.field, "etcd-endpoints");
+        assert!(err.to_string().contains("--etcd-endpoints"), "{err}");
+        e.endpoints = vec!["http://x:1".into()];
+        e.password = Some("p".into());
+        assert_eq!(e.validate().unwrap_err().field, "etcd-user");
+        e.password = None;
+        e.connect_timeout_ms = 0;
+        assert_eq!(e.validate().unwrap_err().field, "etcd-connect-timeout-ms");
+    }
+}

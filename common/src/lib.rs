@@ -1,0 +1,21 @@
+//! kvroute's shared vocabulary: everything that crosses a process boundary is defined here once.
+//!
+//! - [`ids`]: worker, rank, request, decision and session identifiers, and the namespace;
+//! - [`hashing`]: the block hashing scheme (XXH3-64, seed 1337) engines must reproduce;
+//! - [`messages`]: every wire message (serde types);
+//! - [`codec`]: MessagePack with named fields, a schema version and size limits;
+//! - [`names`]: every NATS subject, JetStream stream, bucket and etcd key;
+//! - [`config`]: NATS / etcd connection settings shared by all binaries;
+//! - [`telemetry`]: logging setup.
+
+pub mod codec;
+pub mod config;
+pub mod hashing;
+pub mod ids;
+pub mod messages;
+pub mod names;
+pub mod telemetry;
+
+pub use codec::{DecodeError, EncodeError, WireMessage, decode, encode};
+pub use ids::{DecisionId, DpRank, Namespace, RequestId, SessionId, WorkerId};
+pub use names::Names;

@@ -1,0 +1,88 @@
+//! What routers tell each other: decisions made, and how requests progress on workers.
+
+use serde::{Deserialize, Serialize};
+
+use super::{BindingState, CostBreakdown, SchemaVersion, TimestampMs, WorkerRole};
+use crate::codec::WireMessage;
+use crate::ids::{DecisionId, DpRank, RequestId, SessionId, WorkerId};
+
+/// A routing decision, published on `kvroute.<ns>.decisions` by the replica that made it.
+/// Every router replica applies every decision to its predicted-load view.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Decision {
+    #[serde(default)]
+    pub v: SchemaVersion,
+    pub decision_id: DecisionId,
+    pub request_id: RequestId,
+    pub router_id: String,
+    pub model: String,
+    #[serde(default)]
+    pub role: WorkerRole,
+    pub worker_id: WorkerId,
+    #[serde(default)]
+    pub dp_rank: DpRank,
+    #[serde(default)]
+    pub session_id: Option<SessionId>,
+    /// Full blocks in the prompt.
+    pub request_blocks: u32,
+    /// Of those, blocks the worker already held on device.
+    pub overlap_blocks: u32,
+    /// Prompt tokens the worker still has to prefill (estimate).
+    pub prefill_tokens: u64,
+    #[serde(default)]
+    pub expected_output_tokens: Option<u32>,
+    #[serde(default)]
+    pub cost: CostBreakdown,
+    #[serde(default)]
+    pub policy: String,
+    #[serde(default)]
+    pub binding: Option<BindingState>,
+    #[serde(default)]
+    pub ts: TimestampMs,
+}
+
+impl WireMessage for Decision {
+    const NAME: &'static str = "Decision";
+    const MAX_BYTES: usize = 64 * 1024;
+    fn schema_version(&self) -> SchemaVersion {
+        self.v
+    }
+}
+
+/// A request's progress on a worker, published on `kvroute.<ns>.lifecycle.<worker>`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestLifecycle {
+    #[serde(default)]
+    pub v: SchemaVersion,
+    pub request_id: RequestId,
+    pub worker_id: WorkerId,
+    #[serde(default)]
+    pub dp_rank: DpRank,
+    pub kind: LifecycleKind,
+    #[serde(default)]
+    pub ts: TimestampMs,
+}
+
+/// Which step the request reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum LifecycleKind {
+    /// The prompt is in the cache; the request now decodes.
+    PrefillDone {
+        #[serde(default)]
+        cached_tokens: u64,
+    },
+    /// The request left the worker (completed, cancelled or failed).
+    Finished {
+        #[serde(default)]
+        output_tokens: u64,
+    },
+}
+
+impl WireMessage for RequestLifecycle {
+    const NAME: &'static str = "RequestLifecycle";
+    const MAX_BYTES: usize = 16 * 1024;
+    fn schema_version(&self) -> SchemaVersion {
+        self.v
+    }
+}

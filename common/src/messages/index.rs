@@ -1,0 +1,107 @@
+//! Overlap queries to the indexer replicas on `kvroute.<ns>.index.query`.
+
+use serde::{Deserialize, Serialize};
+
+use super::SchemaVersion;
+use crate::codec::WireMessage;
+use crate::hashing::LocalBlockHash;
+use crate::ids::{DpRank, WorkerId};
+
+/// "How many leading blocks of this prompt does each worker hold?"
+/// Give `token_ids` (hashed with `block_size`) or `block_hashes` (local hashes).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct IndexQuery {
+    #[serde(default)]
+    pub v: SchemaVersion,
+    /// Only workers registered for this model are reported (empty: every worker).
+    #[serde(default)]
+    pub model: String,
+    #[serde(default)]
+    pub token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    pub block_hashes: Option<Vec<LocalBlockHash>>,
+    /// Required with `token_ids`.
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    #[serde(default)]
+    pub lora_name: Option<String>,
+}
+
+impl WireMessage for IndexQuery {
+    const NAME: &'static str = "IndexQuery";
+    const MAX_BYTES: usize = 4 * 1024 * 1024;
+    fn schema_version(&self) -> SchemaVersion {
+        self.v
+    }
+}
+
+/// The answer: `{"status": "ok", ...}` or `{"status": "error", ...}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum IndexQueryResponse {
+    Ok(IndexReply),
+    Error(IndexError),
+}
+
+impl WireMessage for IndexQueryResponse {
+    const NAME: &'static str = "IndexQueryResponse";
+    fn schema_version(&self) -> SchemaVersion {
+        match self {
+            IndexQueryResponse::Ok(r) => r.v,
+            IndexQueryResponse::Error(e) => e.v,
+        }
+    }
+}
+
+/// Matches per (worker, dp rank) with at least one leading block, and the replica's position.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct IndexReply {
+    #[serde(default)]
+    pub v: SchemaVersion,
+    pub matches: Vec<WorkerMatch>,
+    /// Full blocks in the query.
+    #[serde(default)]
+    pub query_blocks: u32,
+    /// The last stream sequence the answering replica had applied.
+    #[serde(default)]
+    pub applied_seq: u64,
+    #[serde(default)]
+    pub replica_id: String,
+}
+
+/// Leading blocks held by one (worker, dp rank), per tier, and the worker's total blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct WorkerMatch {
+    pub worker_id: WorkerId,
+    #[serde(default)]
+    pub dp_rank: DpRank,
+    #[serde(default)]
+    pub device: u32,
+    #[serde(default)]
+    pub host: u32,
+    #[serde(default)]
+    pub disk: u32,
+    /// Blocks this (worker, dp rank) holds in all (for tie-breaks).
+    #[serde(default)]
+    pub total_blocks: u64,
+}
+
+/// A query that could not be answered.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct IndexError {
+    #[serde(default)]
+    pub v: SchemaVersion,
+    pub code: IndexErrorCode,
+    pub message: String,
+}
+
+/// Why a query failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IndexErrorCode {
+    BadRequest,
+    TooLarge,
+    UnsupportedVersion,
+    /// The replica has not caught up with the log yet.
+    NotReady,
+}

@@ -1,0 +1,86 @@
+//! KV-cache events: what a worker stored or evicted. The indexer's only input.
+
+use serde::{Deserialize, Serialize};
+
+use super::{SchemaVersion, TimestampMs};
+use crate::codec::WireMessage;
+use crate::hashing::{LocalBlockHash, SequenceHash};
+use crate::ids::{DpRank, WorkerId};
+
+/// A batch of events from one (worker, dp rank), published on `kvroute.<ns>.kv.events.<worker>`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvEventBatch {
+    #[serde(default)]
+    pub v: SchemaVersion,
+    pub worker_id: WorkerId,
+    #[serde(default)]
+    pub dp_rank: DpRank,
+    pub events: Vec<KvEvent>,
+    /// When the batch was published (ms since the Unix epoch); informational.
+    #[serde(default)]
+    pub ts: TimestampMs,
+}
+
+impl WireMessage for KvEventBatch {
+    const NAME: &'static str = "KvEventBatch";
+    fn schema_version(&self) -> SchemaVersion {
+        self.v
+    }
+}
+
+/// One event. `event_id` increases by exactly one per (worker, dp rank); a jump is a gap.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvEvent {
+    pub event_id: u64,
+    pub data: KvEventData,
+}
+
+/// What happened. Internally tagged: `{"type": "stored", ...}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum KvEventData {
+    /// Blocks stored as a chain under `parent_hash` (absent: the chain starts the prompt).
+    Stored {
+        #[serde(default)]
+        parent_hash: Option<SequenceHash>,
+        blocks: Vec<StoredBlock>,
+        #[serde(default)]
+        tier: StorageTier,
+    },
+    /// Blocks evicted, named by their `block_hash` (sequence hash).
+    Removed {
+        block_hashes: Vec<SequenceHash>,
+        #[serde(default)]
+        tier: StorageTier,
+    },
+    /// Every block of this (worker, dp rank) is gone.
+    Cleared,
+}
+
+/// One stored block: the engine's opaque sequence hash and the block's local (tokens) hash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct StoredBlock {
+    pub block_hash: SequenceHash,
+    pub tokens_hash: LocalBlockHash,
+}
+
+/// Where a block lives. Routing prefers device blocks; host and disk blocks are cheaper to
+/// load than to recompute.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum StorageTier {
+    #[default]
+    Device,
+    Host,
+    Disk,
+}
+
+impl StorageTier {
+    pub const ALL: [StorageTier; 3] = [StorageTier::Device, StorageTier::Host, StorageTier::Disk];
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}

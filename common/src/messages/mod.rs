@@ -1,0 +1,45 @@
+//! Every message kvroute puts on the wire, defined once. PROTOCOL.md documents each field.
+//!
+//! All messages are MessagePack maps with named fields (see [`crate::codec`]); every top-level
+//! message carries the schema version `v`. Optional fields default when missing and unknown
+//! fields are ignored, so older and newer peers can talk.
+
+mod decision;
+mod index;
+mod kv_event;
+mod select;
+mod worker;
+
+pub use decision::{Decision, LifecycleKind, RequestLifecycle};
+pub use index::{
+    IndexError, IndexErrorCode, IndexQuery, IndexQueryResponse, IndexReply, WorkerMatch,
+};
+pub use kv_event::{KvEvent, KvEventBatch, KvEventData, StorageTier, StoredBlock};
+pub use select::{
+    BindingState, CostBreakdown, DpRankRange, ErrorCode, Pin, SelectError, SelectReply,
+    SelectRequest, SelectResponse, SessionContext, SessionTrigger,
+};
+pub use worker::{WorkerCard, WorkerLoad, WorkerRole};
+
+use serde::{Deserialize, Serialize};
+
+/// The schema version carried in every top-level message as field `v`.
+///
+/// Additive changes (new optional fields) keep the version; a reader refuses a message whose
+/// version is above [`SchemaVersion::CURRENT`] with a typed error. A missing `v` means 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct SchemaVersion(pub u16);
+
+impl SchemaVersion {
+    pub const CURRENT: SchemaVersion = SchemaVersion(1);
+}
+
+impl Default for SchemaVersion {
+    fn default() -> Self {
+        Self(1)
+    }
+}
+
+/// Milliseconds since the Unix epoch, as carried in `ts` fields.
+pub type TimestampMs = u64;

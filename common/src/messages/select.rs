@@ -1,0 +1,213 @@
+//! Worker selection: the request a client sends on `kvroute.<ns>.select` and the answer.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::{SchemaVersion, StorageTier, WorkerRole};
+use crate::codec::WireMessage;
+use crate::hashing::LocalBlockHash;
+use crate::ids::{DecisionId, DpRank, RequestId, SessionId, WorkerId};
+
+/// "Which worker should serve this prompt?"
+///
+/// The prompt is given either as `token_ids` (the router hashes them with the model's block
+/// size) or as `block_hashes` (local hashes, already computed by the caller). One is required.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct SelectRequest {
+    #[serde(default)]
+    pub v: SchemaVersion,
+    /// Chosen by the client; the router assigns one when absent.
+    #[serde(default)]
+    pub request_id: Option<RequestId>,
+    pub model: String,
+    #[serde(default)]
+    pub role: WorkerRole,
+    #[serde(default)]
+    pub token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    pub block_hashes: Option<Vec<LocalBlockHash>>,
+    /// With `block_hashes`: the block size they were computed with (must match the workers').
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    #[serde(default)]
+    pub lora_name: Option<String>,
+    #[serde(default)]
+    pub session: Option<SessionContext>,
+    /// Only these workers are eligible (empty or absent: all).
+    #[serde(default)]
+    pub allowed_workers: Option<Vec<WorkerId>>,
+    /// Exactly this worker (and rank, when given), or an error.
+    #[serde(default)]
+    pub pin: Option<Pin>,
+    #[serde(default)]
+    pub dp_rank_range: Option<DpRankRange>,
+    /// Taints the request tolerates; a worker is eligible only if it has no other taint.
+    #[serde(default)]
+    pub tolerated_taints: Vec<String>,
+    /// Taints a worker must carry to be eligible.
+    #[serde(default)]
+    pub required_taints: Vec<String>,
+    /// Taints that make a worker cheaper for this request (policies may use it).
+    #[serde(default)]
+    pub preferred_taints: Vec<String>,
+    #[serde(default)]
+    pub expected_output_tokens: Option<u32>,
+    #[serde(default)]
+    pub priority: Option<i32>,
+    /// Overrides the policy's temperature for this request (0 = deterministic).
+    #[serde(default)]
+    pub temperature: Option<f64>,
+}
+
+impl WireMessage for SelectRequest {
+    const NAME: &'static str = "SelectRequest";
+    const MAX_BYTES: usize = 4 * 1024 * 1024;
+    fn schema_version(&self) -> SchemaVersion {
+        self.v
+    }
+}
+
+/// The session a request belongs to (multi-turn chats, agents).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct SessionContext {
+    pub id: SessionId,
+    #[serde(default)]
+    pub parent_id: Option<SessionId>,
+    /// The last request of the session: its binding is removed after this selection.
+    #[serde(default, rename = "final")]
+    pub is_final: bool,
+    #[serde(default)]
+    pub trigger: SessionTrigger,
+}
+
+/// What started this turn of the session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionTrigger {
+    UserMessage,
+    ToolResult,
+    #[default]
+    Other,
+}
+
+/// An exact placement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pin {
+    pub worker_id: WorkerId,
+    #[serde(default)]
+    pub dp_rank: Option<DpRank>,
+}
+
+/// Inclusive bounds on the data-parallel rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DpRankRange {
+    pub min: DpRank,
+    pub max: DpRank,
+}
+
+/// The answer on the reply subject: `{"status": "ok", ...}` or `{"status": "error", ...}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum SelectResponse {
+    Ok(SelectReply),
+    Error(SelectError),
+}
+
+impl WireMessage for SelectResponse {
+    const NAME: &'static str = "SelectResponse";
+    fn schema_version(&self) -> SchemaVersion {
+        match self {
+            SelectResponse::Ok(r) => r.v,
+            SelectResponse::Error(e) => e.v,
+        }
+    }
+}
+
+/// A successful selection.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SelectReply {
+    #[serde(default)]
+    pub v: SchemaVersion,
+    pub request_id: RequestId,
+    pub decision_id: DecisionId,
+    pub worker_id: WorkerId,
+    #[serde(default)]
+    pub dp_rank: DpRank,
+    /// Where to send the request (the worker card's request subject).
+    #[serde(default)]
+    pub request_subject: String,
+    /// Leading blocks of the prompt the worker holds, per tier.
+    #[serde(default)]
+    pub overlap_blocks: BTreeMap<StorageTier, u32>,
+    /// Full blocks in the prompt.
+    #[serde(default)]
+    pub request_blocks: u32,
+    #[serde(default)]
+    pub cost: CostBreakdown,
+    /// The policy that chose (its configured instance name).
+    #[serde(default)]
+    pub policy: String,
+    #[serde(default)]
+    pub binding: Option<BindingState>,
+    /// The router replica that answered.
+    #[serde(default)]
+    pub router_id: String,
+}
+
+/// The cost the policy assigned to the chosen worker, term by term.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct CostBreakdown {
+    #[serde(default)]
+    pub total: f64,
+    #[serde(default)]
+    pub terms: BTreeMap<String, f64>,
+}
+
+/// What happened to the session's binding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BindingState {
+    New,
+    Kept,
+    Rebound,
+    Released,
+}
+
+/// A selection that failed, with a machine-readable code.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SelectError {
+    #[serde(default)]
+    pub v: SchemaVersion,
+    #[serde(default)]
+    pub request_id: Option<RequestId>,
+    pub code: ErrorCode,
+    pub message: String,
+    /// Per-worker reasons when every candidate was filtered out.
+    #[serde(default)]
+    pub reasons: BTreeMap<String, String>,
+}
+
+/// Why a selection failed. Stable on the wire (snake_case).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// Undecodable, schema-violating or inconsistent request.
+    BadRequest,
+    /// Larger than the size limit.
+    TooLarge,
+    /// A schema version newer than the router understands.
+    UnsupportedVersion,
+    /// No registered worker serves this model and role.
+    NoWorkers,
+    /// Workers exist but eligibility rules or policy filters rejected all of them.
+    AllFiltered,
+    /// Every eligible worker is above the busy thresholds.
+    AllOverloaded,
+    /// The pinned worker (or rank) is not registered or not eligible.
+    PinnedUnavailable,
+    /// The policy misbehaved (non-finite cost, invalid pick).
+    PolicyError,
+    /// The router is not ready or failed internally.
+    Unavailable,
+}

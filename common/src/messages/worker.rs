@@ -1,0 +1,146 @@
+//! What a worker says about itself: its card (in etcd) and its load (on NATS).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::{SchemaVersion, TimestampMs};
+use crate::codec::WireMessage;
+use crate::ids::{DpRank, WorkerId};
+
+/// The role a worker plays in (dis)aggregated serving.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerRole {
+    /// Prefill and decode on the same worker.
+    #[default]
+    Aggregated,
+    Prefill,
+    Decode,
+    Encode,
+}
+
+impl WorkerRole {
+    pub const ALL: [WorkerRole; 4] = [
+        WorkerRole::Aggregated,
+        WorkerRole::Prefill,
+        WorkerRole::Decode,
+        WorkerRole::Encode,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerRole::Aggregated => "aggregated",
+            WorkerRole::Prefill => "prefill",
+            WorkerRole::Decode => "decode",
+            WorkerRole::Encode => "encode",
+        }
+    }
+}
+
+impl std::fmt::Display for WorkerRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for WorkerRole {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        WorkerRole::ALL
+            .into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| format!("unknown role {s:?}: use aggregated, prefill, decode or encode"))
+    }
+}
+
+/// A worker's registration, the value under `/kvroute/<ns>/workers/<worker>` in etcd.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerCard {
+    #[serde(default)]
+    pub v: SchemaVersion,
+    pub worker_id: WorkerId,
+    pub model: String,
+    #[serde(default)]
+    pub role: WorkerRole,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// KV blocks the worker's cache holds on device.
+    pub total_kv_blocks: u64,
+    /// The engine's per-step token budget (prefill chunking); 0 when unknown.
+    #[serde(default)]
+    pub max_num_batched_tokens: u64,
+    #[serde(default)]
+    pub dp_start_rank: DpRank,
+    /// Data-parallel ranks `dp_start_rank .. dp_start_rank + dp_size`; at least 1.
+    #[serde(default = "one")]
+    pub dp_size: u32,
+    /// Taints: properties a request must ask for (or tolerate) to be placed here.
+    #[serde(default)]
+    pub taints: Vec<String>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// The NATS subject on which the worker takes requests.
+    pub request_subject: String,
+    #[serde(default)]
+    pub software_version: String,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl WorkerCard {
+    /// The data-parallel ranks this worker serves.
+    pub fn dp_ranks(&self) -> impl Iterator<Item = DpRank> + '_ {
+        self.dp_start_rank..self.dp_start_rank.saturating_add(self.dp_size.max(1))
+    }
+}
+
+impl WireMessage for WorkerCard {
+    const NAME: &'static str = "WorkerCard";
+    const MAX_BYTES: usize = 64 * 1024;
+    fn schema_version(&self) -> SchemaVersion {
+        self.v
+    }
+}
+
+/// A load report, published on `kvroute.<ns>.load.<worker>` periodically and on change.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerLoad {
+    #[serde(default)]
+    pub v: SchemaVersion,
+    pub worker_id: WorkerId,
+    #[serde(default)]
+    pub dp_rank: DpRank,
+    /// Increases by one per report of this (worker, dp rank); lets readers drop stale reports.
+    #[serde(default)]
+    pub seq: u64,
+    /// Prompt tokens admitted but not yet prefilled.
+    #[serde(default)]
+    pub active_prefill_tokens: u64,
+    /// KV blocks held by running (decoding) requests.
+    #[serde(default)]
+    pub active_decode_blocks: u64,
+    #[serde(default)]
+    pub active_requests: u64,
+    #[serde(default)]
+    pub waiting_requests: u64,
+    /// KV blocks in use (running requests and cached prefixes).
+    #[serde(default)]
+    pub kv_used_blocks: u64,
+    #[serde(default)]
+    pub total_kv_blocks: u64,
+    #[serde(default)]
+    pub ts: TimestampMs,
+}
+
+impl WireMessage for WorkerLoad {
+    const NAME: &'static str = "WorkerLoad";
+    const MAX_BYTES: usize = 16 * 1024;
+    fn schema_version(&self) -> SchemaVersion {
+        self.v
+    }
+}

@@ -1,0 +1,184 @@
+//! Every NATS subject, JetStream stream / consumer, bucket and etcd key, built from the
+//! namespace. Nothing else in kvroute spells one by hand; PROTOCOL.md lists them all.
+
+use crate::ids::{Namespace, WorkerId};
+
+/// Names for one namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Names {
+    ns: Namespace,
+    /// `kvroute.<ns>`
+    subject_root: String,
+    /// `KVROUTE_<ns>`: the stem of stream and bucket names.
+    upper: String,
+}
+
+impl Names {
+    pub fn new(ns: &Namespace) -> Self {
+        // The namespace is kept verbatim (no case folding) so two namespaces never collide.
+        let upper = format!("KVROUTE_{}", ns.as_str());
+        Self {
+            ns: ns.clone(),
+            subject_root: format!("kvroute.{}", ns.as_str()),
+            upper,
+        }
+    }
+
+    pub fn namespace(&self) -> &Namespace {
+        &self.ns
+    }
+
+    // ---- NATS subjects -------------------------------------------------------------------
+
+    /// Where worker `worker` publishes its [`crate::messages::KvEventBatch`]es.
+    pub fn kv_events(&self, worker: WorkerId) -> String {
+        format!("{}.kv.events.{worker}", self.subject_root)
+    }
+
+    /// Every worker's events (the events stream's subject filter).
+    pub fn kv_events_all(&self) -> String {
+        format!("{}.kv.events.*", self.subject_root)
+    }
+
+    /// Records the indexer leader appends to the event log (e.g. worker removed).
+    pub fn kv_control(&self) -> String {
+        format!("{}.kv.control", self.subject_root)
+    }
+
+    /// Every subject the events stream captures.
+    pub fn events_stream_subjects(&self) -> Vec<String> {
+        vec![self.kv_events_all(), self.kv_control()]
+    }
+
+    /// Request/reply: ask worker `worker` to publish `Cleared` and its full cache state.
+    pub fn worker_resync(&self, worker: WorkerId) -> String {
+        format!("{}.worker.{worker}.resync", self.subject_root)
+    }
+
+    /// Worker load reports.
+    pub fn load(&self, worker: WorkerId) -> String {
+        format!("{}.load.{worker}", self.subject_root)
+    }
+
+    pub fn load_all(&self) -> String {
+        format!("{}.load.*", self.subject_root)
+    }
+
+    /// Request lifecycle events (prefill done, finished) from worker `worker`.
+    pub fn lifecycle(&self, worker: WorkerId) -> String {
+        format!("{}.lifecycle.{worker}", self.subject_root)
+    }
+
+    pub fn lifecycle_all(&self) -> String {
+        format!("{}.lifecycle.*", self.subject_root)
+    }
+
+    /// Default request subject of worker `worker` (its card may name another).
+    pub fn worker_requests(&self, worker: WorkerId) -> String {
+        format!("{}.worker.{worker}.generate", self.subject_root)
+    }
+
+    /// Request/reply: worker selection (router queue group [`Names::router_queue_group`]).
+    pub fn select(&self) -> String {
+        format!("{}.select", self.subject_root)
+    }
+
+    /// Every routing decision, from every router replica.
+    pub fn decisions(&self) -> String {
+        format!("{}.decisions", self.subject_root)
+    }
+
+    /// Request/reply: overlap queries (indexer queue group [`Names::indexer_queue_group`]).
+    pub fn index_query(&self) -> String {
+        format!("{}.index.query", self.subject_root)
+    }
+
+    /// Request/reply, every replica answers: (applied sequence, digest) for consistency checks.
+    pub fn index_digest(&self) -> String {
+        format!("{}.index.digest", self.subject_root)
+    }
+
+    pub fn router_queue_group(&self) -> String {
+        format!("{}.routers", self.subject_root)
+    }
+
+    pub fn indexer_queue_group(&self) -> String {
+        format!("{}.indexers", self.subject_root)
+    }
+
+    // ---- JetStream ------------------------------------------------------------------------
+
+    /// The stream that orders every worker's KV events: `KVROUTE_<ns>_EVENTS`.
+    pub fn events_stream(&self) -> String {
+        format!("{}_EVENTS", self.upper)
+    }
+
+    /// The durable consumer name of an indexer replica.
+    pub fn indexer_consumer(&self, replica_id: &str) -> String {
+        let safe: String = replica_id
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        format!("indexer_{safe}")
+    }
+
+    /// KV bucket holding session bindings.
+    pub fn sessions_bucket(&self) -> String {
+        format!("{}_SESSIONS", self.upper)
+    }
+
+    /// Object store holding index snapshots.
+    pub fn snapshots_bucket(&self) -> String {
+        format!("{}_SNAPSHOTS", self.upper)
+    }
+
+    // ---- etcd -----------------------------------------------------------------------------
+
+    /// `/kvroute/<ns>/workers/` — the prefix every worker card lives under.
+    pub fn workers_prefix(&self) -> String {
+        format!("/kvroute/{}/workers/", self.ns.as_str())
+    }
+
+    /// `/kvroute/<ns>/workers/<worker>` — worker `worker`'s card, bound to its lease.
+    pub fn worker_key(&self, worker: WorkerId) -> String {
+        format!("{}{worker}", self.workers_prefix())
+    }
+
+    /// Parses the worker id out of a key under [`Names::workers_prefix`].
+    pub fn worker_id_of_key(&self, key: &[u8]) -> Option<WorkerId> {
+        let key = std::str::from_utf8(key).ok()?;
+        key.strip_prefix(&self.workers_prefix())?.parse().ok()
+    }
+
+    /// `/kvroute/<ns>/leader/indexer` — the snapshot leader's election key.
+    pub fn indexer_leader_key(&self) -> String {
+        format!("/kvroute/{}/leader/indexer", self.ns.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_protocol() {
+        let n = Names::new(&Namespace::new("prod-1").unwrap());
+        assert_eq!(n.kv_events(7), "kvroute.prod-1.kv.events.7");
+        assert_eq!(n.kv_events_all(), "kvroute.prod-1.kv.events.*");
+        assert_eq!(n.select(), "kvroute.prod-1.select");
+        assert_eq!(n.worker_resync(7), "kvroute.prod-1.worker.7.resync");
+        assert_eq!(n.events_stream(), "KVROUTE_prod-1_EVENTS");
+        assert_eq!(n.sessions_bucket(), "KVROUTE_prod-1_SESSIONS");
+        assert_eq!(n.worker_key(7), "/kvroute/prod-1/workers/7");
+        assert_eq!(n.worker_id_of_key(b"/kvroute/prod-1/workers/7"), Some(7));
+        assert_eq!(n.worker_id_of_key(b"/kvroute/other/workers/7"), None);
+        assert_eq!(n.indexer_leader_key(), "/kvroute/prod-1/leader/indexer");
+        assert_eq!(n.indexer_consumer("a.b c"), "indexer_a_b_c");
+    }
+}

@@ -1,0 +1,426 @@
+//! The wire contract: every message round-trips, readers tolerate unknown and missing optional
+//! fields, and bad bytes give typed errors (never panics).
+
+use std::collections::BTreeMap;
+
+use kvroute_common::codec::{DecodeError, EncodeError, WireMessage, decode, encode};
+use kvroute_common::messages::*;
+use rmpv::Value;
+use uuid::Uuid;
+
+fn uuid(n: u128) -> Uuid {
+    Uuid::from_u128(n)
+}
+
+fn batch() -> KvEventBatch {
+    KvEventBatch {
+        v: SchemaVersion::CURRENT,
+        worker_id: 42,
+        dp_rank: 1,
+        ts: 1_700_000_000_000,
+        events: vec![
+            KvEvent {
+                event_id: 7,
+                data: KvEventData::Stored {
+                    parent_hash: Some(u64::MAX),
+                    blocks: vec![StoredBlock {
+                        block_hash: 1,
+                        tokens_hash: 2,
+                    }],
+                    tier: StorageTier::Host,
+                },
+            },
+            KvEvent {
+                event_id: 8,
+                data: KvEventData::Removed {
+                    block_hashes: vec![1, 3],
+                    tier: StorageTier::Disk,
+                },
+            },
+            KvEvent {
+                event_id: 9,
+                data: KvEventData::Cleared,
+            },
+        ],
+    }
+}
+
+fn card() -> WorkerCard {
+    WorkerCard {
+        v: SchemaVersion::CURRENT,
+        worker_id: 3,
+        model: "llama-3-8b".into(),
+        role: WorkerRole::Prefill,
+        block_size: 64,
+        total_kv_blocks: 16_384,
+        max_num_batched_tokens: 8192,
+        dp_start_rank: 2,
+        dp_size: 2,
+        taints: vec!["gpu=h100".into()],
+        labels: BTreeMap::from([("zone".into(), "a".into())]),
+        request_subject: "kvroute.default.worker.3.generate".into(),
+        software_version: "0.1.0".into(),
+    }
+}
+
+fn select_request() -> SelectRequest {
+    SelectRequest {
+        request_id: Some(uuid(1)),
+        model: "m".into(),
+        role: WorkerRole::Decode,
+        token_ids: Some((0..100).collect()),
+        block_hashes: None,
+        block_size: Some(16),
+        lora_name: Some("sql".into()),
+        session: Some(SessionContext {
+            id: "s1".into(),
+            parent_id: Some("s0".into()),
+            is_final: true,
+            trigger: SessionTrigger::ToolResult,
+        }),
+        allowed_workers: Some(vec![1, 2]),
+        pin: Some(Pin {
+            worker_id: 1,
+            dp_rank: Some(0),
+        }),
+        dp_rank_range: Some(DpRankRange { min: 0, max: 3 }),
+        tolerated_taints: vec!["spot".into()],
+        required_taints: vec!["gpu=h100".into()],
+        preferred_taints: vec!["zone=a".into()],
+        expected_output_tokens: Some(256),
+        priority: Some(-1),
+        temperature: Some(0.5),
+        ..Default::default()
+    }
+}
+
+fn select_reply() -> SelectResponse {
+    SelectResponse::Ok(SelectReply {
+        v: SchemaVersion::CURRENT,
+        request_id: uuid(1),
+        decision_id: uuid(2),
+        worker_id: 3,
+        dp_rank: 1,
+        request_subject: "x".into(),
+        overlap_blocks: BTreeMap::from([(StorageTier::Device, 5), (StorageTier::Host, 2)]),
+        request_blocks: 9,
+        cost: CostBreakdown {
+            total: 1.5,
+            terms: BTreeMap::from([("prefill".into(), 1.0), ("decode".into(), 0.5)]),
+        },
+        policy: "default".into(),
+        binding: Some(BindingState::Rebound),
+        router_id: "r1".into(),
+    })
+}
+
+fn select_error() -> SelectResponse {
+    SelectResponse::Error(SelectError {
+        v: SchemaVersion::CURRENT,
+        request_id: None,
+        code: ErrorCode::AllFiltered,
+        message: "every worker was filtered".into(),
+        reasons: BTreeMap::from([("3".into(), "missing taint gpu=h100".into())]),
+    })
+}
+
+fn decision() -> Decision {
+    Decision {
+        v: SchemaVersion::CURRENT,
+        decision_id: uuid(2),
+        request_id: uuid(1),
+        router_id: "r1".into(),
+        model: "m".into(),
+        role: WorkerRole::Aggregated,
+        worker_id: 3,
+        dp_rank: 0,
+        session_id: Some("s1".into()),
+        request_blocks: 10,
+        overlap_blocks: 4,
+        prefill_tokens: 384,
+        expected_output_tokens: Some(100),
+        cost: CostBreakdown::default(),
+        policy: "default".into(),
+        binding: Some(BindingState::New),
+        ts: 5,
+    }
+}
+
+fn lifecycle(kind: LifecycleKind) -> RequestLifecycle {
+    RequestLifecycle {
+        v: SchemaVersion::CURRENT,
+        request_id: uuid(1),
+        worker_id: 3,
+        dp_rank: 0,
+        kind,
+        ts: 9,
+    }
+}
+
+fn load() -> WorkerLoad {
+    WorkerLoad {
+        v: SchemaVersion::CURRENT,
+        worker_id: 3,
+        dp_rank: 0,
+        seq: 11,
+        active_prefill_tokens: 1000,
+        active_decode_blocks: 50,
+        active_requests: 4,
+        waiting_requests: 1,
+        kv_used_blocks: 900,
+        total_kv_blocks: 1000,
+        ts: 1,
+    }
+}
+
+fn index_query() -> IndexQuery {
+    IndexQuery {
+        v: SchemaVersion::CURRENT,
+        model: "m".into(),
+        token_ids: None,
+        block_hashes: Some(vec![1, 2, 3]),
+        block_size: Some(64),
+        lora_name: None,
+    }
+}
+
+fn index_reply() -> IndexQueryResponse {
+    IndexQueryResponse::Ok(IndexReply {
+        v: SchemaVersion::CURRENT,
+        matches: vec![WorkerMatch {
+            worker_id: 1,
+            dp_rank: 0,
+            device: 3,
+            host: 1,
+            disk: 0,
+            total_blocks: 99,
+        }],
+        query_blocks: 3,
+        applied_seq: 1234,
+        replica_id: "i1".into(),
+    })
+}
+
+fn index_error() -> IndexQueryResponse {
+    IndexQueryResponse::Error(IndexError {
+        v: SchemaVersion::CURRENT,
+        code: IndexErrorCode::NotReady,
+        message: "catching up".into(),
+    })
+}
+
+fn round_trip<T: WireMessage + PartialEq + std::fmt::Debug>(msg: T) {
+    let bytes = encode(&msg).expect("encodes");
+    let back: T = decode(&bytes).expect("decodes");
+    assert_eq!(back, msg);
+    // Named fields: the top level is a map, never a positional array.
+    let value = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
+    assert!(value.is_map(), "{} must encode as a map", T::NAME);
+}
+
+#[test]
+fn every_message_round_trips() {
+    round_trip(batch());
+    round_trip(card());
+    round_trip(load());
+    round_trip(select_request());
+    round_trip(select_reply());
+    round_trip(select_error());
+    round_trip(decision());
+    round_trip(lifecycle(LifecycleKind::PrefillDone { cached_tokens: 64 }));
+    round_trip(lifecycle(LifecycleKind::Finished { output_tokens: 12 }));
+    round_trip(index_query());
+    round_trip(index_reply());
+    round_trip(index_error());
+}
+
+/// Re-encodes `msg` as a generic map, lets `edit` change it, and returns the bytes.
+fn edited<T: WireMessage>(msg: &T, edit: impl FnOnce(&mut Vec<(Value, Value)>)) -> Vec<u8> {
+    let bytes = encode(msg).unwrap();
+    let Value::Map(mut map) = rmpv::decode::read_value(&mut &bytes[..]).unwrap() else {
+        panic!("not a map")
+    };
+    edit(&mut map);
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &Value::Map(map)).unwrap();
+    out
+}
+
+#[test]
+fn unknown_fields_are_ignored() {
+    let bytes = edited(&batch(), |m| {
+        m.push(("added_in_v1_5".into(), Value::from("whatever")));
+        m.push(("nested".into(), Value::Map(vec![("x".into(), 1.into())])));
+    });
+    assert_eq!(decode::<KvEventBatch>(&bytes).unwrap(), batch());
+
+    let bytes = edited(&select_request(), |m| {
+        m.push(("future".into(), Value::from(true)))
+    });
+    assert_eq!(decode::<SelectRequest>(&bytes).unwrap(), select_request());
+}
+
+#[test]
+fn missing_optional_fields_take_defaults() {
+    let bytes = edited(&card(), |m| {
+        m.retain(|(k, _)| {
+            !matches!(
+                k.as_str(),
+                Some("v" | "role" | "dp_size" | "taints" | "labels" | "software_version")
+            )
+        })
+    });
+    let c: WorkerCard = decode(&bytes).unwrap();
+    assert_eq!(c.v, SchemaVersion(1));
+    assert_eq!(c.role, WorkerRole::Aggregated);
+    assert_eq!(c.dp_size, 1);
+    assert!(c.taints.is_empty() && c.labels.is_empty());
+
+    // A minimal selection request from another language: just the model and tokens.
+    let mut raw = Vec::new();
+    rmpv::encode::write_value(
+        &mut raw,
+        &Value::Map(vec![
+            ("model".into(), "m".into()),
+            ("token_ids".into(), Value::Array(vec![1.into(), 2.into()])),
+        ]),
+    )
+    .unwrap();
+    let r: SelectRequest = decode(&raw).unwrap();
+    assert_eq!(r.token_ids, Some(vec![1, 2]));
+    assert_eq!(r.request_id, None);
+    assert_eq!(r.session, None);
+    assert_eq!(r.role, WorkerRole::Aggregated);
+}
+
+#[test]
+fn missing_required_field_is_malformed() {
+    let bytes = edited(&card(), |m| m.retain(|(k, _)| k.as_str() != Some("model")));
+    let err = decode::<WorkerCard>(&bytes).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DecodeError::Malformed {
+                message: "WorkerCard",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn truncated_and_garbage_bytes_give_typed_errors() {
+    let bytes = encode(&batch()).unwrap();
+    for cut in 1..bytes.len() {
+        let err = decode::<KvEventBatch>(&bytes[..cut]).unwrap_err();
+        assert_eq!(err.reason(), "malformed", "cut at {cut}: {err}");
+    }
+    assert_eq!(decode::<KvEventBatch>(&[]).unwrap_err().reason(), "empty");
+    for garbage in [
+        &b"\xc1"[..],
+        b"hello world",
+        b"\xff\xff\xff\xff",
+        b"\x81\xa4type\xa5bogus",
+    ] {
+        let err = decode::<KvEventBatch>(garbage).unwrap_err();
+        assert_eq!(err.reason(), "malformed", "{garbage:?}: {err}");
+    }
+    // A huge declared length with nothing behind it must not allocate or panic.
+    let bomb = [0xdd, 0xff, 0xff, 0xff, 0xff];
+    assert!(decode::<KvEventBatch>(&bomb).is_err());
+    // An unknown event type is refused by name.
+    let bytes = edited(&batch(), |m| {
+        for (k, v) in m.iter_mut() {
+            if k.as_str() == Some("events") {
+                *v = Value::Array(vec![Value::Map(vec![
+                    ("event_id".into(), 1.into()),
+                    (
+                        "data".into(),
+                        Value::Map(vec![("type".into(), "teleported".into())]),
+                    ),
+                ])]);
+            }
+        }
+    });
+    let err = decode::<KvEventBatch>(&bytes).unwrap_err();
+    assert!(err.to_string().contains("teleported"), "{err}");
+}
+
+#[test]
+fn newer_schema_version_is_refused() {
+    let bytes = edited(&load(), |m| {
+        for (k, v) in m.iter_mut() {
+            if k.as_str() == Some("v") {
+                *v = Value::from(2);
+            }
+        }
+    });
+    let err = decode::<WorkerLoad>(&bytes).unwrap_err();
+    assert_eq!(
+        err,
+        DecodeError::UnsupportedVersion {
+            message: "WorkerLoad",
+            version: 2,
+            supported: 1
+        }
+    );
+}
+
+#[test]
+fn oversize_messages_are_refused() {
+    let big = vec![0u8; WorkerLoad::MAX_BYTES + 1];
+    let err = decode::<WorkerLoad>(&big).unwrap_err();
+    assert_eq!(err.reason(), "too_large");
+
+    let mut huge = batch();
+    huge.events = (0..200_000)
+        .map(|i| KvEvent {
+            event_id: i,
+            data: KvEventData::Removed {
+                block_hashes: vec![i],
+                tier: StorageTier::Device,
+            },
+        })
+        .collect();
+    assert!(matches!(
+        encode(&huge),
+        Err(EncodeError::TooLarge {
+            message: "KvEventBatch",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn event_wire_shape_is_by_name() {
+    // What another language sees: {"type": "stored", "parent_hash": ..., "blocks": [...], "tier": "host"}
+    let bytes = encode(&batch()).unwrap();
+    let value = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
+    let json = serde_json::to_string(&rmpv_to_json(&value)).unwrap();
+    assert!(json.contains(r#""type":"stored""#), "{json}");
+    assert!(json.contains(r#""tier":"host""#), "{json}");
+    assert!(json.contains(r#""type":"cleared""#), "{json}");
+    assert!(json.contains(r#""block_hash":1,"tokens_hash":2"#), "{json}");
+}
+
+fn rmpv_to_json(v: &Value) -> serde_json::Value {
+    match v {
+        Value::Nil => serde_json::Value::Null,
+        Value::Boolean(b) => (*b).into(),
+        Value::Integer(i) => i
+            .as_u64()
+            .map(Into::into)
+            .unwrap_or_else(|| i.as_i64().unwrap().into()),
+        Value::F32(f) => (*f as f64).into(),
+        Value::F64(f) => (*f).into(),
+        Value::String(s) => s.as_str().unwrap_or_default().into(),
+        Value::Array(a) => a.iter().map(rmpv_to_json).collect(),
+        Value::Map(m) => m
+            .iter()
+            .map(|(k, v)| (k.as_str().unwrap_or_default().to_owned(), rmpv_to_json(v)))
+            .collect::<serde_json::Map<_, _>>()
+            .into(),
+        other => serde_json::Value::String(format!("{other:?}")),
+    }
+}

@@ -1,0 +1,1 @@
+//! kvroute's indexer: the radix index of which worker holds which prefix.

@@ -1,0 +1,1 @@
+//! kvroute's mocker: simulated inference workers and trace replay.

@@ -1,0 +1,1 @@
+//! kvroute's router: worker selection over NATS request/reply.

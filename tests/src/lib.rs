@@ -1,0 +1,15 @@
+//! The integration-test harness: real `nats-server` (JetStream) and `etcd` processes on free
+//! loopback ports with temporary data dirs, stopped when the test ends (even if it is killed).
+//!
+//! Binaries are found through `KVROUTE_NATS_SERVER` / `KVROUTE_ETCD`, then the repo's
+//! `.tools/bin/` (where `scripts/install-deps` puts nats-server), then `PATH`.
+
+mod http;
+mod ports;
+mod process;
+mod servers;
+
+pub use http::http_get;
+pub use ports::free_port;
+pub use process::{ChildGuard, Supervised};
+pub use servers::{EtcdServer, NatsServer, TestEnv, find_binary, workspace_root};
