@@ -15,6 +15,7 @@ pub mod ids;
 pub mod messages;
 pub mod names;
 pub mod telemetry;
+pub mod trace;
 
 pub use codec::{DecodeError, EncodeError, WireMessage, decode, encode};
 pub use ids::{DecisionId, DpRank, Namespace, RequestId, SessionId, WorkerId};
