@@ -1,4 +1,5 @@
 //! The wire encoding: MessagePack maps with named fields, a schema version, and size limits.
+//! "Human readable" mode: ids (UUIDs) travel as their canonical strings.
 //!
 //! Readers ignore unknown fields and default missing optional ones; every failure is a typed
 //! [`DecodeError`], never a panic, so a bad message is counted and skipped by its receiver.
@@ -72,10 +73,15 @@ pub enum EncodeError {
 
 /// Encodes `msg` as a MessagePack map with named fields.
 pub fn encode<T: WireMessage>(msg: &T) -> Result<bytes::Bytes, EncodeError> {
-    let buf = rmp_serde::to_vec_named(msg).map_err(|e| EncodeError::Serialize {
-        message: T::NAME,
-        detail: e.to_string(),
-    })?;
+    let mut buf = Vec::with_capacity(256);
+    let mut ser = rmp_serde::Serializer::new(&mut buf)
+        .with_struct_map()
+        .with_human_readable();
+    msg.serialize(&mut ser)
+        .map_err(|e| EncodeError::Serialize {
+            message: T::NAME,
+            detail: e.to_string(),
+        })?;
     if buf.len() > T::MAX_BYTES {
         return Err(EncodeError::TooLarge {
             message: T::NAME,
@@ -98,7 +104,8 @@ pub fn decode<T: WireMessage>(bytes: &[u8]) -> Result<T, DecodeError> {
             limit: T::MAX_BYTES,
         });
     }
-    let msg: T = rmp_serde::from_slice(bytes).map_err(|e| DecodeError::Malformed {
+    let mut de = rmp_serde::Deserializer::from_read_ref(bytes).with_human_readable();
+    let msg = T::deserialize(&mut de).map_err(|e| DecodeError::Malformed {
         message: T::NAME,
         detail: e.to_string(),
     })?;
