@@ -1,1 +1,8 @@
 //! kvroute's mocker: simulated inference workers and trace replay.
+//!
+//! The core is sans-I/O: [`cache::KvCache`] and [`engine::Engine`] are state machines driven by
+//! simulated time passed in as an argument; the process shell maps them onto NATS and real time.
+
+pub mod cache;
+
+pub use cache::{Admission, CacheConfig, CacheError, KvCache};
