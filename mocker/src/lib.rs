@@ -5,6 +5,7 @@
 
 pub mod cache;
 pub mod engine;
+pub mod replay;
 
 pub use cache::{Admission, CacheConfig, CacheError, KvCache};
 pub use engine::{
