@@ -1,0 +1,246 @@
+//! `default`: the KV-cache-aware cost model.
+//!
+//! ```text
+//! prefill_blocks  = active_prefill_tokens / block_size + request_blocks
+//! adjusted        = max(prefill_blocks − credit·device − host_weight·host − disk_weight·disk, 0)
+//! cost            = (prefill_load_scale·adjusted + decode_blocks) · preferred_taint_multiplier
+//! ```
+//!
+//! `decode_blocks` is the rank's active decode blocks plus the request's blocks. Lower tiers are
+//! credited only beyond the tiers above them (`host` counts host-held leading blocks past the
+//! device prefix, `disk` past both), so a block cached twice is not credited twice. Temperature
+//! 0 picks the lowest cost (ties: fewest cached blocks, then worker id); above 0 it samples.
+
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+use super::pickers::SoftmaxPicker;
+use crate::pipeline::{
+    ComponentError, WorkerCandidate, WorkerInputs, WorkerScorer, WorkerSelectionPolicy,
+};
+use crate::registry::{PolicyFactory, PolicyParameters, ProviderError};
+use crate::request::RequestContext;
+
+/// The cost model's knobs. Every field is optional in YAML.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DefaultPolicyParameters {
+    /// Credit per device-resident overlap block, ≥ 0 (above 1 can make prefill negative,
+    /// clamped at 0). Default 1.0.
+    pub overlap_score_credit: f64,
+    /// Credit per host-resident overlap block beyond the device prefix, 0..=1. Default 0.75.
+    pub host_cache_hit_weight: f64,
+    /// Credit per disk-resident overlap block beyond host and device, 0..=1. Default 0.5.
+    pub disk_cache_hit_weight: f64,
+    /// Weight of the adjusted prefill blocks relative to decode blocks, ≥ 0. Default 1.0.
+    pub prefill_load_scale: f64,
+    /// 0: deterministic lowest cost; above 0: softmax sampling. Default 0.
+    pub temperature: f64,
+}
+
+impl Default for DefaultPolicyParameters {
+    fn default() -> Self {
+        Self {
+            overlap_score_credit: 1.0,
+            host_cache_hit_weight: 0.75,
+            disk_cache_hit_weight: 0.5,
+            prefill_load_scale: 1.0,
+            temperature: 0.0,
+        }
+    }
+}
+
+impl DefaultPolicyParameters {
+    pub fn validate(&self) -> Result<(), ProviderError> {
+        let fields = [
+            ("overlap_score_credit", self.overlap_score_credit, None),
+            (
+                "host_cache_hit_weight",
+                self.host_cache_hit_weight,
+                Some(1.0),
+            ),
+            (
+                "disk_cache_hit_weight",
+                self.disk_cache_hit_weight,
+                Some(1.0),
+            ),
+            ("prefill_load_scale", self.prefill_load_scale, None),
+            ("temperature", self.temperature, None),
+        ];
+        for (name, value, max) in fields {
+            if !value.is_finite() || value < 0.0 || max.is_some_and(|m| value > m) {
+                let range = max.map_or("a finite number ≥ 0".to_owned(), |m| {
+                    format!("in 0..={m}")
+                });
+                return Err(ProviderError::new(format!(
+                    "{name} must be {range}, got {value}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The policy these parameters describe.
+    pub fn policy(&self) -> WorkerSelectionPolicy {
+        WorkerSelectionPolicy::new(
+            vec![
+                Box::new(PrefillCostScorer { parameters: *self }),
+                Box::new(DecodeCostScorer),
+            ],
+            Box::new(SoftmaxPicker {
+                temperature: self.temperature,
+            }),
+        )
+        .named(super::DEFAULT_TYPE)
+    }
+}
+
+/// The provider registered as `default`.
+pub fn provider(parameters: &PolicyParameters) -> Result<PolicyFactory, ProviderError> {
+    let parameters: DefaultPolicyParameters = parameters.deserialize()?;
+    parameters.validate()?;
+    Ok(Arc::new(move |_context| Ok(parameters.policy())))
+}
+
+fn taint_multiplier(candidate: &WorkerCandidate<'_>) -> f64 {
+    candidate.preferred_taint_multiplier().unwrap_or(1.0)
+}
+
+/// `prefill_load_scale · adjusted_prefill_blocks`, term `prefill`.
+#[derive(Debug, Clone, Copy)]
+pub struct PrefillCostScorer {
+    pub parameters: DefaultPolicyParameters,
+}
+
+impl WorkerScorer for PrefillCostScorer {
+    fn name(&self) -> &str {
+        "prefill"
+    }
+
+    fn required_inputs(&self) -> WorkerInputs {
+        WorkerInputs::CACHE | WorkerInputs::LOAD | WorkerInputs::PREFERRED_TAINT
+    }
+
+    fn score(
+        &mut self,
+        context: &RequestContext,
+        candidate: &WorkerCandidate<'_>,
+    ) -> Result<f64, ComponentError> {
+        let p = &self.parameters;
+        let overlap = candidate.cache().ok_or(ComponentError::MissingInput {
+            group: WorkerInputs::CACHE,
+        })?;
+        let load = candidate.load().ok_or(ComponentError::MissingInput {
+            group: WorkerInputs::LOAD,
+        })?;
+        let block_size = f64::from(context.block_size().max(1));
+        let prefill_blocks =
+            load.active_prefill_tokens as f64 / block_size + f64::from(context.request_blocks());
+        let host_beyond = overlap.host.saturating_sub(overlap.device);
+        let disk_beyond = overlap
+            .disk
+            .saturating_sub(overlap.device.max(overlap.host));
+        let credit = p.overlap_score_credit * f64::from(overlap.device)
+            + p.host_cache_hit_weight * f64::from(host_beyond)
+            + p.disk_cache_hit_weight * f64::from(disk_beyond);
+        let adjusted = (prefill_blocks - credit).max(0.0);
+        Ok(p.prefill_load_scale * adjusted * taint_multiplier(candidate))
+    }
+}
+
+/// Projected decode blocks, term `decode`.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeCostScorer;
+
+impl WorkerScorer for DecodeCostScorer {
+    fn name(&self) -> &str {
+        "decode"
+    }
+
+    fn required_inputs(&self) -> WorkerInputs {
+        WorkerInputs::LOAD | WorkerInputs::PREFERRED_TAINT
+    }
+
+    fn score(
+        &mut self,
+        _context: &RequestContext,
+        candidate: &WorkerCandidate<'_>,
+    ) -> Result<f64, ComponentError> {
+        let load = candidate.load().ok_or(ComponentError::MissingInput {
+            group: WorkerInputs::LOAD,
+        })?;
+        Ok(load.decode_cost_blocks * taint_multiplier(candidate))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::LoadSignals;
+    use crate::signals::{ObservedLoad, Overlap};
+    use crate::testing::card;
+    use crate::worker::WorkerRank;
+
+    fn cost(overlap: Overlap, decode: u64, prefill_tokens: u64) -> f64 {
+        let card = card(1);
+        let ctx = RequestContext::new(10, 16);
+        let load = LoadSignals::project(
+            Some(ObservedLoad {
+                active_prefill_tokens: prefill_tokens,
+                active_decode_blocks: decode,
+                active_requests: 0,
+            }),
+            0,
+        );
+        let row = WorkerCandidate::new(WorkerRank::new(1, 0), &card)
+            .with_cache(overlap)
+            .with_load(load);
+        let mut policy = DefaultPolicyParameters::default().policy();
+        policy.score_exact(&ctx, row).unwrap().cost.total
+    }
+
+    fn device(blocks: u32) -> Overlap {
+        Overlap {
+            device: blocks,
+            ..Overlap::default()
+        }
+    }
+
+    #[test]
+    fn the_worked_example_of_the_cost_model() {
+        // 10 request blocks, credit 1.0 (decode here excludes the request's own blocks).
+        assert_eq!(cost(device(2), 10, 0), 18.0);
+        assert_eq!(cost(device(5), 5, 0), 10.0);
+        assert_eq!(cost(device(8), 9, 0), 11.0);
+    }
+
+    #[test]
+    fn active_prefill_counts_in_blocks_and_lower_tiers_count_beyond_upper_ones() {
+        assert_eq!(cost(device(0), 0, 32), 12.0, "32 tokens = 2 blocks");
+        let tiers = Overlap {
+            device: 2,
+            host: 6,
+            disk: 10,
+            cached_blocks: 0,
+        };
+        // 10 - 2 - 0.75·4 - 0.5·4 = 3
+        assert_eq!(cost(tiers, 0, 0), 3.0);
+        assert_eq!(cost(device(20), 0, 0), 0.0, "clamped at zero");
+    }
+
+    #[test]
+    fn parameters_are_validated() {
+        let bad = |yaml: &str| provider(&PolicyParameters::from_yaml(yaml).unwrap()).err();
+        assert!(bad("overlap_score_credit: 2.0").is_none());
+        assert!(
+            bad("host_cache_hit_weight: 1.5")
+                .unwrap()
+                .message
+                .contains("host_cache_hit_weight")
+        );
+        assert!(bad("temperature: -1").is_some());
+        assert!(bad("temprature: 1").unwrap().message.contains("temprature"));
+        assert!(bad("").is_none());
+    }
+}

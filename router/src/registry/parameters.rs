@@ -1,0 +1,89 @@
+//! A policy instance's `parameters:` mapping, kept as parsed YAML until its provider turns it
+//! into a typed, validated struct (once, at startup).
+
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_norway::{Mapping, Value};
+
+/// Why a provider refused its parameters (or a factory its partition).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ProviderError {
+    pub message: String,
+}
+
+impl ProviderError {
+    pub fn new(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+        }
+    }
+}
+
+/// The raw parameters of one configured instance; absent or `null` means an empty mapping.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyParameters(Value);
+
+impl Default for PolicyParameters {
+    fn default() -> Self {
+        Self(Value::Mapping(Mapping::new()))
+    }
+}
+
+impl PolicyParameters {
+    /// Parses a YAML mapping (handy in tests and for embedders).
+    pub fn from_yaml(text: &str) -> Result<Self, ProviderError> {
+        serde_norway::from_str(text).map_err(|e| ProviderError::new(e.to_string()))
+    }
+
+    /// Deserializes into the provider's parameter struct. Use `#[serde(deny_unknown_fields)]`
+    /// on it so misspelled fields stop startup instead of being ignored.
+    pub fn deserialize<T: DeserializeOwned>(&self) -> Result<T, ProviderError> {
+        serde_norway::from_value(self.0.clone()).map_err(|e| ProviderError::new(e.to_string()))
+    }
+
+    /// Whether the mapping is empty (the instance was configured without parameters).
+    pub fn is_empty(&self) -> bool {
+        matches!(&self.0, Value::Mapping(m) if m.is_empty())
+    }
+}
+
+impl<'de> Deserialize<'de> for PolicyParameters {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        match Value::deserialize(deserializer)? {
+            Value::Null => Ok(Self::default()),
+            value @ Value::Mapping(_) => Ok(Self(value)),
+            _ => Err(serde::de::Error::custom("parameters must be a mapping")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Deserialize, PartialEq)]
+    #[serde(deny_unknown_fields)]
+    struct Params {
+        limit: u32,
+        #[serde(default)]
+        scale: f64,
+    }
+
+    #[test]
+    fn parameters_deserialize_strictly() {
+        let p = PolicyParameters::from_yaml("limit: 3").unwrap();
+        assert_eq!(
+            p.deserialize::<Params>().unwrap(),
+            Params {
+                limit: 3,
+                scale: 0.0
+            }
+        );
+        let typo = PolicyParameters::from_yaml("limit: 3\nscael: 1").unwrap();
+        let err = typo.deserialize::<Params>().unwrap_err();
+        assert!(err.message.contains("scael"), "{err}");
+        assert!(PolicyParameters::from_yaml("[1, 2]").is_err());
+        assert!(PolicyParameters::from_yaml("~").unwrap().is_empty());
+    }
+}

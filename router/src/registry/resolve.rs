@@ -1,0 +1,189 @@
+//! Startup resolution: validate every configured instance, then choose one per role by
+//! precedence — role flag > `KVROUTE_WORKER_SELECTION_POLICY` > YAML > built-in.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use kvroute_common::messages::WorkerRole;
+
+use super::config::WorkerSelectionConfig;
+use super::error::ConfigError;
+use super::parameters::PolicyParameters;
+use super::{PolicyBuildContext, PolicyFactory, PolicyRegistry};
+use crate::pipeline::WorkerSelectionPolicy;
+use crate::policies::DEFAULT_TYPE;
+
+/// Selections given outside the YAML. The binary reads flags and the environment; library code
+/// never does.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PolicyOverrides {
+    /// `--prefill-policy`.
+    pub prefill: Option<String>,
+    /// `--decode-policy`.
+    pub decode: Option<String>,
+    /// The value of `KVROUTE_WORKER_SELECTION_POLICY`: applies to every role.
+    pub env: Option<String>,
+}
+
+/// Where a role's selection came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SelectionSource {
+    RoleFlag,
+    Env,
+    Yaml,
+    BuiltIn,
+}
+
+impl fmt::Display for SelectionSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SelectionSource::RoleFlag => "role flag",
+            SelectionSource::Env => "KVROUTE_WORKER_SELECTION_POLICY",
+            SelectionSource::Yaml => "YAML",
+            SelectionSource::BuiltIn => "built-in",
+        })
+    }
+}
+
+/// The policy chosen for one role.
+#[derive(Clone)]
+pub struct RoleSelection {
+    /// The instance name (`default` for the built-in policy, or a bare type name).
+    pub instance: String,
+    pub source: SelectionSource,
+    factory: PolicyFactory,
+}
+
+impl fmt::Debug for RoleSelection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RoleSelection")
+            .field("instance", &self.instance)
+            .field("source", &self.source)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One validated factory per role, ready to build policies per partition.
+#[derive(Debug, Clone)]
+pub struct ResolvedPolicies {
+    roles: BTreeMap<WorkerRole, RoleSelection>,
+}
+
+impl ResolvedPolicies {
+    pub fn selection(&self, role: WorkerRole) -> &RoleSelection {
+        &self.roles[&role]
+    }
+
+    /// Builds the policy for `role` and `partition`; call once per pair and keep the result.
+    pub fn build(
+        &self,
+        role: WorkerRole,
+        partition: &str,
+    ) -> Result<WorkerSelectionPolicy, ConfigError> {
+        let selection = self.selection(role);
+        let context = PolicyBuildContext {
+            instance: &selection.instance,
+            role,
+            partition,
+        };
+        (selection.factory)(&context)
+            .map(|policy| policy.named(selection.instance.clone()))
+            .map_err(|source| ConfigError::Build {
+                instance: selection.instance.clone(),
+                role,
+                partition: partition.to_owned(),
+                source,
+            })
+    }
+}
+
+impl PolicyRegistry {
+    /// Validates `config` (every instance, used or not) and resolves each role's selection.
+    pub fn resolve(
+        &self,
+        config: &WorkerSelectionConfig,
+        overrides: &PolicyOverrides,
+    ) -> Result<ResolvedPolicies, ConfigError> {
+        let mut instances: BTreeMap<&str, PolicyFactory> = BTreeMap::new();
+        for instance in &config.instances {
+            if instance.name == DEFAULT_TYPE || instance.name.is_empty() {
+                return Err(ConfigError::ReservedInstanceName {
+                    name: instance.name.clone(),
+                });
+            }
+            if instances.contains_key(instance.name.as_str()) {
+                return Err(ConfigError::DuplicateInstance {
+                    name: instance.name.clone(),
+                });
+            }
+            let provider =
+                self.provider(&instance.type_name)
+                    .ok_or_else(|| ConfigError::UnknownType {
+                        instance: instance.name.clone(),
+                        type_name: instance.type_name.clone(),
+                        known: self.types().map(str::to_owned).collect(),
+                    })?;
+            let factory = provider(&instance.parameters).map_err(|source| {
+                ConfigError::InvalidParameters {
+                    instance: instance.name.clone(),
+                    type_name: instance.type_name.clone(),
+                    source,
+                }
+            })?;
+            instances.insert(&instance.name, factory);
+        }
+
+        let mut roles = BTreeMap::new();
+        for role in WorkerRole::ALL {
+            let role_flag = match role {
+                WorkerRole::Prefill => overrides.prefill.as_deref(),
+                WorkerRole::Decode => overrides.decode.as_deref(),
+                _ => None,
+            };
+            let (name, source) = [
+                (role_flag, SelectionSource::RoleFlag),
+                (overrides.env.as_deref(), SelectionSource::Env),
+                (config.selection(role), SelectionSource::Yaml),
+            ]
+            .into_iter()
+            .find_map(|(name, source)| name.map(|n| (n, source)))
+            .unwrap_or((DEFAULT_TYPE, SelectionSource::BuiltIn));
+
+            let factory = match instances.get(name) {
+                Some(factory) => factory.clone(),
+                None => self.bare_type(role, name, source)?,
+            };
+            roles.insert(
+                role,
+                RoleSelection {
+                    instance: name.to_owned(),
+                    source,
+                    factory,
+                },
+            );
+        }
+        Ok(ResolvedPolicies { roles })
+    }
+
+    /// A selection naming a registered type directly (`default` included): the type with
+    /// empty parameters.
+    fn bare_type(
+        &self,
+        role: WorkerRole,
+        name: &str,
+        origin: SelectionSource,
+    ) -> Result<PolicyFactory, ConfigError> {
+        let provider = self
+            .provider(name)
+            .ok_or_else(|| ConfigError::UnknownSelection {
+                role,
+                name: name.to_owned(),
+                origin,
+            })?;
+        provider(&PolicyParameters::default()).map_err(|source| ConfigError::InvalidParameters {
+            instance: name.to_owned(),
+            type_name: name.to_owned(),
+            source,
+        })
+    }
+}

@@ -1,0 +1,102 @@
+//! The request as filters, scorers and pickers see it: sizes, session metadata, the soft
+//! affinity hint and per-request knobs. Built by the core from a `SelectRequest`.
+
+use kvroute_common::messages::{SelectRequest, SessionContext};
+
+use crate::worker::WorkerTarget;
+
+/// Read-only request context handed to every policy component.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RequestContext {
+    request_blocks: u32,
+    block_size: u32,
+    session: Option<SessionContext>,
+    affinity_target: Option<WorkerTarget>,
+    expected_output_tokens: Option<u32>,
+    priority: Option<i32>,
+    temperature_override: Option<f64>,
+}
+
+impl RequestContext {
+    /// A context with only the prompt size; add the rest with the `with_*` methods.
+    pub fn new(request_blocks: u32, block_size: u32) -> Self {
+        Self {
+            request_blocks,
+            block_size,
+            ..Self::default()
+        }
+    }
+
+    /// Takes the session, expected output, priority and temperature of a wire request.
+    pub fn from_request(request: &SelectRequest, request_blocks: u32, block_size: u32) -> Self {
+        Self {
+            request_blocks,
+            block_size,
+            session: request.session.clone(),
+            affinity_target: None,
+            expected_output_tokens: request.expected_output_tokens,
+            priority: request.priority,
+            temperature_override: request.temperature,
+        }
+    }
+
+    pub fn with_session(mut self, session: SessionContext) -> Self {
+        self.session = Some(session);
+        self
+    }
+
+    pub fn with_affinity_target(mut self, target: Option<WorkerTarget>) -> Self {
+        self.affinity_target = target;
+        self
+    }
+
+    pub fn with_expected_output_tokens(mut self, tokens: u32) -> Self {
+        self.expected_output_tokens = Some(tokens);
+        self
+    }
+
+    pub fn with_priority(mut self, priority: i32) -> Self {
+        self.priority = Some(priority);
+        self
+    }
+
+    pub fn with_temperature_override(mut self, temperature: f64) -> Self {
+        self.temperature_override = Some(temperature);
+        self
+    }
+
+    /// Full KV blocks in the prompt.
+    pub fn request_blocks(&self) -> u32 {
+        self.request_blocks
+    }
+
+    /// Tokens in one KV block.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Session metadata, when the request belongs to a session.
+    pub fn session_context(&self) -> Option<&SessionContext> {
+        self.session.as_ref()
+    }
+
+    /// The session's current binding, offered as a hint in soft affinity mode. It may be absent
+    /// from the candidate rows (ineligible, or rejected by a filter).
+    pub fn affinity_target(&self) -> Option<WorkerTarget> {
+        self.affinity_target
+    }
+
+    pub fn expected_output_tokens(&self) -> Option<u32> {
+        self.expected_output_tokens
+    }
+
+    /// Larger is more urgent; `None` when the client gave none.
+    pub fn priority(&self) -> Option<i32> {
+        self.priority
+    }
+
+    /// Replaces the policy's temperature for this request (0 = deterministic).
+    pub fn temperature_override(&self) -> Option<f64> {
+        self.temperature_override
+    }
+}

@@ -1,0 +1,274 @@
+//! Selection scenarios through the entry point: cache affinity, load spreading, sampling,
+//! exact targets and wire-error mapping.
+
+use kvroute_common::messages::{ErrorCode, Pin, SelectRequest, WorkerCard};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use super::*;
+use crate::policies::default::DefaultPolicyParameters;
+use crate::policies::pickers::softmax_probabilities;
+use crate::signals::{ObservedLoad, SignalSnapshot};
+use crate::testing::cards;
+
+pub(crate) fn request() -> SelectRequest {
+    SelectRequest {
+        model: "m".to_owned(),
+        ..SelectRequest::default()
+    }
+}
+
+pub(crate) fn input<'a>(
+    request: &'a SelectRequest,
+    workers: &'a [WorkerCard],
+    signals: &'a SignalSnapshot,
+    host: &'a HostConfig,
+) -> SelectInput<'a> {
+    SelectInput {
+        request,
+        request_blocks: 10,
+        block_size: 16,
+        workers,
+        signals,
+        host,
+    }
+}
+
+fn device(blocks: u32) -> Overlap {
+    Overlap {
+        device: blocks,
+        ..Overlap::default()
+    }
+}
+
+fn decode(blocks: u64) -> ObservedLoad {
+    ObservedLoad {
+        active_decode_blocks: blocks,
+        ..ObservedLoad::default()
+    }
+}
+
+fn open() -> SessionRoute {
+    SessionRoute::Open { affinity: None }
+}
+
+#[test]
+fn a_request_goes_to_the_worker_holding_its_prefix() {
+    let workers = cards(4);
+    let signals = SignalSnapshot::new().with_overlap(WorkerRank::new(3, 0), device(8));
+    let host = HostConfig::default();
+    let req = request();
+    let mut policy = DefaultPolicyParameters::default().policy();
+    let mut rng = StdRng::seed_from_u64(0);
+    let s = select_worker(
+        &input(&req, &workers, &signals, &host),
+        &mut policy,
+        open(),
+        &mut rng,
+    )
+    .unwrap();
+    assert_eq!(s.worker, WorkerRank::new(3, 0));
+    assert_eq!(s.overlap.unwrap().device, 8);
+    assert_eq!(s.cost.total, 2.0 + 10.0);
+    assert_eq!(s.cost.terms["prefill"], 2.0);
+    assert_eq!(s.cost.terms["decode"], 10.0);
+    assert_eq!(s.policy, "default");
+    assert_eq!(s.path, SelectionPath::Policy);
+    assert_eq!(s.request_subject, "worker.3");
+}
+
+#[test]
+fn equal_overlap_spreads_by_load() {
+    let workers = cards(3);
+    let host = HostConfig::default();
+    let req = request();
+    let mut policy = DefaultPolicyParameters::default().policy();
+    let mut rng = StdRng::seed_from_u64(0);
+    let mut signals = SignalSnapshot::new();
+    for w in 1..=3 {
+        signals = signals.with_overlap(WorkerRank::new(w, 0), device(4));
+    }
+    // Place requests one by one, charging each pick's decode blocks to its worker.
+    let mut load = [0u64; 3];
+    for _ in 0..9 {
+        let mut snap = signals.clone();
+        for w in 1..=3u64 {
+            snap = snap.with_load(WorkerRank::new(w, 0), decode(load[w as usize - 1]));
+        }
+        let s = select_worker(
+            &input(&req, &workers, &snap, &host),
+            &mut policy,
+            open(),
+            &mut rng,
+        )
+        .unwrap();
+        load[s.worker.worker_id as usize - 1] += 10;
+    }
+    assert_eq!(load, [30, 30, 30]);
+}
+
+#[test]
+fn ties_go_to_fewer_cached_blocks_then_lower_worker_id() {
+    let workers = cards(3);
+    let host = HostConfig::default();
+    let req = request();
+    let mut policy = DefaultPolicyParameters::default().policy();
+    let mut rng = StdRng::seed_from_u64(0);
+    let cached = |n| Overlap {
+        cached_blocks: n,
+        ..Overlap::default()
+    };
+    let signals = SignalSnapshot::new()
+        .with_overlap(WorkerRank::new(1, 0), cached(50))
+        .with_overlap(WorkerRank::new(2, 0), cached(10))
+        .with_overlap(WorkerRank::new(3, 0), cached(10));
+    let s = select_worker(
+        &input(&req, &workers, &signals, &host),
+        &mut policy,
+        open(),
+        &mut rng,
+    )
+    .unwrap();
+    assert_eq!(s.worker.worker_id, 2);
+}
+
+#[test]
+fn temperature_samples_in_proportion_to_the_softmax() {
+    let workers = cards(3);
+    let host = HostConfig::default();
+    let req = request();
+    // Costs 10, 5, 0 (no load): normalized 1, 0.5, 0.
+    let signals = SignalSnapshot::new()
+        .with_overlap(WorkerRank::new(2, 0), device(5))
+        .with_overlap(WorkerRank::new(3, 0), device(10));
+    let parameters = DefaultPolicyParameters {
+        temperature: 0.5,
+        ..DefaultPolicyParameters::default()
+    };
+    let mut policy = parameters.policy();
+    let mut rng = StdRng::seed_from_u64(42);
+    let n = 20_000;
+    let mut observed = [0f64; 3];
+    for _ in 0..n {
+        let s = select_worker(
+            &input(&req, &workers, &signals, &host),
+            &mut policy,
+            open(),
+            &mut rng,
+        )
+        .unwrap();
+        observed[s.worker.worker_id as usize - 1] += 1.0;
+    }
+    let expected: Vec<f64> = softmax_probabilities(&[20.0, 15.0, 10.0], 0.5)
+        .into_iter()
+        .map(|p| p * n as f64)
+        .collect();
+    let chi_square: f64 = observed
+        .iter()
+        .zip(&expected)
+        .map(|(o, e)| (o - e).powi(2) / e)
+        .sum();
+    // 2 degrees of freedom: P(χ² > 13.8) = 0.001.
+    assert!(
+        chi_square < 13.8,
+        "χ² = {chi_square}, {observed:?} vs {expected:?}"
+    );
+    assert!(observed[0] > 0.0, "the worst worker is still sampled");
+
+    // A per-request override of 0 makes the same policy deterministic.
+    let cold = SelectRequest {
+        temperature: Some(0.0),
+        ..request()
+    };
+    for _ in 0..50 {
+        let s = select_worker(
+            &input(&cold, &workers, &signals, &host),
+            &mut policy,
+            open(),
+            &mut rng,
+        )
+        .unwrap();
+        assert_eq!(s.worker.worker_id, 3);
+    }
+}
+
+#[test]
+fn a_pin_takes_the_exact_path_and_bypasses_cost() {
+    let workers = cards(3);
+    let host = HostConfig::default();
+    let signals = SignalSnapshot::new().with_overlap(WorkerRank::new(3, 0), device(10));
+    let req = SelectRequest {
+        pin: Some(Pin {
+            worker_id: 1,
+            dp_rank: None,
+        }),
+        ..request()
+    };
+    let mut policy = DefaultPolicyParameters::default().policy();
+    let mut rng = StdRng::seed_from_u64(0);
+    let s = select_worker(
+        &input(&req, &workers, &signals, &host),
+        &mut policy,
+        open(),
+        &mut rng,
+    )
+    .unwrap();
+    assert_eq!((s.worker.worker_id, s.path), (1, SelectionPath::Exact));
+    assert_eq!(s.cost.total, 20.0);
+}
+
+#[test]
+fn failures_map_onto_wire_codes_with_reasons() {
+    let workers = cards(2);
+    let host = HostConfig::default();
+    let signals = SignalSnapshot::new();
+    let mut policy = DefaultPolicyParameters::default().policy();
+    let mut rng = StdRng::seed_from_u64(0);
+    let mut run = |req: &SelectRequest| {
+        select_worker(
+            &input(req, &workers, &signals, &host),
+            &mut policy,
+            open(),
+            &mut rng,
+        )
+        .unwrap_err()
+    };
+    let none = run(&SelectRequest {
+        model: "x".into(),
+        ..request()
+    });
+    assert_eq!(none.to_select_error(None).code, ErrorCode::NoWorkers);
+    let filtered = run(&SelectRequest {
+        required_taints: vec!["gpu".into()],
+        ..request()
+    });
+    let wire = filtered.to_select_error(None);
+    assert_eq!(wire.code, ErrorCode::AllFiltered);
+    assert_eq!(wire.reasons.len(), 2);
+    let hot = run(&SelectRequest {
+        temperature: Some(f64::NAN),
+        ..request()
+    });
+    assert_eq!(hot.code(), ErrorCode::BadRequest);
+}
+
+#[test]
+fn a_policy_without_cache_inputs_reports_no_overlap() {
+    let workers = cards(2);
+    let host = HostConfig::default();
+    let signals = SignalSnapshot::new().with_overlap(WorkerRank::new(2, 0), device(10));
+    let req = request();
+    let mut policy = crate::policies::tests::build(crate::policies::least_busy::provider, "");
+    let mut rng = StdRng::seed_from_u64(0);
+    let s = select_worker(
+        &input(&req, &workers, &signals, &host),
+        &mut policy,
+        open(),
+        &mut rng,
+    )
+    .unwrap();
+    assert_eq!(s.overlap, None);
+    let reply = s.to_reply(Default::default(), Default::default(), 10, "r1");
+    assert!(reply.overlap_blocks.is_empty());
+    assert_eq!(reply.cost.terms["active_requests"], 0.0);
+}

@@ -1,0 +1,182 @@
+//! The session table: reads a session's binding, says how it constrains selection (exact
+//! target or affinity hint), and after a successful selection commits the binding and decides
+//! what to report (new / kept / rebound / released).
+
+use kvroute_common::messages::{BindingState, SessionContext};
+
+use super::binding::{AffinityMode, SessionBinding, SessionConfig, Versioned};
+use super::store::{SessionStore, StoreError, WriteOutcome};
+use crate::worker::{WorkerRank, WorkerTarget};
+
+/// The session table failed to read or commit a binding.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SessionError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("session {session:?}: binding kept changing under concurrent writers")]
+    Contention { session: String },
+}
+
+/// The binding as this selection sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BindingStatus {
+    Absent,
+    /// Bound to a rank that is still registered and was used within the idle TTL.
+    Live(WorkerRank),
+    /// Idle past the TTL: treated as absent.
+    Expired,
+    /// Bound to a rank that is no longer registered for the model: never offered or honored.
+    Departed(WorkerRank),
+}
+
+/// How the binding constrains this selection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionRoute {
+    /// Select normally, offering `affinity` to the policy (soft mode).
+    Open { affinity: Option<WorkerTarget> },
+    /// Use exactly this rank if it is still eligible, otherwise select normally (hard mode).
+    Exact(WorkerTarget),
+}
+
+/// A session's binding as read before selection; handed back to [`SessionTable::commit`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionLookup {
+    session: SessionContext,
+    current: Option<Versioned>,
+    status: BindingStatus,
+}
+
+impl SessionLookup {
+    pub fn status(&self) -> BindingStatus {
+        self.status
+    }
+
+    pub fn session(&self) -> &SessionContext {
+        &self.session
+    }
+
+    /// The selection route in `mode`.
+    pub fn route(&self, mode: AffinityMode) -> SessionRoute {
+        match (self.status, mode) {
+            (BindingStatus::Live(worker), AffinityMode::Hard) => {
+                SessionRoute::Exact(WorkerTarget::exact(worker))
+            }
+            (BindingStatus::Live(worker), AffinityMode::Soft) => SessionRoute::Open {
+                affinity: Some(WorkerTarget::exact(worker)),
+            },
+            _ => SessionRoute::Open { affinity: None },
+        }
+    }
+}
+
+/// What committing a selection did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CommitOutcome {
+    /// The store holds the choice (or, for a final request, no binding any more).
+    Committed(Option<BindingState>),
+    /// Another writer changed the binding since the lookup; here is the fresh one. The caller
+    /// adopts its worker if eligible, or commits again over it.
+    Conflict(SessionLookup),
+}
+
+/// Session bindings over a [`SessionStore`].
+#[derive(Debug)]
+pub struct SessionTable<S> {
+    store: S,
+    config: SessionConfig,
+}
+
+impl<S: SessionStore> SessionTable<S> {
+    pub fn new(store: S, config: SessionConfig) -> Self {
+        Self { store, config }
+    }
+
+    pub fn config(&self) -> &SessionConfig {
+        &self.config
+    }
+
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// Reads the session's binding. `registered` says whether a rank is still registered
+    /// for the request's model and role (a departed worker's binding is invalid).
+    pub async fn lookup(
+        &self,
+        session: &SessionContext,
+        registered: &(dyn Fn(WorkerRank) -> bool + Sync),
+        now_ms: u64,
+    ) -> Result<SessionLookup, SessionError> {
+        let current = self.store.get(&session.id).await?;
+        Ok(self.classify(session.clone(), current, registered, now_ms))
+    }
+
+    fn classify(
+        &self,
+        session: SessionContext,
+        current: Option<Versioned>,
+        registered: &(dyn Fn(WorkerRank) -> bool + Sync),
+        now_ms: u64,
+    ) -> SessionLookup {
+        let status = match current {
+            None => BindingStatus::Absent,
+            Some(v) if v.binding.is_expired(now_ms, self.config.idle_ttl_ms) => {
+                BindingStatus::Expired
+            }
+            Some(v) if !registered(v.binding.worker()) => {
+                BindingStatus::Departed(v.binding.worker())
+            }
+            Some(v) => BindingStatus::Live(v.binding.worker()),
+        };
+        SessionLookup {
+            session,
+            current,
+            status,
+        }
+    }
+
+    /// Commits `chosen` after a successful selection: one conditional write (or a delete for
+    /// a final request). Never called when selection failed, so a failure leaves the previous
+    /// binding intact.
+    pub async fn commit(
+        &self,
+        lookup: &SessionLookup,
+        chosen: WorkerRank,
+        registered: &(dyn Fn(WorkerRank) -> bool + Sync),
+        now_ms: u64,
+    ) -> Result<CommitOutcome, SessionError> {
+        let id = lookup.session.id.as_str();
+        if lookup.session.is_final {
+            if lookup.current.is_none() {
+                return Ok(CommitOutcome::Committed(None));
+            }
+            self.store.delete(id).await?;
+            return Ok(CommitOutcome::Committed(Some(BindingState::Released)));
+        }
+        let binding = SessionBinding::new(chosen, now_ms);
+        let (written, state) = match (lookup.current, lookup.status) {
+            (None, _) => (self.store.create(id, &binding).await?, BindingState::New),
+            (Some(current), status) => {
+                let state = match status {
+                    BindingStatus::Live(bound) if bound == chosen => BindingState::Kept,
+                    BindingStatus::Live(_) | BindingStatus::Departed(_) => BindingState::Rebound,
+                    BindingStatus::Expired | BindingStatus::Absent => BindingState::New,
+                };
+                let written = self.store.update(id, &binding, current.revision).await?;
+                (written, state)
+            }
+        };
+        match written {
+            WriteOutcome::Written(_) => Ok(CommitOutcome::Committed(Some(state))),
+            WriteOutcome::Conflict => {
+                let fresh = self.store.get(id).await?;
+                Ok(CommitOutcome::Conflict(self.classify(
+                    lookup.session.clone(),
+                    fresh,
+                    registered,
+                    now_ms,
+                )))
+            }
+        }
+    }
+}
