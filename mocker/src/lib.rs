@@ -4,5 +4,11 @@
 //! simulated time passed in as an argument; the process shell maps them onto NATS and real time.
 
 pub mod cache;
+pub mod engine;
+pub mod replay;
 
 pub use cache::{Admission, CacheConfig, CacheError, KvCache};
+pub use engine::{
+    Engine, EngineConfig, EngineLoad, EngineOutput, InvalidEngineConfig, Ready, SimRequest,
+    SubmitError,
+};

@@ -1,0 +1,2 @@
+//! Placeholder; replaced by the trace-driven benches.
+fn main() {}

@@ -1,0 +1,75 @@
+//! The index's configuration: memory cap and the shared wrapper's write granularity.
+
+/// Largest accepted [`IndexConfig::max_entries`]: eviction stamps are 32-bit and must not wrap
+/// inside one cap's worth of stores.
+pub const MAX_ENTRIES_LIMIT: usize = 1 << 31;
+
+/// How a [`crate::RadixIndex`] (and a [`crate::SharedIndex`]) behaves. Build with
+/// `IndexConfig::default()` and override fields; check with [`IndexConfig::validate`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexConfig {
+    /// Maximum resident (block, worker, dp rank) entries. `None` (the default): no cap.
+    ///
+    /// When a store would exceed the cap, the index evicts the entry that was stored (or
+    /// re-stored) longest ago, whichever worker holds it, until it is back at the cap. An
+    /// evicted entry is dropped as if its worker had sent `Removed` for it in every tier; it is
+    /// counted in `IndexStats::anomalies.evicted_entries`. Allowed: 1 to [`MAX_ENTRIES_LIMIT`].
+    pub max_entries: Option<usize>,
+    /// Upper bound on events the [`crate::SharedIndex`] writer applies per write-lock hold,
+    /// so readers never wait behind a whole burst (unit: events; default 64; at least 1).
+    /// A single event is never split.
+    pub write_chunk_events: usize,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        Self {
+            max_entries: None,
+            write_chunk_events: 64,
+        }
+    }
+}
+
+/// A configuration value outside its allowed range.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("max_entries must be between 1 and {MAX_ENTRIES_LIMIT}, got {value}")]
+    MaxEntries { value: usize },
+    #[error("write_chunk_events must be at least 1")]
+    WriteChunk,
+}
+
+impl IndexConfig {
+    /// Checks every field against its documented range.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(value) = self.max_entries
+            && (value == 0 || value > MAX_ENTRIES_LIMIT)
+        {
+            return Err(ConfigError::MaxEntries { value });
+        }
+        if self.write_chunk_events == 0 {
+            return Err(ConfigError::WriteChunk);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid_and_bounds_are_checked() {
+        assert_eq!(IndexConfig::default().validate(), Ok(()));
+        let zero = IndexConfig {
+            max_entries: Some(0),
+            ..IndexConfig::default()
+        };
+        assert_eq!(zero.validate(), Err(ConfigError::MaxEntries { value: 0 }));
+        let chunk = IndexConfig {
+            write_chunk_events: 0,
+            ..IndexConfig::default()
+        };
+        assert_eq!(chunk.validate(), Err(ConfigError::WriteChunk));
+    }
+}

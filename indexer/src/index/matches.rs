@@ -1,0 +1,153 @@
+//! Overlap queries: for a prompt's local block hashes, how many leading blocks each
+//! (worker, dp rank) holds, split by tier.
+
+use kvroute_common::hashing::{LocalBlockHash, local_block_hashes, seed_for_lora};
+use kvroute_common::messages::WorkerMatch;
+
+use super::radix::RadixIndex;
+use super::tree::{ROOT, Slot, owner_slot, owner_tiers};
+
+/// The answer to one query.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OverlapScores {
+    /// One row per (worker, dp rank) holding at least the first block, sorted by worker then
+    /// rank. `device + host + disk` is the number of consecutive leading blocks held; each
+    /// block counts in the best tier the worker holds it in (device, then host, then disk).
+    /// `total_blocks` is everything that pair holds (for tie-breaks).
+    pub matches: Vec<WorkerMatch>,
+    /// Full blocks in the query.
+    pub query_blocks: u32,
+}
+
+impl OverlapScores {
+    /// The row of one (worker, dp rank), if it matched anything.
+    pub fn get(
+        &self,
+        worker_id: kvroute_common::WorkerId,
+        dp_rank: kvroute_common::DpRank,
+    ) -> Option<&WorkerMatch> {
+        self.matches
+            .binary_search_by_key(&(worker_id, dp_rank), |m| (m.worker_id, m.dp_rank))
+            .ok()
+            .map(|i| &self.matches[i])
+    }
+
+    /// Leading blocks matched by a row, in any tier.
+    pub fn matched(m: &WorkerMatch) -> u32 {
+        m.device + m.host + m.disk
+    }
+}
+
+/// A worker still on the path, with its counts by tier.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    slot: Slot,
+    by_tier: [u32; 3],
+}
+
+#[inline]
+fn best_tier(tiers: u8) -> usize {
+    tiers.trailing_zeros() as usize
+}
+
+impl RadixIndex {
+    /// Matches a prompt given as local block hashes (`tokens_hash` of each full block).
+    ///
+    /// Walks the query's path once and stops as soon as no worker remains on it; a miss on the
+    /// first block costs one hash lookup.
+    pub fn find_matches(&self, local_hashes: &[LocalBlockHash]) -> OverlapScores {
+        let query_blocks = u32::try_from(local_hashes.len()).unwrap_or(u32::MAX);
+        let Some((&first, rest)) = local_hashes.split_first() else {
+            return OverlapScores::default();
+        };
+        let Some(mut node) = self.tree.child(ROOT, first) else {
+            return OverlapScores {
+                matches: Vec::new(),
+                query_blocks,
+            };
+        };
+        let owners = &self.tree.node(node).owners;
+        let mut runs: Vec<Run> = owners
+            .iter()
+            .map(|&e| {
+                let mut by_tier = [0; 3];
+                by_tier[best_tier(owner_tiers(e))] = 1;
+                Run {
+                    slot: owner_slot(e),
+                    by_tier,
+                }
+            })
+            .collect();
+        // Indices into `runs` of workers still on the path, in slot order (as owners are).
+        let mut live: Vec<u32> = (0..runs.len() as u32).collect();
+        for &h in rest {
+            let Some(child) = self.tree.child(node, h) else {
+                break;
+            };
+            node = child;
+            let owners = &self.tree.node(node).owners;
+            let mut kept = 0;
+            if live.len() * 16 < owners.len() {
+                // Few workers left on a crowded node: look each one up.
+                for i in 0..live.len() {
+                    let run = &mut runs[live[i] as usize];
+                    if let Ok(k) = owners.binary_search_by_key(&run.slot, |&e| owner_slot(e)) {
+                        run.by_tier[best_tier(owner_tiers(owners[k]))] += 1;
+                        live[kept] = live[i];
+                        kept += 1;
+                    }
+                }
+            } else {
+                // Merge the two slot-ordered lists.
+                let mut k = 0;
+                for i in 0..live.len() {
+                    let run = &mut runs[live[i] as usize];
+                    while k < owners.len() && owner_slot(owners[k]) < run.slot {
+                        k += 1;
+                    }
+                    if k < owners.len() && owner_slot(owners[k]) == run.slot {
+                        run.by_tier[best_tier(owner_tiers(owners[k]))] += 1;
+                        live[kept] = live[i];
+                        kept += 1;
+                        k += 1;
+                    }
+                }
+            }
+            live.truncate(kept);
+            if live.is_empty() {
+                break;
+            }
+        }
+        let mut matches: Vec<WorkerMatch> = runs
+            .iter()
+            .map(|r| {
+                let s = self.workers.get(r.slot).expect("owner slot in use");
+                WorkerMatch {
+                    worker_id: s.worker_id,
+                    dp_rank: s.dp_rank,
+                    device: r.by_tier[0],
+                    host: r.by_tier[1],
+                    disk: r.by_tier[2],
+                    total_blocks: s.blocks.len() as u64,
+                }
+            })
+            .collect();
+        matches.sort_unstable_by_key(|m| (m.worker_id, m.dp_rank));
+        OverlapScores {
+            matches,
+            query_blocks,
+        }
+    }
+
+    /// Matches a prompt given as token ids: hashes its full blocks of `block_size` tokens with
+    /// the seed of `lora_name` (see `kvroute_common::hashing`), then [`Self::find_matches`].
+    pub fn find_matches_for_tokens(
+        &self,
+        tokens: &[u32],
+        block_size: usize,
+        lora_name: Option<&str>,
+    ) -> OverlapScores {
+        let hashes = local_block_hashes(tokens, block_size, seed_for_lora(lora_name));
+        self.find_matches(&hashes)
+    }
+}

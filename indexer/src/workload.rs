@@ -1,0 +1,1 @@
+//! Trace-driven KV event streams for the benches (filled in below).

@@ -1,0 +1,317 @@
+//! A simulated continuous-batching engine: a FCFS waiting queue, a running batch, chunked
+//! prefill under a per-step token budget, and the paged [`KvCache`]. Driven by simulated time.
+//!
+//! Each step is planned when it starts (decodes first, then prefill chunks of running requests,
+//! then admissions from the queue while budget, batch slots and cache allow) and takes
+//! [`EngineConfig::step_duration`] of its work; its outputs are dated at its end.
+//!
+//! Deliberately simple: a request reserves its output blocks at admission, so there is no
+//! preemption; a block is reusable by other requests from the step that allocates it.
+
+mod config;
+mod io;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashSet, VecDeque};
+use std::time::Duration;
+
+pub use config::{EngineConfig, InvalidEngineConfig, StepWork};
+pub use io::{EngineLoad, EngineOutput, Ready, SimRequest};
+
+use crate::cache::{CacheConfig, CacheError, KvCache};
+use kvroute_common::RequestId;
+
+/// A request the engine refuses at submission.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("request {request_id} is already on this engine")]
+    Duplicate { request_id: RequestId },
+    #[error(
+        "request {request_id}: {blocks} hashed blocks for {prompt_tokens} prompt tokens at block size {block_size}"
+    )]
+    BlockCountMismatch {
+        request_id: RequestId,
+        blocks: usize,
+        prompt_tokens: u32,
+        block_size: u32,
+    },
+    #[error("request {request_id} needs {needed} blocks, the cache has {capacity}")]
+    TooLarge {
+        request_id: RequestId,
+        needed: u64,
+        capacity: u64,
+    },
+}
+
+#[derive(Debug)]
+struct Waiting {
+    req: SimRequest,
+    arrival: Duration,
+}
+
+#[derive(Debug)]
+struct Running {
+    req: SimRequest,
+    arrival: Duration,
+    cached_tokens: u32,
+    /// Prompt tokens in the cache so far (cached or computed).
+    prefilled: u32,
+    generated: u32,
+    ttft: Duration,
+    /// Tokens this request computes in the step in flight.
+    scheduled: u32,
+}
+
+impl Running {
+    fn decoding(&self) -> bool {
+        self.prefilled == self.req.prompt_tokens
+    }
+
+    fn output_target(&self) -> u32 {
+        self.req.output_tokens.max(1)
+    }
+}
+
+/// One simulated engine (one worker, one dp rank).
+#[derive(Debug)]
+pub struct Engine {
+    config: EngineConfig,
+    cache: KvCache,
+    waiting: VecDeque<Waiting>,
+    running: Vec<Running>,
+    ids: HashSet<RequestId>,
+    /// When the step in flight ends, if one is.
+    step_end: Option<Duration>,
+    /// End of the last step (simulated time the engine has reached while busy).
+    clock: Duration,
+}
+
+impl Engine {
+    pub fn new(config: EngineConfig) -> Result<Self, InvalidEngineConfig> {
+        config.validate()?;
+        let cache = KvCache::new(CacheConfig {
+            num_blocks: config.num_blocks,
+            block_size: config.block_size,
+        });
+        Ok(Self {
+            config,
+            cache,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            ids: HashSet::new(),
+            step_end: None,
+            clock: Duration::ZERO,
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// Queues a request that arrived at `now`. Submit every request arriving at or before `t`
+    /// before calling `advance_to(t)`; then results do not depend on how often it is called.
+    pub fn submit(&mut self, req: SimRequest, now: Duration) -> Result<(), SubmitError> {
+        let request_id = req.request_id;
+        let bs = self.config.block_size;
+        if req.hashes.sequence.len() != (req.prompt_tokens / bs) as usize
+            || req.hashes.local.len() != req.hashes.sequence.len()
+        {
+            return Err(SubmitError::BlockCountMismatch {
+                request_id,
+                blocks: req.hashes.sequence.len(),
+                prompt_tokens: req.prompt_tokens,
+                block_size: bs,
+            });
+        }
+        let needed = req.hashes.sequence.len() as u64 + u64::from(self.private_blocks(&req));
+        if needed > self.config.num_blocks {
+            return Err(SubmitError::TooLarge {
+                request_id,
+                needed,
+                capacity: self.config.num_blocks,
+            });
+        }
+        if !self.ids.insert(request_id) {
+            return Err(SubmitError::Duplicate { request_id });
+        }
+        self.waiting.push_back(Waiting { req, arrival: now });
+        Ok(())
+    }
+
+    /// Runs every step that ends at or before `now`, and starts the next one if due.
+    pub fn advance_to(&mut self, now: Duration) -> Ready {
+        let mut ready = Ready::default();
+        loop {
+            if let Some(end) = self.step_end {
+                if end > now {
+                    break;
+                }
+                self.finish_step(end, &mut ready.outputs);
+            }
+            match self.next_step_start() {
+                Some(start) if start <= now => self.start_step(start),
+                _ => break,
+            }
+        }
+        ready.kv_events = self.cache.drain_events();
+        ready
+    }
+
+    /// When the engine next has something to do (a step ends or can start), if ever without
+    /// new submissions. The shell sleeps until then, or until the next submission.
+    pub fn next_wakeup(&self) -> Option<Duration> {
+        self.step_end.or_else(|| self.next_step_start())
+    }
+
+    /// `Stored` events that rebuild the cache's contents from empty (publish after `Cleared`).
+    /// Publish the events of every earlier `Ready` first.
+    pub fn kv_snapshot(&self) -> Vec<kvroute_common::messages::KvEventData> {
+        self.cache.snapshot_events()
+    }
+
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    pub fn load(&self) -> EngineLoad {
+        let bs = u64::from(self.config.block_size);
+        let running_prefill: u64 = self
+            .running
+            .iter()
+            .map(|r| u64::from(r.req.prompt_tokens - r.prefilled))
+            .sum();
+        let waiting_prefill: u64 = self
+            .waiting
+            .iter()
+            .map(|w| {
+                let cached = u64::from(self.cache.cached_prefix(&w.req.hashes)) * bs;
+                u64::from(w.req.prompt_tokens).saturating_sub(cached)
+            })
+            .sum();
+        let active_decode_blocks = self
+            .running
+            .iter()
+            .filter(|r| r.decoding())
+            .map(|r| r.req.hashes.sequence.len() as u64 + u64::from(self.private_blocks(&r.req)))
+            .sum();
+        EngineLoad {
+            active_prefill_tokens: running_prefill + waiting_prefill,
+            active_decode_blocks,
+            active_requests: self.running.len() as u64,
+            waiting_requests: self.waiting.len() as u64,
+            kv_used_blocks: self.cache.used_blocks(),
+            total_kv_blocks: self.config.num_blocks,
+        }
+    }
+
+    /// Blocks beyond the prompt's full ones: its partial tail and every output token.
+    fn private_blocks(&self, req: &SimRequest) -> u32 {
+        let bs = u64::from(self.config.block_size);
+        let tokens = u64::from(req.prompt_tokens) + u64::from(req.output_tokens.max(1));
+        (tokens.div_ceil(bs) - u64::from(req.prompt_tokens) / bs) as u32
+    }
+
+    fn next_step_start(&self) -> Option<Duration> {
+        if self.step_end.is_some() {
+            None
+        } else if !self.running.is_empty() {
+            Some(self.clock)
+        } else {
+            self.waiting.front().map(|w| w.arrival.max(self.clock))
+        }
+    }
+
+    fn start_step(&mut self, start: Duration) {
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut work = StepWork::default();
+        for r in self.running.iter_mut().filter(|r| r.decoding()) {
+            r.scheduled = 1;
+            budget -= 1;
+            work.decode_seqs += 1;
+            work.decode_context_tokens += u64::from(r.req.prompt_tokens + r.generated);
+        }
+        for r in self.running.iter_mut().filter(|r| !r.decoding()) {
+            r.scheduled = (r.req.prompt_tokens - r.prefilled).min(budget);
+            budget -= r.scheduled;
+            work.prefill_tokens += u64::from(r.scheduled);
+        }
+        while budget > 0 && self.running.len() < self.config.max_num_seqs as usize {
+            let Some(head) = self.waiting.front() else {
+                break;
+            };
+            if head.arrival > start {
+                break;
+            }
+            let private = self.private_blocks(&head.req);
+            let admission = match self
+                .cache
+                .admit(head.req.request_id, &head.req.hashes, private)
+            {
+                Ok(a) => a,
+                // FCFS: the head waits for running requests to release blocks.
+                Err(CacheError::Full { .. }) => break,
+                Err(e) => unreachable!("submit checked the request: {e}"),
+            };
+            let w = self.waiting.pop_front().expect("head exists");
+            // An engine always computes at least the last prompt token.
+            let cached_tokens = (admission.cached_blocks * self.config.block_size)
+                .min(w.req.prompt_tokens.saturating_sub(1));
+            let scheduled = (w.req.prompt_tokens - cached_tokens).min(budget);
+            budget -= scheduled;
+            work.prefill_tokens += u64::from(scheduled);
+            self.running.push(Running {
+                req: w.req,
+                arrival: w.arrival,
+                cached_tokens,
+                prefilled: cached_tokens,
+                generated: 0,
+                ttft: Duration::ZERO,
+                scheduled,
+            });
+        }
+        debug_assert!(!self.running.is_empty(), "a step starts only with work");
+        self.clock = start;
+        self.step_end = Some(start + self.config.step_duration(work));
+    }
+
+    fn finish_step(&mut self, end: Duration, outputs: &mut Vec<EngineOutput>) {
+        self.step_end = None;
+        self.clock = end;
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &mut self.running[i];
+            let scheduled = std::mem::take(&mut r.scheduled);
+            if r.decoding() {
+                r.generated += scheduled;
+            } else if scheduled > 0 {
+                r.prefilled += scheduled;
+                if r.decoding() {
+                    r.generated = 1;
+                    r.ttft = end - r.arrival;
+                    outputs.push(EngineOutput::PrefillDone {
+                        request_id: r.req.request_id,
+                        at: end,
+                        cached_tokens: u64::from(r.cached_tokens),
+                        ttft: r.ttft,
+                    });
+                }
+            }
+            if r.decoding() && r.generated >= r.output_target() {
+                outputs.push(EngineOutput::Finished {
+                    request_id: r.req.request_id,
+                    at: end,
+                    output_tokens: u64::from(r.generated),
+                    ttft: r.ttft,
+                    latency: end - r.arrival,
+                });
+                let id = r.req.request_id;
+                self.cache.release(id);
+                self.ids.remove(&id);
+                self.running.remove(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+}

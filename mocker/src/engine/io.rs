@@ -1,0 +1,135 @@
+//! What goes into a simulated engine (requests) and what comes out (lifecycle outputs, KV
+//! events, load figures).
+
+use std::time::Duration;
+
+use kvroute_common::hashing::BlockHashes;
+use kvroute_common::messages::{KvEventData, LifecycleKind, WorkerLoad};
+use kvroute_common::{DpRank, RequestId, WorkerId};
+
+/// A request as the engine sees it: sizes and the prompt's block hashes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimRequest {
+    pub request_id: RequestId,
+    pub prompt_tokens: u32,
+    /// Tokens to generate; 0 is treated as 1 (prefill always yields a first token).
+    pub output_tokens: u32,
+    /// The prompt's full blocks at the engine's block size.
+    pub hashes: BlockHashes,
+}
+
+impl SimRequest {
+    pub fn from_tokens(
+        request_id: RequestId,
+        tokens: &[u32],
+        output_tokens: u32,
+        block_size: u32,
+        lora_name: Option<&str>,
+    ) -> Self {
+        Self {
+            request_id,
+            prompt_tokens: tokens.len() as u32,
+            output_tokens,
+            hashes: BlockHashes::of_tokens(tokens, block_size as usize, lora_name),
+        }
+    }
+}
+
+/// A request reaching a step of its life, at simulated time `at`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineOutput {
+    /// The prompt is computed and the first token produced.
+    PrefillDone {
+        request_id: RequestId,
+        at: Duration,
+        /// Prompt tokens found in the cache (not recomputed).
+        cached_tokens: u64,
+        /// Time to first token, from submission.
+        ttft: Duration,
+    },
+    /// The last token is produced and the request's blocks are released.
+    Finished {
+        request_id: RequestId,
+        at: Duration,
+        output_tokens: u64,
+        ttft: Duration,
+        /// End-to-end latency, from submission.
+        latency: Duration,
+    },
+}
+
+impl EngineOutput {
+    pub fn request_id(&self) -> RequestId {
+        match *self {
+            EngineOutput::PrefillDone { request_id, .. }
+            | EngineOutput::Finished { request_id, .. } => request_id,
+        }
+    }
+
+    pub fn at(&self) -> Duration {
+        match *self {
+            EngineOutput::PrefillDone { at, .. } | EngineOutput::Finished { at, .. } => at,
+        }
+    }
+
+    /// The wire form's `kind` (for a `RequestLifecycle`).
+    pub fn lifecycle_kind(&self) -> LifecycleKind {
+        match *self {
+            EngineOutput::PrefillDone { cached_tokens, .. } => {
+                LifecycleKind::PrefillDone { cached_tokens }
+            }
+            EngineOutput::Finished { output_tokens, .. } => {
+                LifecycleKind::Finished { output_tokens }
+            }
+        }
+    }
+}
+
+/// What [`super::Engine::advance_to`] produced: lifecycle outputs in time order, and the KV
+/// events to publish, in order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Ready {
+    pub outputs: Vec<EngineOutput>,
+    pub kv_events: Vec<KvEventData>,
+}
+
+/// Load figures of one engine, as a `WorkerLoad` carries them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EngineLoad {
+    /// Prompt tokens still to prefill: running requests' remainders, plus waiting requests'
+    /// prompts less the prefix the cache holds now.
+    pub active_prefill_tokens: u64,
+    /// Blocks held by running requests that are decoding.
+    pub active_decode_blocks: u64,
+    /// Requests in the running batch.
+    pub active_requests: u64,
+    /// Requests queued, not yet admitted.
+    pub waiting_requests: u64,
+    /// Blocks in use (running requests and cached prefixes).
+    pub kv_used_blocks: u64,
+    pub total_kv_blocks: u64,
+}
+
+impl EngineLoad {
+    pub fn to_worker_load(
+        self,
+        worker_id: WorkerId,
+        dp_rank: DpRank,
+        seq: u64,
+        ts: u64,
+    ) -> WorkerLoad {
+        WorkerLoad {
+            v: Default::default(),
+            worker_id,
+            dp_rank,
+            seq,
+            active_prefill_tokens: self.active_prefill_tokens,
+            active_decode_blocks: self.active_decode_blocks,
+            active_requests: self.active_requests,
+            waiting_requests: self.waiting_requests,
+            kv_used_blocks: self.kv_used_blocks,
+            total_kv_blocks: self.total_kv_blocks,
+            ts,
+        }
+    }
+}

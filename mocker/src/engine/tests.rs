@@ -1,0 +1,210 @@
+use std::time::Duration;
+
+use kvroute_common::messages::KvEventData;
+
+use super::*;
+
+fn id(n: u128) -> RequestId {
+    RequestId::from_u128(n)
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn engine(config: EngineConfig) -> Engine {
+    Engine::new(config).unwrap()
+}
+
+/// A prompt of `len` tokens, distinct per `salt`.
+fn request(n: u128, salt: u32, len: u32, output: u32) -> SimRequest {
+    let tokens: Vec<u32> = (0..len).map(|t| salt.wrapping_mul(1_000_003) ^ t).collect();
+    SimRequest::from_tokens(id(n), &tokens, output, 64, None)
+}
+
+/// Runs until idle and returns every output.
+fn drain(e: &mut Engine) -> Vec<EngineOutput> {
+    let mut out = Vec::new();
+    while let Some(t) = e.next_wakeup() {
+        out.extend(e.advance_to(t).outputs);
+    }
+    out
+}
+
+fn finished(outputs: &[EngineOutput], request: RequestId) -> (Duration, Duration, u64) {
+    outputs
+        .iter()
+        .find_map(|o| match *o {
+            EngineOutput::Finished {
+                request_id,
+                ttft,
+                latency,
+                output_tokens,
+                ..
+            } if request_id == request => Some((ttft, latency, output_tokens)),
+            _ => None,
+        })
+        .expect("request finished")
+}
+
+#[test]
+fn a_cached_prompt_has_a_shorter_ttft() {
+    let mut e = engine(EngineConfig::default());
+    e.submit(request(1, 7, 4000, 10), ms(0)).unwrap();
+    let cold = drain(&mut e);
+    e.submit(request(2, 7, 4000, 10), ms(10_000)).unwrap();
+    let warm = drain(&mut e);
+    let (cold_ttft, _, n) = finished(&cold, id(1));
+    let (warm_ttft, _, _) = finished(&warm, id(2));
+    assert_eq!(n, 10);
+    assert!(
+        warm_ttft * 5 < cold_ttft,
+        "warm {warm_ttft:?} cold {cold_ttft:?}"
+    );
+    assert!(matches!(
+        warm[0],
+        EngineOutput::PrefillDone {
+            cached_tokens: 3968,
+            ..
+        }
+    ));
+    // Uncached prefill: 4000 tokens in one chunk, at 40 µs each plus 10 ms of overhead.
+    assert_eq!(cold_ttft, ms(10) + Duration::from_micros(40 * 4000));
+}
+
+#[test]
+fn decode_slows_with_batch_size() {
+    let per_token = |batch: u32| {
+        let mut e = engine(EngineConfig::default());
+        for n in 0..batch {
+            e.submit(request(u128::from(n), n, 2000, 100), ms(0))
+                .unwrap();
+        }
+        let out = drain(&mut e);
+        let (ttft, latency, _) = finished(&out, id(0));
+        (latency - ttft) / 99
+    };
+    let (one, many) = (per_token(1), per_token(64));
+    assert!(one >= ms(10) && one < ms(12), "{one:?}");
+    assert!(many > one * 3 / 2, "batch 64: {many:?} vs batch 1: {one:?}");
+}
+
+#[test]
+fn requests_queue_when_the_batch_is_full() {
+    let mut e = engine(EngineConfig {
+        max_num_seqs: 2,
+        ..EngineConfig::default()
+    });
+    for n in 0..3 {
+        e.submit(request(n, n as u32, 500, 20), ms(0)).unwrap();
+    }
+    e.advance_to(ms(0));
+    let load = e.load();
+    assert_eq!((load.active_requests, load.waiting_requests), (2, 1));
+    assert_eq!(load.active_prefill_tokens, 1500);
+    let out = drain(&mut e);
+    let (_, first_latency, _) = finished(&out, id(0));
+    let (third_ttft, _, _) = finished(&out, id(2));
+    assert!(third_ttft > first_latency);
+    assert_eq!(e.load().active_requests, 0);
+}
+
+#[test]
+fn requests_queue_when_the_cache_is_full() {
+    // Each request needs ceil((1000 + 24) / 64) = 16 blocks; 40 blocks fit two.
+    let mut e = engine(EngineConfig {
+        num_blocks: 40,
+        ..EngineConfig::default()
+    });
+    for n in 0..3 {
+        e.submit(request(n, n as u32, 1000, 24), ms(0)).unwrap();
+    }
+    e.advance_to(ms(0));
+    let load = e.load();
+    assert_eq!((load.active_requests, load.waiting_requests), (2, 1));
+    assert_eq!(load.kv_used_blocks, 32);
+    let out = drain(&mut e);
+    assert_eq!(out.len(), 6);
+    let (_, first_latency, _) = finished(&out, id(0));
+    assert!(finished(&out, id(2)).0 > first_latency);
+
+    let too_big = request(9, 9, 64 * 40, 1);
+    assert!(matches!(
+        e.submit(too_big, ms(1)),
+        Err(SubmitError::TooLarge { needed: 41, .. })
+    ));
+    let mut bad = request(10, 9, 640, 1);
+    bad.hashes.sequence.pop();
+    assert!(matches!(
+        e.submit(bad, ms(1)),
+        Err(SubmitError::BlockCountMismatch { .. })
+    ));
+}
+
+#[test]
+fn chunked_prefill_respects_the_token_budget() {
+    let mut e = engine(EngineConfig {
+        max_num_batched_tokens: 1024,
+        ..EngineConfig::default()
+    });
+    e.submit(request(1, 1, 3000, 1), ms(0)).unwrap();
+    let out = drain(&mut e);
+    // Three steps: 1024 + 1024 + 952 tokens.
+    let (ttft, latency, _) = finished(&out, id(1));
+    assert_eq!(ttft, latency);
+    assert_eq!(ttft, ms(30) + Duration::from_micros(40 * 3000));
+}
+
+/// A seeded mixed workload; returns everything observable.
+fn run(step_ms: u64) -> (Vec<EngineOutput>, Vec<KvEventData>) {
+    let mut e = engine(EngineConfig {
+        num_blocks: 600,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 2048,
+        ..EngineConfig::default()
+    });
+    let (mut outputs, mut events) = (Vec::new(), Vec::new());
+    let mut t = 0;
+    for n in 0..120u32 {
+        let arrival = u64::from(n) * 37;
+        while t + step_ms <= arrival {
+            t += step_ms;
+            let r = e.advance_to(ms(t));
+            outputs.extend(r.outputs);
+            events.extend(r.kv_events);
+        }
+        let shared = n % 5;
+        let len = 300 + (n * 7919) % 2500;
+        let mut tokens: Vec<u32> = (0..1024).map(|i| shared * 100_000 + i).collect();
+        tokens.extend((0..len).map(|i| n * 1_000_000 + i));
+        let req = SimRequest::from_tokens(id(u128::from(n)), &tokens, 1 + n % 40, 64, None);
+        e.submit(req, ms(arrival)).unwrap();
+    }
+    while let Some(w) = e.next_wakeup() {
+        let r = e.advance_to(w);
+        outputs.extend(r.outputs);
+        events.extend(r.kv_events);
+    }
+    (outputs, events)
+}
+
+#[test]
+fn deterministic_and_independent_of_how_often_time_advances() {
+    let a = run(1);
+    assert_eq!(a, run(1));
+    assert_eq!(a, run(25), "coarser advance_to calls change nothing");
+    let finished =
+        a.0.iter()
+            .filter(|o| matches!(o, EngineOutput::Finished { .. }))
+            .count();
+    assert_eq!(finished, 120);
+    assert!(a.1.iter().any(|e| matches!(e, KvEventData::Removed { .. })));
+    let hits = a
+        .0
+        .iter()
+        .filter(
+            |o| matches!(o, EngineOutput::PrefillDone { cached_tokens, .. } if *cached_tokens > 0),
+        )
+        .count();
+    assert!(hits > 50, "shared 1024-token prefixes should hit: {hits}");
+}

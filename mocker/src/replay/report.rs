@@ -1,0 +1,213 @@
+//! The report of a replay run: per routing mode, cache hits against the oracles, latency
+//! distributions, throughput, load spread and errors. Built by [`ModeRecorder`], written as
+//! JSON by the replay tool.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use kvroute_common::WorkerId;
+use serde::{Deserialize, Serialize};
+
+use super::oracle::{OracleHitRates, ratio};
+use super::stats::{Summary, coefficient_of_variation};
+
+/// A whole run: the setup, the oracles (the same for every mode) and one entry per mode.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunReport {
+    /// The trace file (as given).
+    pub trace: String,
+    /// Requests replayed from it.
+    pub requests: u64,
+    pub workers: u32,
+    pub block_size: u32,
+    pub blocks_per_worker: u64,
+    /// Simulated seconds per real second.
+    pub speedup: f64,
+    pub oracle: OracleHitRates,
+    pub modes: Vec<ModeReport>,
+}
+
+impl RunReport {
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a report always serializes")
+    }
+}
+
+/// How one routing mode did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModeReport {
+    /// The mode's name (e.g. `round_robin`, `kv_aware`).
+    pub mode: String,
+    pub completed: u64,
+    pub errors: u64,
+    /// Errors by kind.
+    pub errors_by_kind: BTreeMap<String, u64>,
+    pub prompt_tokens: u64,
+    pub cached_prompt_tokens: u64,
+    pub output_tokens: u64,
+    /// `cached_prompt_tokens / prompt_tokens`.
+    pub hit_rate: f64,
+    pub ttft_ms: Summary,
+    pub e2e_latency_ms: Summary,
+    /// Time the router took to answer a selection (real time, not simulated).
+    pub selection_latency_us: Summary,
+    /// Simulated seconds from the first arrival to the last completion.
+    pub duration_s: f64,
+    pub requests_per_s: f64,
+    pub output_tokens_per_s: f64,
+    /// Coefficient of variation of requests per worker.
+    pub load_cv_requests: f64,
+    /// Coefficient of variation of prompt tokens actually computed (uncached) per worker.
+    pub load_cv_prefill_tokens: f64,
+}
+
+/// One completed request, as the replay tool saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestSample {
+    pub worker_id: WorkerId,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub output_tokens: u64,
+    /// Simulated time to first token.
+    pub ttft: Duration,
+    /// Simulated end-to-end latency.
+    pub latency: Duration,
+    /// Real time the selection took, when the mode asked a router.
+    pub selection_latency: Option<Duration>,
+}
+
+/// Collects one mode's samples and errors, then [`ModeRecorder::finish`]es into a report.
+#[derive(Debug, Clone)]
+pub struct ModeRecorder {
+    mode: String,
+    ttft_ms: Vec<f64>,
+    e2e_ms: Vec<f64>,
+    selection_us: Vec<f64>,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    output_tokens: u64,
+    /// Per worker: (requests, uncached prompt tokens). Seeded with every worker so an idle
+    /// one counts in the spread.
+    per_worker: BTreeMap<WorkerId, (u64, u64)>,
+    errors: BTreeMap<String, u64>,
+}
+
+impl ModeRecorder {
+    pub fn new(mode: impl Into<String>, workers: impl IntoIterator<Item = WorkerId>) -> Self {
+        Self {
+            mode: mode.into(),
+            ttft_ms: Vec::new(),
+            e2e_ms: Vec::new(),
+            selection_us: Vec::new(),
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            output_tokens: 0,
+            per_worker: workers.into_iter().map(|w| (w, (0, 0))).collect(),
+            errors: BTreeMap::new(),
+        }
+    }
+
+    pub fn record(&mut self, s: RequestSample) {
+        self.ttft_ms.push(s.ttft.as_secs_f64() * 1e3);
+        self.e2e_ms.push(s.latency.as_secs_f64() * 1e3);
+        if let Some(sel) = s.selection_latency {
+            self.selection_us.push(sel.as_secs_f64() * 1e6);
+        }
+        self.prompt_tokens += s.prompt_tokens;
+        self.cached_tokens += s.cached_tokens;
+        self.output_tokens += s.output_tokens;
+        let w = self.per_worker.entry(s.worker_id).or_default();
+        w.0 += 1;
+        w.1 += s.prompt_tokens.saturating_sub(s.cached_tokens);
+    }
+
+    /// Counts a request that failed (selection error, rejected by the worker, timed out...).
+    pub fn record_error(&mut self, kind: &str) {
+        *self.errors.entry(kind.to_owned()).or_default() += 1;
+    }
+
+    /// `duration`: simulated time from the first arrival to the last completion.
+    pub fn finish(self, duration: Duration) -> ModeReport {
+        let secs = duration.as_secs_f64();
+        let per_s = |n: u64| if secs > 0.0 { n as f64 / secs } else { 0.0 };
+        let requests: Vec<f64> = self.per_worker.values().map(|w| w.0 as f64).collect();
+        let prefill: Vec<f64> = self.per_worker.values().map(|w| w.1 as f64).collect();
+        let completed = self.ttft_ms.len() as u64;
+        ModeReport {
+            mode: self.mode,
+            completed,
+            errors: self.errors.values().sum(),
+            errors_by_kind: self.errors,
+            prompt_tokens: self.prompt_tokens,
+            cached_prompt_tokens: self.cached_tokens,
+            output_tokens: self.output_tokens,
+            hit_rate: ratio(self.cached_tokens, self.prompt_tokens),
+            ttft_ms: Summary::of(&self.ttft_ms),
+            e2e_latency_ms: Summary::of(&self.e2e_ms),
+            selection_latency_us: Summary::of(&self.selection_us),
+            duration_s: secs,
+            requests_per_s: per_s(completed),
+            output_tokens_per_s: per_s(self.output_tokens),
+            load_cv_requests: coefficient_of_variation(&requests),
+            load_cv_prefill_tokens: coefficient_of_variation(&prefill),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(worker_id: WorkerId, cached_tokens: u64, ttft_ms: u64) -> RequestSample {
+        RequestSample {
+            worker_id,
+            prompt_tokens: 100,
+            cached_tokens,
+            output_tokens: 10,
+            ttft: Duration::from_millis(ttft_ms),
+            latency: Duration::from_millis(ttft_ms + 100),
+            selection_latency: Some(Duration::from_micros(250)),
+        }
+    }
+
+    #[test]
+    fn a_mode_report_adds_up_and_serializes() {
+        let mut r = ModeRecorder::new("kv_aware", [1, 2, 3]);
+        r.record(sample(1, 50, 10));
+        r.record(sample(1, 0, 30));
+        r.record(sample(2, 100, 20));
+        r.record_error("all_overloaded");
+        let m = r.finish(Duration::from_secs(2));
+        assert_eq!((m.completed, m.errors), (3, 1));
+        assert!((m.hit_rate - 0.5).abs() < 1e-12);
+        assert_eq!(m.ttft_ms.p50, 20.0);
+        assert_eq!(m.e2e_latency_ms.max, 130.0);
+        assert_eq!(m.selection_latency_us.p99, 250.0);
+        assert_eq!((m.requests_per_s, m.output_tokens_per_s), (1.5, 15.0));
+        // Requests per worker 2, 1, 0: idle worker 3 counts.
+        assert!(m.load_cv_requests > 0.8);
+
+        let report = RunReport {
+            trace: "t.jsonl".into(),
+            requests: 4,
+            workers: 3,
+            block_size: 64,
+            blocks_per_worker: 1024,
+            speedup: 10.0,
+            oracle: OracleHitRates {
+                block_size: 64,
+                capacity_blocks: 3072,
+                total_blocks: 6,
+                infinite_hit_blocks: 3,
+                finite_hit_blocks: 3,
+                infinite: 0.5,
+                finite: 0.5,
+            },
+            modes: vec![m],
+        };
+        let json = report.to_json();
+        assert!(json.contains("\"hit_rate\": 0.5"), "{json}");
+        let back: RunReport = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, report);
+    }
+}
