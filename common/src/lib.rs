@@ -10,6 +10,7 @@
 
 pub mod codec;
 pub mod config;
+pub mod discovery;
 pub mod hashing;
 pub mod ids;
 pub mod messages;

@@ -14,7 +14,9 @@ pub use decision::{Decision, LifecycleKind, RequestLifecycle};
 pub use index::{
     IndexError, IndexErrorCode, IndexQuery, IndexQueryResponse, IndexReply, WorkerMatch,
 };
-pub use kv_event::{KvEvent, KvEventBatch, KvEventData, StorageTier, StoredBlock};
+pub use kv_event::{
+    ControlAction, ControlRecord, KvEvent, KvEventBatch, KvEventData, StorageTier, StoredBlock,
+};
 pub use select::{
     BindingState, CostBreakdown, DpRankRange, ErrorCode, Pin, SelectError, SelectReply,
     SelectRequest, SelectResponse, SessionContext, SessionTrigger,
