@@ -10,12 +10,15 @@
 
 pub mod codec;
 pub mod config;
+pub mod discovery;
 pub mod hashing;
 pub mod ids;
 pub mod messages;
 pub mod names;
+pub mod ops;
 pub mod telemetry;
 pub mod trace;
+pub mod worker;
 
 pub use codec::{DecodeError, EncodeError, WireMessage, decode, encode};
 pub use ids::{DecisionId, DpRank, Namespace, RequestId, SessionId, WorkerId};

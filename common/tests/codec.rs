@@ -232,6 +232,11 @@ fn every_message_round_trips() {
     round_trip(index_query());
     round_trip(index_reply());
     round_trip(index_error());
+    round_trip(ControlRecord {
+        v: SchemaVersion::CURRENT,
+        action: ControlAction::WorkerRemoved { worker_id: 9 },
+        replica_id: "i1".into(),
+    });
 }
 
 /// Re-encodes `msg` as a generic map, lets `edit` change it, and returns the bytes.

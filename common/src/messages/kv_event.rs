@@ -84,3 +84,32 @@ impl StorageTier {
         self as usize
     }
 }
+
+/// A record the indexer leader appends to the event log on `kvroute.<ns>.kv.control`, so that
+/// every replica acts on it at the same position.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ControlRecord {
+    #[serde(default)]
+    pub v: SchemaVersion,
+    pub action: ControlAction,
+    /// The replica that appended it (informational).
+    #[serde(default)]
+    pub replica_id: String,
+}
+
+impl WireMessage for ControlRecord {
+    const NAME: &'static str = "ControlRecord";
+    const MAX_BYTES: usize = 64 * 1024;
+    fn schema_version(&self) -> SchemaVersion {
+        self.v
+    }
+}
+
+/// What the control record does. Internally tagged: `{"type": "worker_removed", ...}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ControlAction {
+    /// The worker left (lease expired, deregistered, or never registered): drop everything it
+    /// held, and ignore its events until it starts a new incarnation (event 0 = `Cleared`).
+    WorkerRemoved { worker_id: WorkerId },
+}

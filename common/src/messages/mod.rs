@@ -14,7 +14,9 @@ pub use decision::{Decision, LifecycleKind, RequestLifecycle};
 pub use index::{
     IndexError, IndexErrorCode, IndexQuery, IndexQueryResponse, IndexReply, WorkerMatch,
 };
-pub use kv_event::{KvEvent, KvEventBatch, KvEventData, StorageTier, StoredBlock};
+pub use kv_event::{
+    ControlAction, ControlRecord, KvEvent, KvEventBatch, KvEventData, StorageTier, StoredBlock,
+};
 pub use select::{
     BindingState, CostBreakdown, DpRankRange, ErrorCode, Pin, SelectError, SelectReply,
     SelectRequest, SelectResponse, SessionContext, SessionTrigger,
@@ -43,3 +45,11 @@ impl Default for SchemaVersion {
 
 /// Milliseconds since the Unix epoch, as carried in `ts` fields.
 pub type TimestampMs = u64;
+
+/// The wall clock in milliseconds since the Unix epoch, for `ts` fields (informational only:
+/// no kvroute logic depends on it).
+pub fn now_ms() -> TimestampMs {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
