@@ -4,11 +4,13 @@
 //! Binaries are found through `KVROUTE_NATS_SERVER` / `KVROUTE_ETCD`, then the repo's
 //! `.tools/bin/` (where `scripts/install-deps` puts nats-server), then `PATH`.
 
+mod bins;
 mod http;
 mod ports;
 mod process;
 mod servers;
 
+pub use bins::{IndexerProcess, kvroute_bin};
 pub use http::http_get;
 pub use ports::free_port;
 pub use process::{ChildGuard, Supervised};

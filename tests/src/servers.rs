@@ -70,7 +70,13 @@ impl NatsServer {
         let dir = tempfile::Builder::new().prefix("kvroute-nats-").tempdir()?;
         let port = free_port();
         let monitor_port = free_port();
+        // A larger max_payload than the 1 MiB default, so tests can send kvroute messages above
+        // kvroute's own size limits and check they are refused by kvroute, not by NATS.
+        let conf = dir.path().join("nats.conf");
+        std::fs::write(&conf, "max_payload: 8388608\n")?;
         let args = vec![
+            "--config".into(),
+            conf.display().to_string(),
             "--addr".into(),
             "127.0.0.1".into(),
             "--port".into(),

@@ -105,3 +105,33 @@ pub enum IndexErrorCode {
     /// The replica has not caught up with the log yet.
     NotReady,
 }
+
+/// A replica's position and state digest: the answer on `kvroute.<ns>.index.digest` (every
+/// replica answers) and the indexer's `/status` page (as JSON). Replicas that applied the same
+/// log prefix report the same `(applied_seq, digest)`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ReplicaStatus {
+    #[serde(default)]
+    pub v: SchemaVersion,
+    pub replica_id: String,
+    pub applied_seq: u64,
+    pub digest: u64,
+    #[serde(default)]
+    pub ready: bool,
+    #[serde(default)]
+    pub leader: bool,
+    /// (block, worker, rank) entries in the index.
+    #[serde(default)]
+    pub entries: u64,
+    /// The stream's last sequence when last checked.
+    #[serde(default)]
+    pub stream_last_seq: u64,
+}
+
+impl WireMessage for ReplicaStatus {
+    const NAME: &'static str = "ReplicaStatus";
+    const MAX_BYTES: usize = 16 * 1024;
+    fn schema_version(&self) -> SchemaVersion {
+        self.v
+    }
+}

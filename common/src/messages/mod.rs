@@ -12,7 +12,8 @@ mod worker;
 
 pub use decision::{Decision, LifecycleKind, RequestLifecycle};
 pub use index::{
-    IndexError, IndexErrorCode, IndexQuery, IndexQueryResponse, IndexReply, WorkerMatch,
+    IndexError, IndexErrorCode, IndexQuery, IndexQueryResponse, IndexReply, ReplicaStatus,
+    WorkerMatch,
 };
 pub use kv_event::{
     ControlAction, ControlRecord, KvEvent, KvEventBatch, KvEventData, StorageTier, StoredBlock,

@@ -39,9 +39,10 @@ impl HttpResponse {
     }
 }
 
-/// Answers a GET for a path (query string included).
+/// Answers a GET for a path (query string included). Asynchronous, so a handler may ask the
+/// process's main loop for a consistent view.
 pub trait HttpHandler: Send + Sync + 'static {
-    fn get(&self, path: &str) -> HttpResponse;
+    fn get(&self, path: &str) -> futures::future::BoxFuture<'static, HttpResponse>;
 }
 
 /// Binds `addr` and serves until the task is dropped; returns the bound address (port 0 picks
@@ -79,7 +80,7 @@ pub async fn serve_http(
                 let head = String::from_utf8_lossy(&buf[..len]);
                 let mut parts = head.split_whitespace();
                 let response = match (parts.next(), parts.next()) {
-                    (Some("GET"), Some(path)) => handler.get(path),
+                    (Some("GET"), Some(path)) => handler.get(path).await,
                     _ => HttpResponse::text(405, "only GET is supported\n"),
                 };
                 let reason = match response.status {

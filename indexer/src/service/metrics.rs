@@ -1,0 +1,131 @@
+//! The indexer's metrics (served on `/metrics`; the list is in ARCHITECTURE.md).
+
+use std::sync::Arc;
+
+use kvroute_common::ops::{Counter, CounterVec, Gauge, Histogram, Registry};
+
+#[derive(Debug)]
+pub struct IndexerMetrics {
+    pub registry: Registry,
+    pub log_messages: Arc<Counter>,
+    pub events_applied: Arc<Counter>,
+    pub events_refused: Arc<Counter>,
+    pub duplicate_events: Arc<Counter>,
+    pub ignored_removed_events: Arc<Counter>,
+    pub bad_messages: Arc<CounterVec>,
+    pub gaps: Arc<Counter>,
+    pub resync_requests: Arc<Counter>,
+    pub workers_removed: Arc<Counter>,
+    pub applied_seq: Arc<Gauge>,
+    pub lag: Arc<Gauge>,
+    pub index_entries: Arc<Gauge>,
+    pub index_nodes: Arc<Gauge>,
+    pub index_bytes: Arc<Gauge>,
+    pub index_evicted: Arc<Gauge>,
+    pub queries: Arc<CounterVec>,
+    pub query_latency: Arc<Histogram>,
+    pub snapshots_written: Arc<Counter>,
+    pub snapshot_age_seconds: Arc<Gauge>,
+    pub stream_mismatches: Arc<Gauge>,
+    pub leader: Arc<Gauge>,
+    pub ready: Arc<Gauge>,
+}
+
+impl IndexerMetrics {
+    pub fn new() -> Self {
+        let r = Registry::default();
+        Self {
+            log_messages: r.counter(
+                "kvroute_indexer_log_messages_total",
+                "Log messages consumed (good and bad).",
+            ),
+            events_applied: r.counter(
+                "kvroute_indexer_events_applied_total",
+                "KV events applied to the index.",
+            ),
+            events_refused: r.counter(
+                "kvroute_indexer_events_refused_total",
+                "KV events the index refused (e.g. unknown parent).",
+            ),
+            duplicate_events: r.counter(
+                "kvroute_indexer_duplicate_events_total",
+                "KV events skipped as already applied.",
+            ),
+            ignored_removed_events: r.counter(
+                "kvroute_indexer_removed_worker_events_total",
+                "KV events of removed workers, ignored.",
+            ),
+            bad_messages: r.counter_vec(
+                "kvroute_indexer_bad_messages_total",
+                "Log messages skipped, by reason.",
+                "reason",
+            ),
+            gaps: r.counter(
+                "kvroute_indexer_event_gaps_total",
+                "Jumps in a worker's event ids (lost events).",
+            ),
+            resync_requests: r.counter(
+                "kvroute_indexer_resync_requests_total",
+                "Resync requests sent to workers.",
+            ),
+            workers_removed: r.counter(
+                "kvroute_indexer_workers_removed_total",
+                "WorkerRemoved records applied.",
+            ),
+            applied_seq: r.gauge(
+                "kvroute_indexer_applied_sequence",
+                "Last stream sequence applied.",
+            ),
+            lag: r.gauge(
+                "kvroute_indexer_lag_messages",
+                "Stream messages not yet applied.",
+            ),
+            index_entries: r.gauge(
+                "kvroute_indexer_index_entries",
+                "(block, worker, rank) entries in the index.",
+            ),
+            index_nodes: r.gauge("kvroute_indexer_index_nodes", "Radix tree nodes."),
+            index_bytes: r.gauge(
+                "kvroute_indexer_index_bytes",
+                "Bytes allocated by the index.",
+            ),
+            index_evicted: r.gauge(
+                "kvroute_indexer_index_evicted_entries",
+                "Entries evicted by the memory cap.",
+            ),
+            queries: r.counter_vec(
+                "kvroute_indexer_queries_total",
+                "Overlap queries, by result.",
+                "result",
+            ),
+            query_latency: r.histogram(
+                "kvroute_indexer_query_latency_seconds",
+                "Time to answer an overlap query.",
+            ),
+            snapshots_written: r.counter(
+                "kvroute_indexer_snapshots_written_total",
+                "Snapshots written by this replica.",
+            ),
+            snapshot_age_seconds: r.gauge(
+                "kvroute_indexer_snapshot_age_seconds",
+                "Age of the newest snapshot this replica wrote or loaded (-1: none).",
+            ),
+            stream_mismatches: r.gauge(
+                "kvroute_indexer_stream_config_mismatches",
+                "Events-stream settings that differ from this process's flags.",
+            ),
+            leader: r.gauge(
+                "kvroute_indexer_leader",
+                "1 if this replica is the snapshot leader.",
+            ),
+            ready: r.gauge("kvroute_indexer_ready", "1 if this replica has caught up."),
+            registry: r,
+        }
+    }
+}
+
+impl Default for IndexerMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

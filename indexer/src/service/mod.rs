@@ -1,0 +1,568 @@
+//! The indexer process: consumes the event log in order into a [`ReplicaState`], snapshots it
+//! (leader), removes departed workers through the log (leader), asks workers with gaps to
+//! resync (leader), and serves overlap queries.
+//!
+//! One main loop owns the state and handles every trigger of one closed [`Input`] enum; the
+//! tasks around it (log consumer, etcd watch, leader campaign, query and HTTP serving) only
+//! feed it or read the shared index.
+
+mod bootstrap;
+mod ingest;
+mod leader;
+mod metrics;
+mod serve;
+mod snapshots;
+mod stream;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, message::PublishMessage};
+use kvroute_common::codec::encode;
+use kvroute_common::discovery::{WorkerEvent, watch_workers};
+use kvroute_common::ids::WorkerId;
+use kvroute_common::messages::{ControlAction, ControlRecord, ReplicaStatus, SchemaVersion};
+use kvroute_common::names::Names;
+use tokio::sync::{mpsc, oneshot, watch};
+
+use self::ingest::LogMessage;
+pub use self::metrics::IndexerMetrics;
+pub use self::serve::{Shared, answer};
+pub use self::snapshots::SnapshotStore;
+pub use self::stream::{desired_config, ensure_events_stream, mismatches};
+use crate::config::IndexerConfig;
+use crate::replica::{ApplyReport, ReplicaState};
+
+const TICK: Duration = Duration::from_millis(250);
+const RESYNC_REQUEST_INTERVAL: Duration = Duration::from_secs(3);
+
+/// Every trigger of the main loop.
+enum Input {
+    Log(LogMessage),
+    Worker(WorkerEvent),
+    Leader(bool),
+    Tick,
+    Status(oneshot::Sender<ReplicaStatus>),
+    SnapshotDone(anyhow::Result<u64>),
+    /// A bootstrap resync of every worker finished; the replica is ready once it applied
+    /// the log up to this sequence.
+    ResyncAllDone(u64),
+    Shutdown,
+}
+
+/// Why the loop stopped consuming.
+enum Stop {
+    Shutdown,
+    /// The log skipped messages (purged or expired under us): bootstrap again.
+    Rebootstrap,
+}
+
+/// Runs an indexer replica until `shutdown` resolves.
+pub async fn run(
+    config: IndexerConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    config.validate()?;
+    let replica_id = config.replica_id();
+    let names = Names::new(&config.namespace.namespace);
+    let nats = config.nats.connect(&replica_id).await?;
+    let etcd = config.etcd.connect().await?;
+    let js = jetstream::new(nats.clone());
+    let (stream, mismatched) = ensure_events_stream(&js, &names, &config.stream).await?;
+    let metrics = IndexerMetrics::new();
+    for m in &mismatched {
+        tracing::warn!(
+            stream = names.events_stream(),
+            "events stream setting differs: {m}"
+        );
+    }
+    metrics.stream_mismatches.set(mismatched.len() as i64);
+    metrics.snapshot_age_seconds.set(-1);
+    let store = SnapshotStore::open(&js, &names, config.stream.replicas).await?;
+
+    let (status_tx, mut status_rx) = mpsc::channel(64);
+    let state = ReplicaState::new(&names, config.index_config());
+    let shared = Arc::new(Shared {
+        replica_id: replica_id.clone(),
+        names: names.clone(),
+        index: std::sync::RwLock::new(state.index().clone()),
+        cards: Default::default(),
+        applied_seq: Default::default(),
+        ready: Default::default(),
+        leader: Default::default(),
+        metrics,
+        status_requests: status_tx,
+    });
+    let (addr, _http) =
+        kvroute_common::ops::serve_http(config.http_addr, Arc::new(serve::Http(shared.clone())))
+            .await?;
+    tracing::info!(replica_id, %addr, "indexer http listening");
+    serve::serve_digest(nats.clone(), shared.clone()).await?;
+
+    // Everything that feeds the main loop.
+    let (input_tx, mut inputs) = mpsc::channel::<Input>(4096);
+    forward(
+        watch_workers(etcd.clone(), &names),
+        input_tx.clone(),
+        Input::Worker,
+    );
+    let (leader_rx, resign) = leader::campaign(
+        etcd.clone(),
+        names.indexer_leader_key(),
+        replica_id.clone(),
+        config.leader_ttl(),
+    );
+    forward_watch(leader_rx, input_tx.clone());
+    {
+        let tx = input_tx.clone();
+        tokio::spawn(async move {
+            while let Some(reply) = status_rx.recv().await {
+                if tx.send(Input::Status(reply)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let tx = input_tx.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(TICK);
+            loop {
+                tick.tick().await;
+                if tx.send(Input::Tick).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let tx = input_tx.clone();
+        tokio::spawn(async move {
+            shutdown.await;
+            let _ = tx.send(Input::Shutdown).await;
+        });
+    }
+
+    let mut replica = Replica {
+        config,
+        names,
+        nats,
+        etcd,
+        js,
+        stream,
+        store,
+        shared,
+        state,
+        input_tx,
+        leader: false,
+        ready: false,
+        serving: false,
+        cards_loaded: false,
+        awaiting_resync_until: None,
+        stream_last_seq: 0,
+        since_snapshot: 0,
+        last_snapshot: None,
+        snapshot_in_flight: false,
+        unregistered_since: HashMap::new(),
+        removal_sent: HashMap::new(),
+        resync_sent: HashMap::new(),
+        bad_logged: 0,
+    };
+    loop {
+        let (log_tx, mut log_rx) = mpsc::channel::<LogMessage>(8192);
+        let start = replica.bootstrap().await?;
+        let consumer = ingest::spawn_consumer(replica.stream.clone(), start, log_tx);
+        let stop = replica.run_loop(&mut inputs, &mut log_rx).await;
+        consumer.abort();
+        match stop {
+            Stop::Shutdown => break,
+            Stop::Rebootstrap => {
+                tracing::warn!(
+                    "the log skipped messages this replica had not applied; bootstrapping again"
+                );
+            }
+        }
+    }
+    leader::resign(&resign);
+    // Give the resignation a moment to revoke the lease.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    Ok(())
+}
+
+fn forward<T: Send + 'static>(
+    mut rx: mpsc::Receiver<T>,
+    tx: mpsc::Sender<Input>,
+    wrap: fn(T) -> Input,
+) {
+    tokio::spawn(async move {
+        while let Some(item) = rx.recv().await {
+            if tx.send(wrap(item)).await.is_err() {
+                return;
+            }
+        }
+    });
+}
+
+fn forward_watch(mut rx: watch::Receiver<bool>, tx: mpsc::Sender<Input>) {
+    tokio::spawn(async move {
+        while rx.changed().await.is_ok() {
+            let value = *rx.borrow_and_update();
+            if tx.send(Input::Leader(value)).await.is_err() {
+                return;
+            }
+        }
+    });
+}
+
+/// The main loop's state: the replicated state plus this process's view of the world.
+struct Replica {
+    config: IndexerConfig,
+    names: Names,
+    nats: async_nats::Client,
+    etcd: etcd_client::Client,
+    js: jetstream::Context,
+    stream: jetstream::stream::Stream,
+    store: SnapshotStore,
+    shared: Arc<Shared>,
+    state: ReplicaState,
+    input_tx: mpsc::Sender<Input>,
+    leader: bool,
+    ready: bool,
+    serving: bool,
+    cards_loaded: bool,
+    /// Set while a bootstrap without usable snapshot waits for every worker's resync to land:
+    /// not ready until the applied sequence reaches it.
+    awaiting_resync_until: Option<u64>,
+    stream_last_seq: u64,
+    since_snapshot: u64,
+    last_snapshot: Option<(u64, Instant)>,
+    snapshot_in_flight: bool,
+    unregistered_since: HashMap<WorkerId, Instant>,
+    removal_sent: HashMap<WorkerId, Instant>,
+    resync_sent: HashMap<WorkerId, Instant>,
+    bad_logged: u64,
+}
+
+impl Replica {
+    async fn run_loop(
+        &mut self,
+        inputs: &mut mpsc::Receiver<Input>,
+        log: &mut mpsc::Receiver<LogMessage>,
+    ) -> Stop {
+        loop {
+            let input = tokio::select! {
+                biased;
+                Some(i) = inputs.recv() => i,
+                Some(m) = log.recv() => Input::Log(m),
+                else => return Stop::Shutdown,
+            };
+            match input {
+                Input::Log(msg) => {
+                    if self.state.applied_seq() > 0 && msg.seq > self.state.applied_seq() + 1 {
+                        tracing::error!(
+                            applied = self.state.applied_seq(),
+                            next = msg.seq,
+                            "log messages are missing (purged or expired before this replica applied them)"
+                        );
+                        self.set_ready(false);
+                        return Stop::Rebootstrap;
+                    }
+                    self.apply(msg);
+                    // Drain what is already queued before looking at other inputs.
+                    while let Ok(msg) = log.try_recv() {
+                        if msg.seq > self.state.applied_seq() + 1 && self.state.applied_seq() > 0 {
+                            self.set_ready(false);
+                            return Stop::Rebootstrap;
+                        }
+                        self.apply(msg);
+                        if !inputs.is_empty() {
+                            break;
+                        }
+                    }
+                    self.shared
+                        .applied_seq
+                        .store(self.state.applied_seq(), Ordering::Release);
+                }
+                Input::Worker(event) => self.on_worker_event(event),
+                Input::Leader(is_leader) => {
+                    self.leader = is_leader;
+                    self.shared.leader.store(is_leader, Ordering::Release);
+                    self.shared.metrics.leader.set(i64::from(is_leader));
+                    self.unregistered_since.clear();
+                }
+                Input::Tick => self.on_tick().await,
+                Input::Status(reply) => {
+                    let _ = reply.send(self.status());
+                }
+                Input::SnapshotDone(result) => {
+                    self.snapshot_in_flight = false;
+                    match result {
+                        Ok(seq) => {
+                            self.shared.metrics.snapshots_written.inc();
+                            tracing::info!(seq, "snapshot written");
+                        }
+                        Err(e) => tracing::warn!(error = %e, "writing a snapshot failed"),
+                    }
+                }
+                Input::ResyncAllDone(target) => self.awaiting_resync_until = Some(target),
+                Input::Shutdown => return Stop::Shutdown,
+            }
+        }
+    }
+
+    fn status(&self) -> ReplicaStatus {
+        ReplicaStatus {
+            v: SchemaVersion::CURRENT,
+            replica_id: self.shared.replica_id.clone(),
+            applied_seq: self.state.applied_seq(),
+            digest: self.state.digest(),
+            ready: self.ready,
+            leader: self.leader,
+            entries: self.state.index().stats().entries as u64,
+            stream_last_seq: self.stream_last_seq,
+        }
+    }
+
+    fn apply(&mut self, msg: LogMessage) {
+        let report = self.state.apply(msg.seq, &msg.subject, &msg.payload);
+        self.since_snapshot += 1;
+        self.record(&report);
+    }
+
+    fn record(&mut self, r: &ApplyReport) {
+        let m = &self.shared.metrics;
+        m.log_messages.inc();
+        m.events_applied.add(u64::from(r.events_applied));
+        m.events_refused.add(u64::from(r.events_refused));
+        m.duplicate_events.add(u64::from(r.duplicates));
+        m.ignored_removed_events.add(u64::from(r.ignored_removed));
+        m.gaps.add(r.gaps.len() as u64);
+        if let Some(w) = r.removed_worker {
+            m.workers_removed.inc();
+            tracing::info!(worker_id = w, "worker removed from the index");
+        }
+        if let Some(bad) = &r.bad {
+            m.bad_messages.inc(bad.reason());
+            self.bad_logged += 1;
+            if self.bad_logged <= 10 || self.bad_logged.is_multiple_of(1000) {
+                tracing::warn!(seq = self.state.applied_seq(), error = %bad, count = self.bad_logged, "skipped a bad log message");
+            }
+        }
+        for (w, rank, expected, got) in &r.gaps {
+            tracing::warn!(worker_id = w, dp_rank = rank, expected, got, "event gap");
+        }
+        for w in r.needs_resync.clone() {
+            self.request_resync(w);
+        }
+    }
+
+    /// Leader only, once caught up (old gaps met while catching up were handled back then).
+    fn request_resync(&mut self, worker_id: WorkerId) {
+        if !self.leader || !self.ready {
+            return;
+        }
+        let now = Instant::now();
+        if self
+            .resync_sent
+            .get(&worker_id)
+            .is_some_and(|t| now.duration_since(*t) < RESYNC_REQUEST_INTERVAL)
+        {
+            return;
+        }
+        self.resync_sent.insert(worker_id, now);
+        self.shared.metrics.resync_requests.inc();
+        let nats = self.nats.clone();
+        let subject = self.names.worker_resync(worker_id);
+        tokio::spawn(async move {
+            match tokio::time::timeout(Duration::from_secs(10), nats.request(subject, "".into()))
+                .await
+            {
+                Ok(Ok(_)) => tracing::info!(worker_id, "worker resynced"),
+                Ok(Err(e)) => tracing::warn!(worker_id, error = %e, "resync request failed"),
+                Err(_) => tracing::warn!(worker_id, "resync request timed out"),
+            }
+        });
+    }
+
+    fn on_worker_event(&mut self, event: WorkerEvent) {
+        let mut cards = self.shared.cards.write().expect("cards lock");
+        match event {
+            WorkerEvent::Snapshot { cards: all, .. } => {
+                *cards = all.into_iter().map(|c| (c.worker_id, c)).collect();
+                self.cards_loaded = true;
+            }
+            WorkerEvent::Put { card, .. } => {
+                cards.insert(card.worker_id, card);
+            }
+            WorkerEvent::Delete {
+                worker_id,
+                revision,
+            } => {
+                cards.remove(&worker_id);
+                drop(cards);
+                if self.leader {
+                    self.append_removal(worker_id, format!("removed-{worker_id}-rev{revision}"));
+                }
+            }
+            WorkerEvent::Invalid { key, error } => {
+                tracing::warn!(key, error, "ignoring an undecodable worker card");
+            }
+        }
+    }
+
+    /// Appends `WorkerRemoved` to the log (JetStream deduplicates by `msg_id`).
+    fn append_removal(&mut self, worker_id: WorkerId, msg_id: String) {
+        self.removal_sent.insert(worker_id, Instant::now());
+        let record = ControlRecord {
+            v: SchemaVersion::CURRENT,
+            action: ControlAction::WorkerRemoved { worker_id },
+            replica_id: self.shared.replica_id.clone(),
+        };
+        let Ok(bytes) = encode(&record) else { return };
+        let js = self.js.clone();
+        let subject = self.names.kv_control();
+        tokio::spawn(async move {
+            for attempt in 0..20 {
+                let msg = PublishMessage::build()
+                    .payload(bytes.clone())
+                    .message_id(&msg_id);
+                if let Ok(ack) = js.send_publish(subject.clone(), msg).await
+                    && ack.await.is_ok()
+                {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(250 * (attempt + 1))).await;
+            }
+            tracing::error!(worker_id, "could not append WorkerRemoved to the log");
+        });
+    }
+
+    async fn on_tick(&mut self) {
+        if let Ok(Ok(info)) = tokio::time::timeout(Duration::from_secs(1), self.stream.info()).await
+        {
+            self.stream_last_seq = info.state.last_sequence;
+        }
+        let lag = self
+            .stream_last_seq
+            .saturating_sub(self.state.applied_seq());
+        let m = &self.shared.metrics;
+        m.lag.set(lag as i64);
+        m.applied_seq.set(self.state.applied_seq() as i64);
+        let stats = self.state.index().stats();
+        m.index_entries.set(stats.entries as i64);
+        m.index_nodes.set(stats.nodes as i64);
+        m.index_bytes.set(stats.bytes_in_use as i64);
+        m.index_evicted.set(stats.anomalies.evicted_entries as i64);
+        if let Some((_, at)) = self.last_snapshot {
+            m.snapshot_age_seconds.set(at.elapsed().as_secs() as i64);
+        }
+        let resync_done = match self.awaiting_resync_until {
+            Some(target) => target > 0 && self.state.applied_seq() >= target,
+            None => true,
+        };
+        if resync_done {
+            self.awaiting_resync_until = None;
+        }
+        self.set_ready(resync_done && lag <= self.config.ready_max_lag);
+        if self.ready && !self.serving {
+            match serve::serve_queries(self.nats.clone(), self.shared.clone()).await {
+                Ok(()) => {
+                    self.serving = true;
+                    tracing::info!(
+                        applied_seq = self.state.applied_seq(),
+                        "caught up; serving queries"
+                    );
+                }
+                Err(e) => tracing::warn!(error = %e, "subscribing to queries failed"),
+            }
+        }
+        if self.leader && self.ready {
+            self.maybe_snapshot();
+            self.reconcile_unregistered();
+        }
+    }
+
+    fn set_ready(&mut self, ready: bool) {
+        self.ready = ready;
+        self.shared.ready.store(ready, Ordering::Release);
+        self.shared.metrics.ready.set(i64::from(ready));
+    }
+
+    fn maybe_snapshot(&mut self) {
+        let seq = self.state.applied_seq();
+        if self.snapshot_in_flight || seq == 0 || self.last_snapshot.is_some_and(|(s, _)| s >= seq)
+        {
+            return;
+        }
+        let by_count = self.config.snapshot_every_messages > 0
+            && self.since_snapshot >= self.config.snapshot_every_messages;
+        let interval = Duration::from_secs(self.config.snapshot_interval_secs);
+        let by_time = self.config.snapshot_interval_secs > 0
+            && self
+                .last_snapshot
+                .is_none_or(|(_, at)| at.elapsed() >= interval);
+        if !(by_count || by_time) {
+            return;
+        }
+        let bytes = self.state.snapshot();
+        self.since_snapshot = 0;
+        self.last_snapshot = Some((seq, Instant::now()));
+        self.snapshot_in_flight = true;
+        let store = self.store.clone();
+        let keep = self.config.snapshot_keep;
+        let purge = self.config.purge_log;
+        let stream = self.stream.clone();
+        let tx = self.input_tx.clone();
+        tokio::spawn(async move {
+            let result = async {
+                store.save(seq, bytes).await?;
+                let kept = store.prune(keep).await?;
+                if purge && let Some(oldest) = kept.last() {
+                    // Everything up to the oldest kept snapshot is inside every kept snapshot.
+                    stream.purge().sequence(oldest + 1).await?;
+                }
+                Ok(seq)
+            }
+            .await;
+            let _ = tx.send(Input::SnapshotDone(result)).await;
+        });
+    }
+
+    /// Removes workers that have events in the log but no registration for longer than the
+    /// grace period (crashed before the leader saw their delete, or never registered).
+    fn reconcile_unregistered(&mut self) {
+        if !self.cards_loaded {
+            return;
+        }
+        let now = Instant::now();
+        let grace = Duration::from_secs(self.config.unregistered_grace_secs);
+        let registered: HashSet<WorkerId> = self
+            .shared
+            .cards
+            .read()
+            .expect("cards lock")
+            .keys()
+            .copied()
+            .collect();
+        let live = self.state.tracker().live_workers();
+        self.unregistered_since
+            .retain(|w, _| live.contains(w) && !registered.contains(w));
+        let mut remove = Vec::new();
+        for w in live {
+            if registered.contains(&w) {
+                continue;
+            }
+            let since = *self.unregistered_since.entry(w).or_insert(now);
+            let recently_sent = self
+                .removal_sent
+                .get(&w)
+                .is_some_and(|t| now.duration_since(*t) < grace);
+            if now.duration_since(since) >= grace && !recently_sent {
+                remove.push(w);
+            }
+        }
+        for w in remove {
+            tracing::info!(worker_id = w, "removing a worker with no registration");
+            let id = format!("removed-{w}-unregistered-{}", self.state.applied_seq());
+            self.append_removal(w, id);
+        }
+    }
+}

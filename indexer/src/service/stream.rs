@@ -1,0 +1,100 @@
+//! The events stream: created idempotently by the first process that needs it; later processes
+//! compare its settings with theirs and report differences instead of overwriting them.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, stream};
+use kvroute_common::names::Names;
+
+use crate::config::{StreamArgs, StreamStorage};
+
+/// The settings kvroute wants for the events stream.
+pub fn desired_config(names: &Names, args: &StreamArgs) -> stream::Config {
+    stream::Config {
+        name: names.events_stream(),
+        subjects: names.events_stream_subjects(),
+        num_replicas: args.replicas,
+        max_age: Duration::from_secs(args.max_age_secs),
+        max_bytes: args.max_bytes,
+        storage: match args.storage {
+            StreamStorage::File => stream::StorageType::File,
+            StreamStorage::Memory => stream::StorageType::Memory,
+        },
+        duplicate_window: Duration::from_secs(args.duplicate_window_secs),
+        retention: stream::RetentionPolicy::Limits,
+        discard: stream::DiscardPolicy::Old,
+        ..Default::default()
+    }
+}
+
+/// Differences between the stream's actual settings and ours, as `setting: theirs != ours`.
+pub fn mismatches(actual: &stream::Config, wanted: &stream::Config) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut check = |name: &str, a: String, w: String| {
+        if a != w {
+            out.push(format!("{name}: stream has {a}, this process wants {w}"));
+        }
+    };
+    let mut a_subjects = actual.subjects.clone();
+    let mut w_subjects = wanted.subjects.clone();
+    a_subjects.sort();
+    w_subjects.sort();
+    check(
+        "subjects",
+        format!("{a_subjects:?}"),
+        format!("{w_subjects:?}"),
+    );
+    check(
+        "replicas",
+        actual.num_replicas.to_string(),
+        wanted.num_replicas.to_string(),
+    );
+    check(
+        "max_age",
+        format!("{:?}", actual.max_age),
+        format!("{:?}", wanted.max_age),
+    );
+    check(
+        "max_bytes",
+        actual.max_bytes.to_string(),
+        wanted.max_bytes.to_string(),
+    );
+    check(
+        "storage",
+        format!("{:?}", actual.storage),
+        format!("{:?}", wanted.storage),
+    );
+    check(
+        "duplicate_window",
+        format!("{:?}", actual.duplicate_window),
+        format!("{:?}", wanted.duplicate_window),
+    );
+    out
+}
+
+/// Gets the events stream, creating it if absent. Returns the stream and any mismatches
+/// between its settings and ours (logged by the caller, never "fixed").
+pub async fn ensure_events_stream(
+    js: &jetstream::Context,
+    names: &Names,
+    args: &StreamArgs,
+) -> anyhow::Result<(stream::Stream, Vec<String>)> {
+    let wanted = desired_config(names, args);
+    for _ in 0..3 {
+        match js.get_stream(&wanted.name).await {
+            Ok(mut s) => {
+                let info = s.info().await?;
+                let diff = mismatches(&info.config, &wanted);
+                return Ok((s, diff));
+            }
+            Err(_) => match js.create_stream(wanted.clone()).await {
+                Ok(s) => return Ok((s, Vec::new())),
+                // Another process created it meanwhile: read it back.
+                Err(e) => {
+                    tracing::debug!(error = %e, "creating the events stream raced; reading it")
+                }
+            },
+        }
+    }
+    anyhow::bail!("could not get or create stream {}", wanted.name)
+}

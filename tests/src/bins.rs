@@ -1,0 +1,161 @@
+//! kvroute's own binaries for tests: built once per test process (a no-op when up to date)
+//! and run under the harness supervisor, so they can be killed (-9) and restarted.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+use crate::http::http_get;
+use crate::ports::free_port;
+use crate::process::{ChildGuard, Supervised};
+use crate::servers::{TestEnv, workspace_root};
+
+/// Path of workspace binary `name` (from package `package`), building it if needed.
+pub fn kvroute_bin(package: &str, name: &str) -> anyhow::Result<PathBuf> {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let target = BUILT
+        .get_or_init(|| {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let out = Command::new(cargo)
+                .current_dir(workspace_root())
+                .args(["build", "--quiet", "--bins", "-p", "kvroute-indexer"])
+                .args(["-p", "kvroute-router", "-p", "kvroute-mocker"])
+                .output()
+                .map_err(|e| e.to_string())?;
+            if !out.status.success() {
+                return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+            }
+            let dir = std::env::var_os("CARGO_TARGET_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| workspace_root().join("target"));
+            Ok(dir.join("debug"))
+        })
+        .clone()
+        .map_err(|e| anyhow::anyhow!("building kvroute binaries: {e}"))?;
+    let path = target.join(name);
+    if !path.is_file() {
+        bail!("{} not built (package {package})", path.display());
+    }
+    Ok(path)
+}
+
+/// A `kvroute-indexer` process against a [`TestEnv`].
+#[derive(Debug)]
+pub struct IndexerProcess {
+    pub replica_id: String,
+    pub http_port: u16,
+    spec: Supervised,
+    child: Option<ChildGuard>,
+}
+
+impl IndexerProcess {
+    /// Starts a replica with `extra` flags (e.g. `--snapshot-every-messages 50`).
+    pub fn start(env: &TestEnv, replica_id: &str, extra: &[&str]) -> anyhow::Result<Self> {
+        let bin = kvroute_bin("kvroute-indexer", "kvroute-indexer")?;
+        let http_port = free_port();
+        let mut args: Vec<String> = vec![
+            "--namespace".into(),
+            env.namespace.to_string(),
+            "--nats-url".into(),
+            env.nats.url(),
+            "--etcd-endpoints".into(),
+            env.etcd.endpoint(),
+            "--replica-id".into(),
+            replica_id.into(),
+            "--http-addr".into(),
+            format!("127.0.0.1:{http_port}"),
+            "--leader-ttl-secs".into(),
+            "2".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let log = env
+            .nats
+            .data_dir()
+            .join(format!("indexer-{replica_id}.log"));
+        let mut spec = Supervised::new(bin, args, log);
+        spec.env.push(("RUST_LOG".into(), "info".into()));
+        let child = Some(spec.spawn()?);
+        let p = Self {
+            replica_id: replica_id.into(),
+            http_port,
+            spec,
+            child,
+        };
+        p.wait_http()?;
+        Ok(p)
+    }
+
+    fn wait_http(&self) -> anyhow::Result<()> {
+        let start = Instant::now();
+        while http_get(self.http_port, "/healthz").is_none() {
+            if start.elapsed() > Duration::from_secs(30) {
+                bail!(
+                    "indexer {} did not come up:\n{}",
+                    self.replica_id,
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        Ok(())
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.spec.log).unwrap_or_default()
+    }
+
+    /// `/readyz` is 200.
+    pub fn is_ready(&self) -> bool {
+        matches!(http_get(self.http_port, "/readyz"), Some((200, _)))
+    }
+
+    /// `/status` as JSON.
+    pub fn status(&self) -> anyhow::Result<serde_json::Value> {
+        let (code, body) = http_get(self.http_port, "/status").context("indexer unreachable")?;
+        anyhow::ensure!(code == 200, "status {code}: {body}");
+        Ok(serde_json::from_str(&body)?)
+    }
+
+    /// (applied sequence, digest).
+    pub fn position(&self) -> anyhow::Result<(u64, u64)> {
+        let s = self.status()?;
+        Ok((
+            s["applied_seq"].as_u64().context("applied_seq")?,
+            s["digest"].as_u64().context("digest")?,
+        ))
+    }
+
+    /// A counter or gauge from `/metrics` (first sample whose line starts with `name`).
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        let (_, body) = http_get(self.http_port, "/metrics")?;
+        body.lines()
+            .filter(|l| !l.starts_with('#'))
+            .find(|l| l.split([' ', '{']).next() == Some(name) || l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    }
+
+    pub fn kill9(&mut self) -> anyhow::Result<()> {
+        match self.child.take() {
+            Some(c) => c.kill9(),
+            None => Ok(()),
+        }
+    }
+
+    pub fn stop(&mut self) -> anyhow::Result<()> {
+        match self.child.take() {
+            Some(c) => c.stop(),
+            None => Ok(()),
+        }
+    }
+
+    /// Starts the process again with the same flags (same id and port).
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.child.is_none(), "still running");
+        self.child = Some(self.spec.spawn()?);
+        self.wait_http()
+    }
+}
