@@ -74,7 +74,7 @@ fn churn_leaves_no_nodes_behind_and_memory_flat() {
         if serial == WORKERS * LIVE_CHAINS as u64 * 2 {
             warm_bytes = Some(ix.stats().bytes_in_use);
         }
-        if serial % 4096 == 0 {
+        if serial.is_multiple_of(4096) {
             let s = ix.stats();
             peak_bytes = peak_bytes.max(s.bytes_in_use);
             // Exactly the working set: shared prompt (4 nodes) + live chains.
