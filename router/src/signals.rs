@@ -8,7 +8,8 @@ use kvroute_common::messages::{IndexReply, StorageTier, WorkerLoad};
 
 use crate::worker::WorkerRank;
 
-/// Leading blocks of the request's prompt that one rank holds, per storage tier.
+/// Leading blocks of the request's prompt that one rank holds, per storage tier. Tiers are
+/// disjoint: each leading block counts in the best tier holding it (device, host, disk).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Overlap {
     pub device: u32,

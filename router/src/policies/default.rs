@@ -6,10 +6,10 @@
 //! cost            = (prefill_load_scale·adjusted + decode_blocks) · preferred_taint_multiplier
 //! ```
 //!
-//! `decode_blocks` is the rank's active decode blocks plus the request's blocks. Lower tiers are
-//! credited only beyond the tiers above them (`host` counts host-held leading blocks past the
-//! device prefix, `disk` past both), so a block cached twice is not credited twice. Temperature
-//! 0 picks the lowest cost (ties: fewest cached blocks, then worker id); above 0 it samples.
+//! `decode_blocks` is the rank's active decode blocks plus the request's blocks. The overlap
+//! tiers are disjoint (the index counts each leading block in the best tier holding it), so no
+//! block is credited twice. Temperature 0 picks the lowest cost (ties: fewest cached blocks,
+//! then worker id); above 0 it samples.
 
 use std::sync::Arc;
 
@@ -29,9 +29,9 @@ pub struct DefaultPolicyParameters {
     /// Credit per device-resident overlap block, ≥ 0 (above 1 can make prefill negative,
     /// clamped at 0). Default 1.0.
     pub overlap_score_credit: f64,
-    /// Credit per host-resident overlap block beyond the device prefix, 0..=1. Default 0.75.
+    /// Credit per overlap block whose best tier is host memory, 0..=1. Default 0.75.
     pub host_cache_hit_weight: f64,
-    /// Credit per disk-resident overlap block beyond host and device, 0..=1. Default 0.5.
+    /// Credit per overlap block whose best tier is disk, 0..=1. Default 0.5.
     pub disk_cache_hit_weight: f64,
     /// Weight of the adjusted prefill blocks relative to decode blocks, ≥ 0. Default 1.0.
     pub prefill_load_scale: f64,
@@ -137,13 +137,9 @@ impl WorkerScorer for PrefillCostScorer {
         let block_size = f64::from(context.block_size().max(1));
         let prefill_blocks =
             load.active_prefill_tokens as f64 / block_size + f64::from(context.request_blocks());
-        let host_beyond = overlap.host.saturating_sub(overlap.device);
-        let disk_beyond = overlap
-            .disk
-            .saturating_sub(overlap.device.max(overlap.host));
         let credit = p.overlap_score_credit * f64::from(overlap.device)
-            + p.host_cache_hit_weight * f64::from(host_beyond)
-            + p.disk_cache_hit_weight * f64::from(disk_beyond);
+            + p.host_cache_hit_weight * f64::from(overlap.host)
+            + p.disk_cache_hit_weight * f64::from(overlap.disk);
         let adjusted = (prefill_blocks - credit).max(0.0);
         Ok(p.prefill_load_scale * adjusted * taint_multiplier(candidate))
     }
@@ -216,12 +212,12 @@ mod tests {
     }
 
     #[test]
-    fn active_prefill_counts_in_blocks_and_lower_tiers_count_beyond_upper_ones() {
+    fn active_prefill_counts_in_blocks_and_lower_tiers_earn_partial_credit() {
         assert_eq!(cost(device(0), 0, 32), 12.0, "32 tokens = 2 blocks");
         let tiers = Overlap {
             device: 2,
-            host: 6,
-            disk: 10,
+            host: 4,
+            disk: 4,
             cached_blocks: 0,
         };
         // 10 - 2 - 0.75·4 - 0.5·4 = 3

@@ -1,0 +1,62 @@
+//! An example worker-selection policy built outside the router crate: `sticky-until-busy`
+//! keeps a session on its soft-affinity target until that worker runs more than
+//! `busy_threshold` requests, then moves it to the least-loaded worker. Register it with
+//! [`register`]; see README.md for the walkthrough.
+
+mod components;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+
+use kvroute_router::pipeline::{WorkerFilter, WorkerScorer, WorkerSelectionPolicy};
+use kvroute_router::registry::{
+    PolicyFactory, PolicyParameters, PolicyRegistry, ProviderError, RegistryError,
+};
+use serde::Deserialize;
+
+pub use components::{ActiveRequestsScorer, MaxActiveRequestsFilter, StickyUntilBusyPicker};
+
+/// The type name used in `instances[].type`.
+pub const TYPE_NAME: &str = "sticky-until-busy";
+
+/// `parameters:` of a `sticky-until-busy` instance.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Parameters {
+    /// Leave the affinity target once it runs more than this many requests. Required.
+    pub busy_threshold: u64,
+    /// Never place on a rank running this many requests or more. Default: no cap.
+    #[serde(default)]
+    pub max_active_requests: Option<u64>,
+}
+
+/// Parses and validates the parameters once, at startup; the factory captures them.
+pub fn provider(parameters: &PolicyParameters) -> Result<PolicyFactory, ProviderError> {
+    let parameters: Parameters = parameters.deserialize()?;
+    if let Some(cap) = parameters.max_active_requests
+        && cap <= parameters.busy_threshold
+    {
+        return Err(ProviderError::new(format!(
+            "max_active_requests ({cap}) must be above busy_threshold ({})",
+            parameters.busy_threshold
+        )));
+    }
+    Ok(Arc::new(move |_context| {
+        let filters: Vec<Box<dyn WorkerFilter>> = parameters
+            .max_active_requests
+            .map(|limit| Box::new(MaxActiveRequestsFilter { limit }) as Box<dyn WorkerFilter>)
+            .into_iter()
+            .collect();
+        let scorers: Vec<Box<dyn WorkerScorer>> = vec![Box::new(ActiveRequestsScorer)];
+        let picker = StickyUntilBusyPicker {
+            busy_threshold: parameters.busy_threshold as f64,
+        };
+        Ok(WorkerSelectionPolicy::new(scorers, Box::new(picker)).with_filters(filters))
+    }))
+}
+
+/// Adds `sticky-until-busy` to `registry`.
+pub fn register(registry: &mut PolicyRegistry) -> Result<(), RegistryError> {
+    registry.register(TYPE_NAME, Arc::new(provider))
+}

@@ -1,0 +1,192 @@
+//! The example policy selected through YAML, against the built-in default.
+
+use futures::executor::block_on;
+use kvroute_common::messages::{
+    BindingState, SelectRequest, SessionContext, WorkerCard, WorkerRole,
+};
+use kvroute_router::pipeline::{WorkerInputs, WorkerSelectionPolicy};
+use kvroute_router::registry::{
+    ConfigError, PolicyOverrides, PolicyRegistry, RegistryError, WorkerSelectionConfig,
+};
+use kvroute_router::select::{HostConfig, SelectInput, select, select_worker};
+use kvroute_router::session::{
+    AffinityMode, MemSessionStore, SessionConfig, SessionRoute, SessionTable,
+};
+use kvroute_router::signals::{ObservedLoad, Overlap, SignalSnapshot};
+use kvroute_router::worker::WorkerRank;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+const YAML: &str = "
+worker_selection:
+  aggregated: sticky
+  instances:
+    - name: sticky
+      type: sticky-until-busy
+      parameters:
+        busy_threshold: 3
+        max_active_requests: 8
+";
+
+fn registry() -> PolicyRegistry {
+    let mut registry = PolicyRegistry::with_builtins();
+    crate::register(&mut registry).unwrap();
+    registry
+}
+
+fn policy(yaml: &str) -> Result<WorkerSelectionPolicy, ConfigError> {
+    let config = WorkerSelectionConfig::from_yaml(yaml)?;
+    registry()
+        .resolve(&config, &PolicyOverrides::default())?
+        .build(WorkerRole::Aggregated, "m")
+}
+
+fn card(worker_id: u64) -> WorkerCard {
+    WorkerCard {
+        v: Default::default(),
+        worker_id,
+        model: "m".into(),
+        role: WorkerRole::Aggregated,
+        block_size: 16,
+        total_kv_blocks: 1000,
+        max_num_batched_tokens: 8192,
+        dp_start_rank: 0,
+        dp_size: 1,
+        taints: Vec::new(),
+        labels: Default::default(),
+        request_subject: format!("worker.{worker_id}"),
+        software_version: String::new(),
+    }
+}
+
+/// Worker 1 holds the prompt; active requests per worker as given.
+fn signals(active: [u64; 2]) -> SignalSnapshot {
+    let mut snapshot = SignalSnapshot::new().with_overlap(
+        WorkerRank::new(1, 0),
+        Overlap {
+            device: 10,
+            ..Overlap::default()
+        },
+    );
+    for (i, requests) in active.into_iter().enumerate() {
+        let load = ObservedLoad {
+            active_requests: requests,
+            ..ObservedLoad::default()
+        };
+        snapshot = snapshot.with_load(WorkerRank::new(i as u64 + 1, 0), load);
+    }
+    snapshot
+}
+
+fn request(session: Option<&str>) -> SelectRequest {
+    SelectRequest {
+        model: "m".into(),
+        session: session.map(|id| SessionContext {
+            id: id.into(),
+            ..SessionContext::default()
+        }),
+        ..SelectRequest::default()
+    }
+}
+
+#[test]
+fn selecting_the_policy_in_yaml_changes_the_outcome() {
+    let workers = [card(1), card(2)];
+    let snapshot = signals([2, 0]);
+    let host = HostConfig::default();
+    let req = request(None);
+    let input = SelectInput {
+        request: &req,
+        request_blocks: 10,
+        block_size: 16,
+        workers: &workers,
+        signals: &snapshot,
+        host: &host,
+    };
+    let mut rng = StdRng::seed_from_u64(0);
+    let open = SessionRoute::Open { affinity: None };
+
+    let mut builtin = policy("").unwrap();
+    let chosen = select_worker(&input, &mut builtin, open, &mut rng).unwrap();
+    assert_eq!(
+        (chosen.worker.worker_id, chosen.policy.as_str()),
+        (1, "default")
+    );
+
+    let mut sticky = policy(YAML).unwrap();
+    assert_eq!(
+        sticky.required_inputs(),
+        WorkerInputs::LOAD,
+        "no index query"
+    );
+    let chosen = select_worker(&input, &mut sticky, open, &mut rng).unwrap();
+    assert_eq!(
+        (chosen.worker.worker_id, chosen.policy.as_str()),
+        (2, "sticky")
+    );
+    assert_eq!(chosen.cost.terms["active_requests"], 0.0);
+}
+
+#[test]
+fn a_soft_session_moves_when_its_worker_gets_busy_then_stays() {
+    let workers = [card(1), card(2)];
+    let host = HostConfig::default();
+    let table = SessionTable::new(
+        MemSessionStore::new(),
+        SessionConfig {
+            mode: AffinityMode::Soft,
+            idle_ttl_ms: 60_000,
+        },
+    );
+    let mut sticky = policy(YAML).unwrap();
+    let mut rng = StdRng::seed_from_u64(0);
+    let req = request(Some("agent-7"));
+    let mut run = |active: [u64; 2], now_ms: u64| {
+        let snapshot = signals(active);
+        let input = SelectInput {
+            request: &req,
+            request_blocks: 10,
+            block_size: 16,
+            workers: &workers,
+            signals: &snapshot,
+            host: &host,
+        };
+        let s = block_on(select(&input, &mut sticky, &table, now_ms, &mut rng)).unwrap();
+        (s.worker.worker_id, s.binding.unwrap())
+    };
+    assert_eq!(run([0, 1], 0), (1, BindingState::New));
+    assert_eq!(
+        run([3, 0], 1),
+        (1, BindingState::Kept),
+        "at the threshold: stay"
+    );
+    assert_eq!(run([4, 0], 2), (2, BindingState::Rebound), "busy: move");
+    assert_eq!(
+        run([0, 2], 3),
+        (2, BindingState::Kept),
+        "the binding followed"
+    );
+}
+
+#[test]
+fn bad_parameters_and_duplicate_registration_stop_startup() {
+    let missing =
+        policy("worker_selection:\n  instances:\n    - {name: s, type: sticky-until-busy}\n")
+            .unwrap_err();
+    assert!(missing.to_string().contains("busy_threshold"), "{missing}");
+    let inverted = policy(
+        "worker_selection:\n  instances:\n    - name: s\n      type: sticky-until-busy\n      parameters: {busy_threshold: 5, max_active_requests: 5}\n",
+    )
+    .unwrap_err();
+    assert!(
+        inverted.to_string().contains("max_active_requests"),
+        "{inverted}"
+    );
+    let mut registry = registry();
+    assert_eq!(
+        crate::register(&mut registry),
+        Err(RegistryError::Duplicate {
+            type_name: crate::TYPE_NAME.into()
+        })
+    );
+}

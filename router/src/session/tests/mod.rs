@@ -1,0 +1,308 @@
+//! Session behaviour through `select`: hard and soft affinity, rebinding, final requests, the
+//! idle TTL, departed workers and failures that keep the binding. Races are in `race.rs`.
+
+mod race;
+
+use std::sync::{Arc, Mutex};
+
+use futures::executor::block_on;
+use kvroute_common::messages::{BindingState, SelectRequest, SessionContext, WorkerCard};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use super::*;
+use crate::pipeline::{
+    ComponentError, ScoredCandidate, WorkerInputs, WorkerPicker, WorkerSelectionPolicy,
+};
+use crate::policies::default::DefaultPolicyParameters;
+use crate::request::RequestContext;
+use crate::select::{HostConfig, SelectFailure, SelectInput, Selection, select};
+use crate::signals::{Overlap, SignalSnapshot};
+use crate::testing::cards;
+use crate::worker::{WorkerRank, WorkerTarget};
+
+const TTL: u64 = 1_000;
+
+fn in_session(id: &str) -> SelectRequest {
+    SelectRequest {
+        model: "m".to_owned(),
+        session: Some(SessionContext {
+            id: id.to_owned(),
+            ..SessionContext::default()
+        }),
+        ..SelectRequest::default()
+    }
+}
+
+fn final_in(id: &str) -> SelectRequest {
+    let mut request = in_session(id);
+    if let Some(session) = request.session.as_mut() {
+        session.is_final = true;
+    }
+    request
+}
+
+/// Signals under which worker `hot` holds the whole prompt (and so is the cheapest).
+fn prefix_on(hot: u64) -> SignalSnapshot {
+    SignalSnapshot::new().with_overlap(
+        WorkerRank::new(hot, 0),
+        Overlap {
+            device: 10,
+            ..Overlap::default()
+        },
+    )
+}
+
+struct Harness<S> {
+    table: SessionTable<S>,
+    policy: WorkerSelectionPolicy,
+    rng: StdRng,
+    host: HostConfig,
+}
+
+impl Harness<MemSessionStore> {
+    fn new(mode: AffinityMode) -> Self {
+        Self::with_store(MemSessionStore::new(), mode)
+    }
+}
+
+impl<S: SessionStore> Harness<S> {
+    fn with_store(store: S, mode: AffinityMode) -> Self {
+        Self {
+            table: SessionTable::new(
+                store,
+                SessionConfig {
+                    mode,
+                    idle_ttl_ms: TTL,
+                },
+            ),
+            policy: DefaultPolicyParameters::default().policy(),
+            rng: StdRng::seed_from_u64(3),
+            host: HostConfig::default(),
+        }
+    }
+
+    fn select(
+        &mut self,
+        request: &SelectRequest,
+        workers: &[WorkerCard],
+        signals: &SignalSnapshot,
+        now_ms: u64,
+    ) -> Result<Selection, SelectFailure> {
+        let input = SelectInput {
+            request,
+            request_blocks: 10,
+            block_size: 16,
+            workers,
+            signals,
+            host: &self.host,
+        };
+        block_on(select(
+            &input,
+            &mut self.policy,
+            &self.table,
+            now_ms,
+            &mut self.rng,
+        ))
+    }
+
+    fn bound(&self, id: &str) -> Option<WorkerRank> {
+        block_on(self.table.store().get(id))
+            .unwrap()
+            .map(|v| v.binding.worker())
+    }
+}
+
+fn picked(selection: &Selection) -> (u64, Option<BindingState>) {
+    (selection.worker.worker_id, selection.binding)
+}
+
+#[test]
+fn hard_binding_is_the_exact_target_while_eligible() {
+    let mut h = Harness::new(AffinityMode::Hard);
+    let workers = cards(3);
+    let s = h
+        .select(&in_session("s"), &workers, &prefix_on(1), 0)
+        .unwrap();
+    assert_eq!(picked(&s), (1, Some(BindingState::New)));
+    // The prefix moved to worker 2, but the session stays on worker 1.
+    let s = h
+        .select(&in_session("s"), &workers, &prefix_on(2), 10)
+        .unwrap();
+    assert_eq!(picked(&s), (1, Some(BindingState::Kept)));
+    assert_eq!(s.path, crate::select::SelectionPath::Exact);
+    assert_eq!(h.bound("s"), Some(WorkerRank::new(1, 0)));
+    let no_session = SelectRequest {
+        session: None,
+        ..in_session("s")
+    };
+    let s = h.select(&no_session, &workers, &prefix_on(2), 20).unwrap();
+    assert_eq!(picked(&s), (2, None));
+}
+
+#[test]
+fn hard_binding_rebinds_when_no_longer_eligible() {
+    let mut h = Harness::new(AffinityMode::Hard);
+    let mut workers = cards(3);
+    h.select(&in_session("s"), &workers, &prefix_on(1), 0)
+        .unwrap();
+    workers[0].taints = vec!["draining".into()];
+    let s = h
+        .select(&in_session("s"), &workers, &prefix_on(2), 10)
+        .unwrap();
+    assert_eq!(picked(&s), (2, Some(BindingState::Rebound)));
+    assert_eq!(h.bound("s"), Some(WorkerRank::new(2, 0)));
+}
+
+/// Follows the affinity target when it is a row; else the lowest cost. Records each target.
+#[derive(Clone, Default)]
+struct Sticky(Arc<Mutex<Vec<Option<WorkerTarget>>>>);
+
+impl Sticky {
+    fn offered(&self) -> Vec<Option<WorkerTarget>> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+impl WorkerPicker for Sticky {
+    fn required_inputs(&self) -> WorkerInputs {
+        WorkerInputs::NONE
+    }
+    fn pick(
+        &mut self,
+        context: &RequestContext,
+        rows: &[ScoredCandidate<'_>],
+        _: &mut dyn rand::RngCore,
+    ) -> Result<usize, ComponentError> {
+        self.0.lock().unwrap().push(context.affinity_target());
+        let target = context.affinity_target();
+        let sticky = (0..rows.len()).find(|i| target.is_some_and(|t| t.matches(rows[*i].worker())));
+        Ok(sticky.unwrap_or_else(|| {
+            (0..rows.len())
+                .min_by(|a, b| rows[*a].cost().total_cmp(&rows[*b].cost()))
+                .unwrap_or(0)
+        }))
+    }
+}
+
+#[test]
+fn soft_binding_is_offered_and_follows_the_policy_choice() {
+    let mut h = Harness::new(AffinityMode::Soft);
+    let workers = cards(3);
+    // The default policy ignores the hint: the binding follows its choice.
+    let s = h
+        .select(&in_session("s"), &workers, &prefix_on(1), 0)
+        .unwrap();
+    assert_eq!(picked(&s), (1, Some(BindingState::New)));
+    let s = h
+        .select(&in_session("s"), &workers, &prefix_on(2), 10)
+        .unwrap();
+    assert_eq!(picked(&s), (2, Some(BindingState::Rebound)));
+    assert_eq!(s.path, crate::select::SelectionPath::Policy);
+    assert_eq!(h.bound("s"), Some(WorkerRank::new(2, 0)));
+
+    // A policy that honours the hint keeps the session where it is.
+    let sticky = Sticky::default();
+    h.policy = WorkerSelectionPolicy::new(Vec::new(), Box::new(sticky.clone()));
+    let s = h
+        .select(&in_session("s"), &workers, &prefix_on(3), 20)
+        .unwrap();
+    assert_eq!(picked(&s), (2, Some(BindingState::Kept)));
+    assert_eq!(
+        sticky.offered(),
+        [Some(WorkerTarget::exact(WorkerRank::new(2, 0)))]
+    );
+}
+
+#[test]
+fn a_final_request_releases_the_binding() {
+    let mut h = Harness::new(AffinityMode::Hard);
+    let workers = cards(2);
+    h.select(&in_session("s"), &workers, &prefix_on(1), 0)
+        .unwrap();
+    let s = h
+        .select(&final_in("s"), &workers, &prefix_on(2), 10)
+        .unwrap();
+    assert_eq!(
+        picked(&s),
+        (1, Some(BindingState::Released)),
+        "served by the binding"
+    );
+    assert_eq!(h.bound("s"), None);
+    let s = h
+        .select(&final_in("t"), &workers, &prefix_on(2), 20)
+        .unwrap();
+    assert_eq!(picked(&s), (2, None), "nothing to release");
+    assert!(h.table.store().is_empty());
+}
+
+#[test]
+fn an_idle_binding_expires_after_the_ttl() {
+    let mut h = Harness::new(AffinityMode::Hard);
+    let workers = cards(2);
+    h.select(&in_session("s"), &workers, &prefix_on(1), 0)
+        .unwrap();
+    // Used at 900: idle time restarts, so 1800 is still within the TTL.
+    let s = h
+        .select(&in_session("s"), &workers, &prefix_on(2), 900)
+        .unwrap();
+    assert_eq!(picked(&s), (1, Some(BindingState::Kept)));
+    let s = h
+        .select(&in_session("s"), &workers, &prefix_on(2), 1_800)
+        .unwrap();
+    assert_eq!(picked(&s), (1, Some(BindingState::Kept)));
+    let s = h
+        .select(&in_session("s"), &workers, &prefix_on(2), 2_801)
+        .unwrap();
+    assert_eq!(picked(&s), (2, Some(BindingState::New)));
+}
+
+#[test]
+fn a_departed_workers_binding_is_invalid() {
+    let mut h = Harness::new(AffinityMode::Soft);
+    let sticky = Sticky::default();
+    h.policy = WorkerSelectionPolicy::new(Vec::new(), Box::new(sticky.clone()));
+    let workers = cards(3);
+    h.select(&in_session("s"), &workers, &prefix_on(1), 0)
+        .unwrap();
+    let s = h
+        .select(&in_session("s"), &workers, &prefix_on(1), 1)
+        .unwrap();
+    assert_eq!(picked(&s), (1, Some(BindingState::Kept)));
+    let without_1 = &workers[1..];
+    let s = h
+        .select(&in_session("s"), without_1, &prefix_on(1), 2)
+        .unwrap();
+    assert_eq!(s.binding, Some(BindingState::Rebound));
+    assert_ne!(s.worker.worker_id, 1);
+    let w1 = Some(WorkerTarget::exact(WorkerRank::new(1, 0)));
+    assert_eq!(
+        sticky.offered(),
+        [None, w1, None],
+        "a departed binding is not offered"
+    );
+    // Hard mode: the departed binding is not used as the exact target either.
+    let mut hard = Harness::new(AffinityMode::Hard);
+    hard.select(&in_session("s"), &workers, &prefix_on(1), 0)
+        .unwrap();
+    let s = hard
+        .select(&in_session("s"), without_1, &prefix_on(3), 1)
+        .unwrap();
+    assert_eq!(picked(&s), (3, Some(BindingState::Rebound)));
+}
+
+#[test]
+fn a_failed_selection_leaves_the_binding_untouched() {
+    let mut h = Harness::new(AffinityMode::Hard);
+    let workers = cards(2);
+    h.select(&in_session("s"), &workers, &prefix_on(1), 0)
+        .unwrap();
+    let before = block_on(h.table.store().get("s")).unwrap();
+    let impossible = SelectRequest {
+        required_taints: vec!["tpu".into()],
+        ..in_session("s")
+    };
+    assert!(h.select(&impossible, &workers, &prefix_on(1), 10).is_err());
+    assert!(h.select(&final_in("s"), &[], &prefix_on(1), 10).is_err());
+    assert_eq!(block_on(h.table.store().get("s")).unwrap(), before);
+}
