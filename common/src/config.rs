@@ -56,6 +56,7 @@ pub struct NamespaceArgs {
 pub struct NatsArgs {
     /// NATS server URLs, comma-separated (nats://, tls://, or host:port).
     #[arg(
+        id = "nats-url",
         long = "nats-url",
         env = "KVROUTE_NATS_URL",
         value_delimiter = ',',
@@ -63,10 +64,11 @@ pub struct NatsArgs {
     )]
     pub urls: Vec<String>,
     /// NATS user name (with --nats-password).
-    #[arg(long = "nats-user", env = "KVROUTE_NATS_USER")]
+    #[arg(id = "nats-user", long = "nats-user", env = "KVROUTE_NATS_USER")]
     pub user: Option<String>,
     /// NATS password (with --nats-user).
     #[arg(
+        id = "nats-password",
         long = "nats-password",
         env = "KVROUTE_NATS_PASSWORD",
         hide_env_values = true
@@ -74,25 +76,35 @@ pub struct NatsArgs {
     pub password: Option<String>,
     /// NATS authentication token.
     #[arg(
+        id = "nats-token",
         long = "nats-token",
         env = "KVROUTE_NATS_TOKEN",
         hide_env_values = true
     )]
     pub token: Option<String>,
     /// NATS credentials file (JWT + NKey seed).
-    #[arg(long = "nats-creds", env = "KVROUTE_NATS_CREDS")]
+    #[arg(id = "nats-creds", long = "nats-creds", env = "KVROUTE_NATS_CREDS")]
     pub creds_file: Option<PathBuf>,
     /// CA certificate (PEM) to verify the NATS server; implies TLS.
-    #[arg(long = "nats-tls-ca", env = "KVROUTE_NATS_TLS_CA")]
+    #[arg(id = "nats-tls-ca", long = "nats-tls-ca", env = "KVROUTE_NATS_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
     /// Client certificate (PEM) for mutual TLS (with --nats-tls-key).
-    #[arg(long = "nats-tls-cert", env = "KVROUTE_NATS_TLS_CERT")]
+    #[arg(
+        id = "nats-tls-cert",
+        long = "nats-tls-cert",
+        env = "KVROUTE_NATS_TLS_CERT"
+    )]
     pub tls_cert: Option<PathBuf>,
     /// Client private key (PEM) for mutual TLS (with --nats-tls-cert).
-    #[arg(long = "nats-tls-key", env = "KVROUTE_NATS_TLS_KEY")]
+    #[arg(
+        id = "nats-tls-key",
+        long = "nats-tls-key",
+        env = "KVROUTE_NATS_TLS_KEY"
+    )]
     pub tls_key: Option<PathBuf>,
     /// Time to wait for the first connection, in milliseconds.
     #[arg(
+        id = "nats-connect-timeout-ms",
         long = "nats-connect-timeout-ms",
         env = "KVROUTE_NATS_CONNECT_TIMEOUT_MS",
         default_value_t = 5000
@@ -200,6 +212,7 @@ impl NatsArgs {
 pub struct EtcdArgs {
     /// etcd endpoints, comma-separated (http://host:port or https://host:port).
     #[arg(
+        id = "etcd-endpoints",
         long = "etcd-endpoints",
         env = "KVROUTE_ETCD_ENDPOINTS",
         value_delimiter = ',',
@@ -207,26 +220,36 @@ pub struct EtcdArgs {
     )]
     pub endpoints: Vec<String>,
     /// etcd user name (with --etcd-password).
-    #[arg(long = "etcd-user", env = "KVROUTE_ETCD_USER")]
+    #[arg(id = "etcd-user", long = "etcd-user", env = "KVROUTE_ETCD_USER")]
     pub user: Option<String>,
     /// etcd password (with --etcd-user).
     #[arg(
+        id = "etcd-password",
         long = "etcd-password",
         env = "KVROUTE_ETCD_PASSWORD",
         hide_env_values = true
     )]
     pub password: Option<String>,
     /// CA certificate (PEM) to verify etcd.
-    #[arg(long = "etcd-tls-ca", env = "KVROUTE_ETCD_TLS_CA")]
+    #[arg(id = "etcd-tls-ca", long = "etcd-tls-ca", env = "KVROUTE_ETCD_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
     /// Client certificate (PEM) for mutual TLS (with --etcd-tls-key).
-    #[arg(long = "etcd-tls-cert", env = "KVROUTE_ETCD_TLS_CERT")]
+    #[arg(
+        id = "etcd-tls-cert",
+        long = "etcd-tls-cert",
+        env = "KVROUTE_ETCD_TLS_CERT"
+    )]
     pub tls_cert: Option<PathBuf>,
     /// Client private key (PEM) for mutual TLS (with --etcd-tls-cert).
-    #[arg(long = "etcd-tls-key", env = "KVROUTE_ETCD_TLS_KEY")]
+    #[arg(
+        id = "etcd-tls-key",
+        long = "etcd-tls-key",
+        env = "KVROUTE_ETCD_TLS_KEY"
+    )]
     pub tls_key: Option<PathBuf>,
     /// Time to wait for a connection, in milliseconds.
     #[arg(
+        id = "etcd-connect-timeout-ms",
         long = "etcd-connect-timeout-ms",
         env = "KVROUTE_ETCD_CONNECT_TIMEOUT_MS",
         default_value_t = 5000
@@ -374,5 +397,31 @@ mod tests {
         e.password = None;
         e.connect_timeout_ms = 0;
         assert_eq!(e.validate().unwrap_err().field, "etcd-connect-timeout-ms");
+    }
+}
+
+#[cfg(test)]
+mod clap_tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct All {
+        #[command(flatten)]
+        ns: NamespaceArgs,
+        #[command(flatten)]
+        nats: NatsArgs,
+        #[command(flatten)]
+        etcd: EtcdArgs,
+    }
+
+    #[test]
+    fn flag_sets_combine_into_one_command() {
+        use clap::CommandFactory;
+        All::command().debug_assert();
+        let a = All::try_parse_from(["x", "--nats-user", "u", "--etcd-user", "e"]).unwrap();
+        assert_eq!(a.nats.user.as_deref(), Some("u"));
+        assert_eq!(a.etcd.user.as_deref(), Some("e"));
     }
 }

@@ -91,6 +91,9 @@ impl IndexerProcess {
     fn wait_http(&self) -> anyhow::Result<()> {
         let start = Instant::now();
         while http_get(self.http_port, "/healthz").is_none() {
+            if !self.child.as_ref().is_some_and(ChildGuard::is_running) {
+                bail!("indexer {} exited:\n{}", self.replica_id, self.log());
+            }
             if start.elapsed() > Duration::from_secs(30) {
                 bail!(
                     "indexer {} did not come up:\n{}",

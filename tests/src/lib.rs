@@ -9,9 +9,11 @@ mod http;
 mod ports;
 mod process;
 mod servers;
+mod sim_worker;
 
 pub use bins::{IndexerProcess, kvroute_bin};
 pub use http::http_get;
 pub use ports::free_port;
 pub use process::{ChildGuard, Supervised};
 pub use servers::{EtcdServer, NatsServer, TestEnv, find_binary, workspace_root};
+pub use sim_worker::{SimWorker, expected_index, sim_card, stored};

@@ -154,6 +154,17 @@ impl EventPublisher {
         first
     }
 
+    /// Consumes `n` event ids of rank `dp_rank` without publishing anything: exactly what lost
+    /// events look like to readers (a gap). For fault drills and tests.
+    pub fn skip_event_ids(&self, dp_rank: DpRank, n: u64) {
+        let mut ids = self.inner.next_ids.lock().expect("publisher lock");
+        *ids.entry(dp_rank).or_insert(0) += n;
+        self.inner
+            .stats
+            .events_dropped
+            .fetch_add(n, Ordering::Relaxed);
+    }
+
     /// Waits until everything queued before this call is acknowledged by JetStream.
     pub async fn flush(&self) {
         let (tx, rx) = oneshot::channel();

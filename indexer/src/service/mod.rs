@@ -67,21 +67,9 @@ pub async fn run(
     config.validate()?;
     let replica_id = config.replica_id();
     let names = Names::new(&config.namespace.namespace);
-    let nats = config.nats.connect(&replica_id).await?;
-    let etcd = config.etcd.connect().await?;
-    let js = jetstream::new(nats.clone());
-    let (stream, mismatched) = ensure_events_stream(&js, &names, &config.stream).await?;
+    // HTTP first, so /healthz answers (and /readyz says "not ready") while connecting.
     let metrics = IndexerMetrics::new();
-    for m in &mismatched {
-        tracing::warn!(
-            stream = names.events_stream(),
-            "events stream setting differs: {m}"
-        );
-    }
-    metrics.stream_mismatches.set(mismatched.len() as i64);
     metrics.snapshot_age_seconds.set(-1);
-    let store = SnapshotStore::open(&js, &names, config.stream.replicas).await?;
-
     let (status_tx, mut status_rx) = mpsc::channel(64);
     let state = ReplicaState::new(&names, config.index_config());
     let shared = Arc::new(Shared {
@@ -99,6 +87,22 @@ pub async fn run(
         kvroute_common::ops::serve_http(config.http_addr, Arc::new(serve::Http(shared.clone())))
             .await?;
     tracing::info!(replica_id, %addr, "indexer http listening");
+
+    let nats = config.nats.connect(&replica_id).await?;
+    let etcd = config.etcd.connect().await?;
+    let js = jetstream::new(nats.clone());
+    let (stream, mismatched) = ensure_events_stream(&js, &names, &config.stream).await?;
+    for m in &mismatched {
+        tracing::warn!(
+            stream = names.events_stream(),
+            "events stream setting differs: {m}"
+        );
+    }
+    shared
+        .metrics
+        .stream_mismatches
+        .set(mismatched.len() as i64);
+    let store = SnapshotStore::open(&js, &names, config.stream.replicas).await?;
     serve::serve_digest(nats.clone(), shared.clone()).await?;
 
     // Everything that feeds the main loop.
