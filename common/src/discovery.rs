@@ -90,18 +90,21 @@ async fn read_all(
     for kv in resp.kvs() {
         match decode_card(names, kv.key(), kv.value()) {
             Ok(card) => cards.push(card),
-            Err(e) => events.push(e),
+            Err(e) => events.push(*e),
         }
     }
     events.insert(0, WorkerEvent::Snapshot { cards, revision });
     Ok((events, revision))
 }
 
-fn decode_card(names: &Names, key: &[u8], value: &[u8]) -> Result<WorkerCard, WorkerEvent> {
+/// A card, or the `Invalid` event to report instead (boxed: the event is large).
+fn decode_card(names: &Names, key: &[u8], value: &[u8]) -> Result<WorkerCard, Box<WorkerEvent>> {
     let key_str = String::from_utf8_lossy(key).into_owned();
-    let invalid = |error: String| WorkerEvent::Invalid {
-        key: key_str.clone(),
-        error,
+    let invalid = |error: String| {
+        Box::new(WorkerEvent::Invalid {
+            key: key_str.clone(),
+            error,
+        })
     };
     let id = names
         .worker_id_of_key(key)
@@ -174,7 +177,7 @@ async fn watch_from(
             let out = match event.event_type() {
                 EventType::Put => match decode_card(names, kv.key(), kv.value()) {
                     Ok(card) => WorkerEvent::Put { card, revision },
-                    Err(invalid) => invalid,
+                    Err(invalid) => *invalid,
                 },
                 EventType::Delete => match names.worker_id_of_key(kv.key()) {
                     Some(worker_id) => WorkerEvent::Delete {
