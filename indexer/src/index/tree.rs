@@ -147,7 +147,10 @@ impl Tree {
     /// The child of `parent` for `tokens_hash`, created (without owners) if missing. The caller
     /// must give the new node an owner or a child before the next release.
     pub fn child_or_insert(&mut self, parent: NodeId, tokens_hash: u64) -> NodeId {
-        if let Some(c) = self.child(parent, tokens_hash) {
+        // A parent without children (the common case when a chain grows) needs no probe.
+        if self.nodes[parent as usize].children != 0
+            && let Some(c) = self.child(parent, tokens_hash)
+        {
             return c;
         }
         let id = self.alloc(parent, tokens_hash);
