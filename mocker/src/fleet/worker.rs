@@ -25,7 +25,7 @@ use tokio::task::JoinHandle;
 use super::clock::SimClock;
 use super::metrics::FleetMetrics;
 use super::request::{self, decode_error, submit_error};
-use crate::engine::{Engine, EngineConfig, EngineLoad, EngineOutput};
+use crate::engine::{Engine, EngineConfig, EngineOutput};
 
 /// The data-parallel rank every simulated worker serves (one rank per worker).
 const DP_RANK: DpRank = 0;
@@ -134,7 +134,7 @@ pub(crate) async fn spawn(
         metrics,
         registered: registered.clone(),
         load_seq: 0,
-        last_load: None,
+        last_counts: None,
     };
     let task = tokio::spawn(worker.run(requests, resets, stop_rx));
     Ok(WorkerHandle {
@@ -155,7 +155,8 @@ struct Worker {
     metrics: Arc<FleetMetrics>,
     registered: Arc<AtomicBool>,
     load_seq: u64,
-    last_load: Option<EngineLoad>,
+    /// Request counts (running, waiting) of the last load report.
+    last_counts: Option<(u64, u64)>,
 }
 
 /// A message to send once the engine's lock is released.
@@ -179,8 +180,8 @@ impl Worker {
                 core.engine.next_wakeup().map(|sim| core.clock.wall_at(sim))
             };
             let mut force_load = false;
+            // Unbiased: a flood of requests must not starve timers, resets or the stop.
             tokio::select! {
-                biased;
                 mode = &mut stop => break mode.unwrap_or(StopMode::Graceful),
                 msg = requests.next() => match msg {
                     Some(msg) => self.on_request(msg).await,
@@ -376,15 +377,15 @@ impl Worker {
 
     /// Publishes a load report when forced (periodic) or when the request counts changed.
     async fn report_load(&mut self, force: bool) {
-        let load = self.core.lock().engine.load();
-        let changed = self.last_load.is_none_or(|last| {
-            (last.active_requests, last.waiting_requests)
-                != (load.active_requests, load.waiting_requests)
-        });
-        if !force && !changed {
-            return;
-        }
-        self.last_load = Some(load);
+        let load = {
+            let core = self.core.lock();
+            let counts = core.engine.request_counts();
+            if !force && self.last_counts == Some(counts) {
+                return;
+            }
+            self.last_counts = Some(counts);
+            core.engine.load()
+        };
         self.load_seq += 1;
         let report = load.to_worker_load(self.worker_id, DP_RANK, self.load_seq, now_ms());
         self.metrics.load_reports.inc();
