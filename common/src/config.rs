@@ -51,7 +51,8 @@ pub struct NamespaceArgs {
     pub namespace: Namespace,
 }
 
-/// How to reach NATS.
+/// How to reach NATS. (Arg ids are the flag names, so the struct flattens next to
+/// [`EtcdArgs`], whose fields have the same names.)
 #[derive(Debug, Clone, clap::Args)]
 pub struct NatsArgs {
     /// NATS server URLs, comma-separated (nats://, tls://, or host:port).
@@ -364,6 +365,32 @@ fn validate_url(field: &'static str, url: &str, schemes: &[&str]) -> Result<(), 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nats_and_etcd_flatten_into_one_command() {
+        use clap::{CommandFactory, Parser};
+        #[derive(Debug, Parser)]
+        struct Both {
+            #[command(flatten)]
+            nats: NatsArgs,
+            #[command(flatten)]
+            etcd: EtcdArgs,
+        }
+        Both::command().debug_assert();
+        let both = Both::try_parse_from([
+            "x",
+            "--nats-user=u",
+            "--nats-password=p",
+            "--etcd-user=e",
+            "--etcd-password=q",
+            "--nats-connect-timeout-ms=7",
+        ])
+        .unwrap();
+        assert_eq!(both.nats.user.as_deref(), Some("u"));
+        assert_eq!(both.etcd.user.as_deref(), Some("e"));
+        assert_eq!(both.nats.connect_timeout_ms, 7);
+        assert_eq!(both.etcd.connect_timeout_ms, 5000);
+    }
 
     #[test]
     fn validation_names_the_field() {

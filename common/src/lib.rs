@@ -11,6 +11,7 @@
 pub mod codec;
 pub mod config;
 pub mod discovery;
+pub mod events_stream;
 pub mod hashing;
 pub mod ids;
 pub mod messages;

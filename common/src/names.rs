@@ -55,6 +55,12 @@ impl Names {
         format!("{}.worker.{worker}.resync", self.subject_root)
     }
 
+    /// Request/reply, kvroute-mocker only: drop the simulated worker's cache and running
+    /// requests (it publishes `Cleared`), so benchmark runs start cold.
+    pub fn worker_reset(&self, worker: WorkerId) -> String {
+        format!("{}.worker.{worker}.reset", self.subject_root)
+    }
+
     /// Worker load reports.
     pub fn load(&self, worker: WorkerId) -> String {
         format!("{}.load.{worker}", self.subject_root)
@@ -173,6 +179,7 @@ mod tests {
         assert_eq!(n.kv_events_all(), "kvroute.prod-1.kv.events.*");
         assert_eq!(n.select(), "kvroute.prod-1.select");
         assert_eq!(n.worker_resync(7), "kvroute.prod-1.worker.7.resync");
+        assert_eq!(n.worker_reset(7), "kvroute.prod-1.worker.7.reset");
         assert_eq!(n.events_stream(), "KVROUTE_prod-1_EVENTS");
         assert_eq!(n.sessions_bucket(), "KVROUTE_prod-1_SESSIONS");
         assert_eq!(n.worker_key(7), "/kvroute/prod-1/workers/7");

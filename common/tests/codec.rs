@@ -90,6 +90,7 @@ fn select_request() -> SelectRequest {
         expected_output_tokens: Some(256),
         priority: Some(-1),
         temperature: Some(0.5),
+        policy: Some("round-robin".into()),
         ..Default::default()
     }
 }
@@ -209,6 +210,44 @@ fn index_error() -> IndexQueryResponse {
     })
 }
 
+fn generate_request() -> GenerateRequest {
+    GenerateRequest {
+        v: SchemaVersion::CURRENT,
+        request_id: uuid(1),
+        token_ids: Some((0..100).collect()),
+        block_hashes: None,
+        block_size: None,
+        prompt_tokens: None,
+        max_tokens: 32,
+        lora_name: Some("sql".into()),
+        dp_rank: Some(1),
+        decision_id: Some(uuid(2)),
+    }
+}
+
+fn generate_reply() -> GenerateResponse {
+    GenerateResponse::Ok(GenerateReply {
+        v: SchemaVersion::CURRENT,
+        request_id: uuid(1),
+        worker_id: 3,
+        dp_rank: 1,
+        ttft_ms: 12.5,
+        latency_ms: 340.25,
+        prompt_tokens: 100,
+        cached_tokens: 64,
+        output_tokens: 32,
+    })
+}
+
+fn generate_error() -> GenerateResponse {
+    GenerateResponse::Error(GenerateError {
+        v: SchemaVersion::CURRENT,
+        request_id: Some(uuid(1)),
+        code: GenerateErrorCode::UnknownDpRank,
+        message: "rank 7 is not served here".into(),
+    })
+}
+
 fn round_trip<T: WireMessage + PartialEq + std::fmt::Debug>(msg: T) {
     let bytes = encode(&msg).expect("encodes");
     let back: T = decode(&bytes).expect("decodes");
@@ -232,6 +271,16 @@ fn every_message_round_trips() {
     round_trip(index_query());
     round_trip(index_reply());
     round_trip(index_error());
+    round_trip(generate_request());
+    round_trip(GenerateRequest {
+        token_ids: None,
+        block_hashes: Some(vec![1, 2]),
+        block_size: Some(64),
+        prompt_tokens: Some(150),
+        ..generate_request()
+    });
+    round_trip(generate_reply());
+    round_trip(generate_error());
     round_trip(ControlRecord {
         v: SchemaVersion::CURRENT,
         action: ControlAction::WorkerRemoved { worker_id: 9 },
@@ -296,6 +345,30 @@ fn missing_optional_fields_take_defaults() {
     assert_eq!(r.request_id, None);
     assert_eq!(r.session, None);
     assert_eq!(r.role, WorkerRole::Aggregated);
+    assert_eq!(r.policy, None);
+
+    // A minimal generate request: id, tokens and length; its wire shape by name.
+    let mut raw = Vec::new();
+    rmpv::encode::write_value(
+        &mut raw,
+        &Value::Map(vec![
+            ("request_id".into(), uuid(5).to_string().into()),
+            ("token_ids".into(), Value::Array(vec![1.into(), 2.into()])),
+            ("max_tokens".into(), 4.into()),
+        ]),
+    )
+    .unwrap();
+    let g: GenerateRequest = decode(&raw).unwrap();
+    assert_eq!((g.request_id, g.max_tokens), (uuid(5), 4));
+    assert_eq!((g.dp_rank, g.block_hashes, g.lora_name), (None, None, None));
+    let bytes = encode(&generate_error()).unwrap();
+    let json = rmpv_to_json(&rmpv::decode::read_value(&mut &bytes[..]).unwrap());
+    assert_eq!(json["status"], "error");
+    assert_eq!(json["code"], "unknown_dp_rank");
+    let bytes = encode(&generate_reply()).unwrap();
+    let json = rmpv_to_json(&rmpv::decode::read_value(&mut &bytes[..]).unwrap());
+    assert_eq!(json["status"], "ok");
+    assert_eq!(json["cached_tokens"], 64);
 }
 
 #[test]

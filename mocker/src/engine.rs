@@ -174,6 +174,11 @@ impl Engine {
         &self.cache
     }
 
+    /// Requests (running, waiting): a cheap check of whether [`Engine::load`] changed shape.
+    pub fn request_counts(&self) -> (u64, u64) {
+        (self.running.len() as u64, self.waiting.len() as u64)
+    }
+
     pub fn load(&self) -> EngineLoad {
         let bs = u64::from(self.config.block_size);
         let running_prefill: u64 = self

@@ -1,10 +1,12 @@
 //! kvroute's mocker: simulated inference workers and trace replay.
 //!
 //! The core is sans-I/O: [`cache::KvCache`] and [`engine::Engine`] are state machines driven by
-//! simulated time passed in as an argument; the process shell maps them onto NATS and real time.
+//! simulated time passed in as an argument; the process shells map them onto NATS and real time:
+//! [`fleet`] (the `kvroute-mocker` process) and [`replay`]'s driver (the `kvroute-replay` tool).
 
 pub mod cache;
 pub mod engine;
+pub mod fleet;
 pub mod replay;
 
 pub use cache::{Admission, CacheConfig, CacheError, KvCache};

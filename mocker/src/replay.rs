@@ -1,12 +1,30 @@
-//! Pure pieces of trace replay: the oracle bounds of a trace's prefix-cache hit rate, summary
-//! statistics and the run report. The replay tool drives workers and routers and feeds these.
+//! Trace replay. The pure pieces: the oracle bounds of a trace's prefix-cache hit rate, summary
+//! statistics, the run report and its table and chart. The shell (`kvroute-replay`): the plan
+//! of arrivals, the selectors (routers over NATS, or in-process), the driver that sends each
+//! request through a selector to its worker, and the run over every mode.
 
 pub mod chart;
+pub mod config;
+pub mod driver;
+pub mod local;
 pub mod oracle;
+pub mod plan;
+pub mod progress;
 pub mod report;
+pub mod run;
+pub mod selector;
 pub mod stats;
+pub mod table;
+pub mod workers;
 
 pub use chart::{ChartError, DEFAULT_FONT, write_chart};
+pub use config::{Mode, ReplayArgs, SelectorKind};
+pub use driver::{DriveSettings, Tally, drive};
+pub use local::LocalSelector;
 pub use oracle::{InfiniteOracle, LruOracle, OracleHitRates, oracle_hit_rates};
+pub use plan::Plan;
 pub use report::{ModeRecorder, ModeReport, RequestSample, RunReport};
+pub use run::{emit, run};
+pub use selector::{RouterSelector, SelectFailure, Selector};
 pub use stats::{Summary, coefficient_of_variation, percentile};
+pub use table::render_table;

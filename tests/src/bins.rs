@@ -21,8 +21,9 @@ pub fn kvroute_bin(package: &str, name: &str) -> anyhow::Result<PathBuf> {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
             let out = Command::new(cargo)
                 .current_dir(workspace_root())
-                .args(["build", "--quiet", "--bins", "-p", "kvroute-indexer"])
-                .args(["-p", "kvroute-router", "-p", "kvroute-mocker"])
+                // Exactly what scripts/test runs first, so this is a no-op there (other
+                // package selections would unify features differently and rebuild).
+                .args(["build", "--quiet", "--workspace", "--bins"])
                 .output()
                 .map_err(|e| e.to_string())?;
             if !out.status.success() {

@@ -5,12 +5,16 @@
 //! fields are ignored, so older and newer peers can talk.
 
 mod decision;
+mod generate;
 mod index;
 mod kv_event;
 mod select;
 mod worker;
 
 pub use decision::{Decision, LifecycleKind, RequestLifecycle};
+pub use generate::{
+    GenerateError, GenerateErrorCode, GenerateReply, GenerateRequest, GenerateResponse,
+};
 pub use index::{
     IndexError, IndexErrorCode, IndexQuery, IndexQueryResponse, IndexReply, ReplicaStatus,
     WorkerMatch,

@@ -58,6 +58,11 @@ pub struct SelectRequest {
     /// Overrides the policy's temperature for this request (0 = deterministic).
     #[serde(default)]
     pub temperature: Option<f64>,
+    /// Asks for this policy (a configured instance name or a registered type, e.g.
+    /// `round-robin`) instead of the role's configured one: for benchmarks and A/B runs.
+    /// Absent: the role's policy. A router that knows no such policy answers `bad_request`.
+    #[serde(default)]
+    pub policy: Option<String>,
 }
 
 impl WireMessage for SelectRequest {

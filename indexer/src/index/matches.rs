@@ -43,11 +43,25 @@ impl OverlapScores {
 struct Run {
     slot: Slot,
     by_tier: [u32; 3],
+    /// Best tier on the last node merged.
+    tier: usize,
 }
 
 #[inline]
 fn best_tier(tiers: u8) -> usize {
     tiers.trailing_zeros() as usize
+}
+
+/// Credits `pending` more blocks to every live run, in the tier of its last node.
+#[inline]
+fn flush(runs: &mut [Run], live: &[u32], pending: &mut u32) {
+    if *pending > 0 {
+        for &i in live {
+            let run = &mut runs[i as usize];
+            run.by_tier[run.tier] += *pending;
+        }
+        *pending = 0;
+    }
 }
 
 impl RadixIndex {
@@ -70,14 +84,20 @@ impl RadixIndex {
         let mut runs: Vec<Run> = owners
             .iter()
             .map(|&e| {
+                let tier = best_tier(owner_tiers(e));
                 let mut by_tier = [0; 3];
-                by_tier[best_tier(owner_tiers(e))] = 1;
+                by_tier[tier] = 1;
                 Run {
                     slot: owner_slot(e),
                     by_tier,
+                    tier,
                 }
             })
             .collect();
+        // A run of nodes with identical owner lists (a prefix shared by the same workers in the
+        // same tiers) is counted once at its end: one slice compare per node instead of a merge.
+        let mut prev: &[u32] = owners;
+        let mut pending = 0u32;
         // Indices into `runs` of workers still on the path, in slot order (as owners are).
         let mut live: Vec<u32> = (0..runs.len() as u32).collect();
         for &h in rest {
@@ -86,13 +106,20 @@ impl RadixIndex {
             };
             node = child;
             let owners = &self.tree.node(node).owners;
+            if owners.as_slice() == prev {
+                pending += 1;
+                continue;
+            }
+            flush(&mut runs, &live, &mut pending);
+            prev = owners;
             let mut kept = 0;
             if live.len() * 16 < owners.len() {
                 // Few workers left on a crowded node: look each one up.
                 for i in 0..live.len() {
                     let run = &mut runs[live[i] as usize];
                     if let Ok(k) = owners.binary_search_by_key(&run.slot, |&e| owner_slot(e)) {
-                        run.by_tier[best_tier(owner_tiers(owners[k]))] += 1;
+                        run.tier = best_tier(owner_tiers(owners[k]));
+                        run.by_tier[run.tier] += 1;
                         live[kept] = live[i];
                         kept += 1;
                     }
@@ -106,7 +133,8 @@ impl RadixIndex {
                         k += 1;
                     }
                     if k < owners.len() && owner_slot(owners[k]) == run.slot {
-                        run.by_tier[best_tier(owner_tiers(owners[k]))] += 1;
+                        run.tier = best_tier(owner_tiers(owners[k]));
+                        run.by_tier[run.tier] += 1;
                         live[kept] = live[i];
                         kept += 1;
                         k += 1;
@@ -118,6 +146,7 @@ impl RadixIndex {
                 break;
             }
         }
+        flush(&mut runs, &live, &mut pending);
         let mut matches: Vec<WorkerMatch> = runs
             .iter()
             .map(|r| {

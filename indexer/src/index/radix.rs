@@ -4,6 +4,7 @@
 //! change comes through [`RadixIndex::apply`] (or the `remove_worker*` calls), and a refused
 //! event changes nothing.
 
+use hashbrown::hash_table;
 use kvroute_common::hashing::SequenceHash;
 use kvroute_common::ids::{DpRank, WorkerId};
 use kvroute_common::messages::{KvEventBatch, KvEventData, StorageTier, StoredBlock};
@@ -12,7 +13,7 @@ use super::config::IndexConfig;
 use super::eviction::EvictionQueue;
 use super::outcome::{ApplyError, ApplyOk, BatchOutcome};
 use super::stats::{Anomalies, IndexStats, WorkerBlocks};
-use super::tree::{MAX_SLOTS, NodeId, ROOT, Slot, Tree};
+use super::tree::{MAX_SLOTS, NodeId, ROOT, Slot, Tree, mix};
 use super::workers::{Entry, Workers};
 
 /// The exact prefix index: which (worker, dp rank) holds which chain of blocks.
@@ -213,8 +214,6 @@ impl RadixIndex {
     ) {
         let capped = self.config.max_entries.is_some();
         let held = self.tree.tiers_of(node, slot);
-        let sb = self.workers.get_mut(slot).expect("slot assigned");
-        let previous = sb.get(block_hash).map(|e| e.node);
         // The node gains its owner before anything is released, so neither it nor its
         // ancestors can be freed below.
         if held & bit == 0 {
@@ -223,28 +222,47 @@ impl RadixIndex {
         } else {
             ok.unchanged += 1;
         }
-        match previous {
-            Some(old) if old == node => {
-                if held & bit != 0 {
-                    self.anomalies.duplicate_stored_blocks += 1;
+        let sb = self.workers.get_mut(slot).expect("slot assigned");
+        let entry = sb.blocks.entry(
+            mix(block_hash),
+            |e| e.block_hash == block_hash,
+            |e| mix(e.block_hash),
+        );
+        match entry {
+            hash_table::Entry::Occupied(mut o) => {
+                let old = o.get().node;
+                if old == node {
+                    if held & bit != 0 {
+                        self.anomalies.duplicate_stored_blocks += 1;
+                    }
+                    if capped {
+                        o.get_mut().stamp = self.queue.push(slot, block_hash);
+                    }
+                    return;
                 }
-                if capped {
-                    let stamp = self.queue.push(slot, block_hash);
-                    let sb = self.workers.get_mut(slot).expect("slot assigned");
-                    sb.get_mut(block_hash).expect("entry present").stamp = stamp;
-                }
-            }
-            previous => {
-                if let Some(old) = previous {
-                    // The hash named another block: that block is gone for this worker.
-                    self.anomalies.rebound_blocks += 1;
-                    let sb = self.workers.get_mut(slot).expect("slot assigned");
-                    sb.remove(block_hash);
-                    self.entries -= 1;
-                    self.tree.set_tiers(old, slot, 0);
-                }
+                // The hash named another block: that block is gone for this worker.
+                self.anomalies.rebound_blocks += 1;
                 if held != 0 {
                     // Already held under another hash: the first name stays.
+                    self.anomalies.aliased_blocks += 1;
+                    o.remove();
+                    self.entries -= 1;
+                } else {
+                    let stamp = if capped {
+                        self.queue.push(slot, block_hash)
+                    } else {
+                        0
+                    };
+                    *o.get_mut() = Entry {
+                        block_hash,
+                        node,
+                        stamp,
+                    };
+                }
+                self.tree.set_tiers(old, slot, 0);
+            }
+            hash_table::Entry::Vacant(v) => {
+                if held != 0 {
                     self.anomalies.aliased_blocks += 1;
                     return;
                 }
@@ -253,8 +271,7 @@ impl RadixIndex {
                 } else {
                     0
                 };
-                let sb = self.workers.get_mut(slot).expect("slot assigned");
-                sb.insert_new(Entry {
+                v.insert(Entry {
                     block_hash,
                     node,
                     stamp,

@@ -70,8 +70,20 @@ pub(crate) struct Tree {
     nodes: Vec<Node>,
     free_head: NodeId,
     live: usize,
-    /// Child ids, keyed by their node's `(parent, tokens_hash)`.
-    edges: HashTable<NodeId>,
+    /// Child ids, keyed by their node's `(parent, tokens_hash)`, in [`EDGE_SHARDS`] tables
+    /// chosen by the hash's top bits, so a table resize (which rehashes through the arena)
+    /// stalls a writer, and readers behind it, for 1/64 of the edges only.
+    edges: Vec<HashTable<NodeId>>,
+}
+
+/// Edge tables (a power of two).
+const EDGE_SHARDS: usize = 64;
+
+/// Middle bits: hashbrown takes bucket positions from the low bits and its control byte from
+/// the top seven, so neither is skewed within a shard.
+#[inline]
+fn shard_of(hash: u64) -> usize {
+    (hash >> 40) as usize & (EDGE_SHARDS - 1)
 }
 
 impl Default for Tree {
@@ -91,7 +103,7 @@ impl Tree {
             }],
             free_head: FREE,
             live: 0,
-            edges: HashTable::new(),
+            edges: (0..EDGE_SHARDS).map(|_| HashTable::new()).collect(),
         }
     }
 
@@ -123,8 +135,9 @@ impl Tree {
     #[inline]
     pub fn child(&self, parent: NodeId, tokens_hash: u64) -> Option<NodeId> {
         let nodes = &self.nodes;
-        self.edges
-            .find(edge_hash(parent, tokens_hash), |&c| {
+        let hash = edge_hash(parent, tokens_hash);
+        self.edges[shard_of(hash)]
+            .find(hash, |&c| {
                 let n = &nodes[c as usize];
                 n.tokens_hash == tokens_hash && n.parent == parent
             })
@@ -134,17 +147,20 @@ impl Tree {
     /// The child of `parent` for `tokens_hash`, created (without owners) if missing. The caller
     /// must give the new node an owner or a child before the next release.
     pub fn child_or_insert(&mut self, parent: NodeId, tokens_hash: u64) -> NodeId {
-        if let Some(c) = self.child(parent, tokens_hash) {
+        // A parent without children (the common case when a chain grows) needs no probe.
+        if self.nodes[parent as usize].children != 0
+            && let Some(c) = self.child(parent, tokens_hash)
+        {
             return c;
         }
         let id = self.alloc(parent, tokens_hash);
         self.nodes[parent as usize].children += 1;
         let nodes = &self.nodes;
-        self.edges
-            .insert_unique(edge_hash(parent, tokens_hash), id, |&c| {
-                let n = &nodes[c as usize];
-                edge_hash(n.parent, n.tokens_hash)
-            });
+        let hash = edge_hash(parent, tokens_hash);
+        self.edges[shard_of(hash)].insert_unique(hash, id, |&c| {
+            let n = &nodes[c as usize];
+            edge_hash(n.parent, n.tokens_hash)
+        });
         id
     }
 
@@ -214,10 +230,8 @@ impl Tree {
                 return;
             }
             let (parent, tokens_hash) = (n.parent, n.tokens_hash);
-            if let Ok(edge) = self
-                .edges
-                .find_entry(edge_hash(parent, tokens_hash), |&c| c == node)
-            {
+            let hash = edge_hash(parent, tokens_hash);
+            if let Ok(edge) = self.edges[shard_of(hash)].find_entry(hash, |&c| c == node) {
                 edge.remove();
             }
             let freed = &mut self.nodes[node as usize];
@@ -239,7 +253,8 @@ impl Tree {
             .filter(|n| n.owners.spilled())
             .map(|n| n.owners.capacity() * 4)
             .sum();
-        self.nodes.capacity() * std::mem::size_of::<Node>() + spilled + self.edges.allocation_size()
+        let edges: usize = self.edges.iter().map(HashTable::allocation_size).sum();
+        self.nodes.capacity() * std::mem::size_of::<Node>() + spilled + edges
     }
 
     /// Rebuilds a tree from `(parent, tokens_hash)` pairs where every parent precedes its
@@ -249,7 +264,9 @@ impl Tree {
     ) -> Result<Self, &'static str> {
         let mut tree = Self::new();
         tree.nodes.reserve_exact(nodes.len());
-        tree.edges.reserve(nodes.len(), |_| 0);
+        for shard in &mut tree.edges {
+            shard.reserve(nodes.len() / EDGE_SHARDS, |_| 0);
+        }
         for (parent, tokens_hash) in nodes {
             let id = tree.nodes.len() as NodeId;
             if parent >= id {
@@ -267,11 +284,11 @@ impl Tree {
             tree.live += 1;
             tree.nodes[parent as usize].children += 1;
             let nodes = &tree.nodes;
-            tree.edges
-                .insert_unique(edge_hash(parent, tokens_hash), id, |&c| {
-                    let n = &nodes[c as usize];
-                    edge_hash(n.parent, n.tokens_hash)
-                });
+            let hash = edge_hash(parent, tokens_hash);
+            tree.edges[shard_of(hash)].insert_unique(hash, id, |&c| {
+                let n = &nodes[c as usize];
+                edge_hash(n.parent, n.tokens_hash)
+            });
         }
         Ok(tree)
     }

@@ -36,19 +36,6 @@ impl SlotBlocks {
             .find(mix(block_hash), |e| e.block_hash == block_hash)
     }
 
-    #[inline]
-    pub fn get_mut(&mut self, block_hash: SequenceHash) -> Option<&mut Entry> {
-        self.blocks
-            .find_mut(mix(block_hash), |e| e.block_hash == block_hash)
-    }
-
-    /// Inserts an entry whose block hash is not present.
-    #[inline]
-    pub fn insert_new(&mut self, entry: Entry) {
-        self.blocks
-            .insert_unique(mix(entry.block_hash), entry, |e| mix(e.block_hash));
-    }
-
     pub fn remove(&mut self, block_hash: SequenceHash) -> Option<Entry> {
         self.blocks
             .find_entry(mix(block_hash), |e| e.block_hash == block_hash)

@@ -12,7 +12,6 @@ mod leader;
 mod metrics;
 mod serve;
 mod snapshots;
-mod stream;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -22,6 +21,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, message::PublishMessage};
 use kvroute_common::codec::encode;
 use kvroute_common::discovery::{WorkerEvent, watch_workers};
+use kvroute_common::events_stream::ensure_events_stream;
 use kvroute_common::ids::WorkerId;
 use kvroute_common::messages::{ControlAction, ControlRecord, ReplicaStatus, SchemaVersion};
 use kvroute_common::names::Names;
@@ -31,7 +31,6 @@ use self::ingest::LogMessage;
 pub use self::metrics::IndexerMetrics;
 pub use self::serve::{Shared, answer};
 pub use self::snapshots::SnapshotStore;
-pub use self::stream::{desired_config, ensure_events_stream, mismatches};
 use crate::config::IndexerConfig;
 use crate::replica::{ApplyReport, ReplicaState};
 

@@ -32,6 +32,7 @@ fn run_cases(cap: Option<usize>, default_cases: u64) {
                 seen.deep_matches += c.deep_matches;
                 let (a, b) = (&mut seen.anomalies, c.anomalies);
                 a.parent_unknown_events += b.parent_unknown_events;
+                a.parent_unknown_blocks += b.parent_unknown_blocks;
                 a.removed_unknown_blocks += b.removed_unknown_blocks;
                 a.duplicate_stored_blocks += b.duplicate_stored_blocks;
                 a.rebound_blocks += b.rebound_blocks;

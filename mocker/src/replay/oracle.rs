@@ -97,13 +97,18 @@ impl LruOracle {
         }
     }
 
+    /// Leading blocks of the prompt held now, without touching the cache.
+    pub fn peek(&self, sequence: &[SequenceHash]) -> usize {
+        sequence
+            .iter()
+            .take_while(|h| self.ticks.contains_key(h))
+            .count()
+    }
+
     /// Leading blocks of the prompt held; then makes all of them the most recently used
     /// (deepest first, so a prefix outlives its extensions) and evicts down to capacity.
     pub fn observe(&mut self, sequence: &[SequenceHash]) -> usize {
-        let hits = sequence
-            .iter()
-            .take_while(|h| self.ticks.contains_key(h))
-            .count();
+        let hits = self.peek(sequence);
         for &h in sequence.iter().rev() {
             let tick = self.next_tick;
             self.next_tick += 1;
@@ -155,6 +160,7 @@ mod tests {
         o.observe(&[1, 5]); // 4 blocks: 3 is now the oldest, then 2
         o.observe(&[6]); // evicts 3
         assert_eq!(o.len(), 4);
+        assert_eq!(o.peek(&[1, 2, 3]), 2);
         assert_eq!(o.observe(&[1, 2, 3]), 2);
         let mut o = LruOracle::new(0);
         assert_eq!(o.observe(&[1]), 0);

@@ -1,12 +1,64 @@
-//! The events stream: created idempotently by the first process that needs it; later processes
-//! compare its settings with theirs and report differences instead of overwriting them.
+//! The events stream `KVROUTE_<ns>_EVENTS`: created idempotently by the first process that
+//! needs it (indexer, or a worker fleet); later processes compare its settings with theirs and
+//! report differences instead of overwriting them.
 
 use std::time::Duration;
 
+use crate::names::Names;
 use async_nats::jetstream::{self, stream};
-use kvroute_common::names::Names;
 
-use crate::config::{StreamArgs, StreamStorage};
+/// Where the events stream keeps its messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StreamStorage {
+    File,
+    Memory,
+}
+
+/// The events stream's settings. The first process that needs the stream creates it with
+/// these; later processes compare and report mismatches instead of overwriting.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StreamArgs {
+    /// Replicas of the events stream (1 on a single NATS node, 3 in a cluster).
+    #[arg(
+        long = "stream-replicas",
+        env = "KVROUTE_STREAM_REPLICAS",
+        default_value_t = 1
+    )]
+    pub replicas: usize,
+    /// Oldest message the stream keeps, in seconds (0 = no age limit).
+    #[arg(
+        long = "stream-max-age-secs",
+        env = "KVROUTE_STREAM_MAX_AGE_SECS",
+        default_value_t = 86_400
+    )]
+    pub max_age_secs: u64,
+    /// Most bytes the stream keeps (-1 = no limit).
+    #[arg(long = "stream-max-bytes", env = "KVROUTE_STREAM_MAX_BYTES", default_value_t = 8 * 1024 * 1024 * 1024)]
+    pub max_bytes: i64,
+    /// Stream storage: file or memory.
+    #[arg(long = "stream-storage", env = "KVROUTE_STREAM_STORAGE", value_enum, default_value_t = StreamStorage::File)]
+    pub storage: StreamStorage,
+    /// Window in which a republished batch (same message id) is dropped as a duplicate, in seconds.
+    #[arg(
+        long = "stream-duplicate-window-secs",
+        env = "KVROUTE_STREAM_DUPLICATE_WINDOW_SECS",
+        default_value_t = 120
+    )]
+    pub duplicate_window_secs: u64,
+}
+
+impl Default for StreamArgs {
+    /// The same values as the flags' defaults.
+    fn default() -> Self {
+        Self {
+            replicas: 1,
+            max_age_secs: 86_400,
+            max_bytes: 8 * 1024 * 1024 * 1024,
+            storage: StreamStorage::File,
+            duplicate_window_secs: 120,
+        }
+    }
+}
 
 /// The settings kvroute wants for the events stream.
 pub fn desired_config(names: &Names, args: &StreamArgs) -> stream::Config {

@@ -1,0 +1,59 @@
+//! The `kvroute-mocker` process: its flags, and `run` from connection to clean shutdown.
+
+use std::future::Future;
+
+use anyhow::Context as _;
+use kvroute_common::Names;
+use kvroute_common::config::{ConfigError, EtcdArgs, NamespaceArgs, NatsArgs};
+use kvroute_common::telemetry::TelemetryArgs;
+
+use super::{Fleet, FleetConfig};
+
+/// Runs N simulated inference workers in one process: each registers in etcd under its own
+/// lease, serves GenerateRequests on NATS, and publishes KV events, lifecycle events and load.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "kvroute-mocker", version)]
+pub struct MockerArgs {
+    #[command(flatten)]
+    pub fleet: FleetConfig,
+    #[command(flatten)]
+    pub namespace: NamespaceArgs,
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
+}
+
+impl MockerArgs {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.fleet.validate()?;
+        self.nats.validate()?;
+        self.etcd.validate()
+    }
+}
+
+/// Connects, starts the fleet, and runs until `shutdown` resolves; then deregisters every
+/// worker before returning.
+pub async fn run(args: MockerArgs, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    args.validate()?;
+    let names = Names::new(&args.namespace.namespace);
+    let nats = args.nats.connect("kvroute-mocker").await?;
+    let etcd = args.etcd.connect().await?;
+    tokio::pin!(shutdown);
+    let fleet = tokio::select! {
+        fleet = Fleet::start(&args.fleet, nats.clone(), etcd, &names) => {
+            fleet.context("starting the fleet")?
+        }
+        _ = &mut shutdown => {
+            tracing::info!("shutdown requested before the fleet registered");
+            return Ok(());
+        }
+    };
+    shutdown.await;
+    tracing::info!("shutting down");
+    fleet.shutdown().await;
+    nats.flush().await.context("flushing NATS")?;
+    Ok(())
+}

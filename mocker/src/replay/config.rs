@@ -1,0 +1,283 @@
+//! The replay tool's settings: the trace and its time scaling, the routing modes to compare,
+//! where selections come from, and the outputs. Parsed by `kvroute-replay`, checked once by
+//! [`ReplayArgs::validate`].
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvroute_common::config::{ConfigError, EtcdArgs, NamespaceArgs, NatsArgs};
+use kvroute_common::telemetry::TelemetryArgs;
+
+use super::chart::DEFAULT_FONT;
+
+/// A routing mode to measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum)]
+pub enum Mode {
+    /// The router's configured (KV-aware) policy.
+    Kv,
+    RoundRobin,
+    Random,
+    LeastBusy,
+}
+
+impl Mode {
+    pub const ALL: [Mode; 4] = [Mode::Kv, Mode::RoundRobin, Mode::Random, Mode::LeastBusy];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Kv => "kv",
+            Mode::RoundRobin => "round-robin",
+            Mode::Random => "random",
+            Mode::LeastBusy => "least-busy",
+        }
+    }
+
+    /// The `policy` a selection request asks the router for (`None`: the configured one).
+    pub fn router_policy(self) -> Option<&'static str> {
+        match self {
+            Mode::Kv => None,
+            other => Some(other.as_str()),
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Who picks the worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum SelectorKind {
+    /// kvroute routers on `kvroute.<ns>.select` (any number of replicas).
+    #[default]
+    Router,
+    /// An in-process approximation of each mode (no router needed; `kv` assumes each worker
+    /// caches what was sent to it, LRU-bounded by its card's capacity).
+    Local,
+}
+
+/// Replays a Mooncake trace through kvroute's routers onto a (mocker) fleet, once per routing
+/// mode, and reports cache hits against the oracles, latency, throughput, load spread and
+/// errors.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "kvroute-replay", version)]
+pub struct ReplayArgs {
+    /// Mooncake JSONL trace (relative paths are from the working directory).
+    #[arg(
+        long,
+        env = "KVROUTE_REPLAY_TRACE",
+        default_value = "../shared/traces/conversation_trace.jsonl"
+    )]
+    pub trace: PathBuf,
+    /// Replay only the first N requests of the trace (0 = all).
+    #[arg(long, env = "KVROUTE_REPLAY_LIMIT", default_value_t = 1000)]
+    pub limit: usize,
+    /// Factor on the trace's arrival times, giving simulated arrival times (0.5 = twice the
+    /// request rate).
+    #[arg(
+        long,
+        env = "KVROUTE_REPLAY_TIME_SCALE",
+        default_value_t = 1.0,
+        conflicts_with = "target_duration_secs"
+    )]
+    pub time_scale: f64,
+    /// Instead of --time-scale: scale arrivals so the last one comes this many simulated
+    /// seconds after the first.
+    #[arg(long, env = "KVROUTE_REPLAY_TARGET_DURATION_SECS")]
+    pub target_duration_secs: Option<f64>,
+    /// Routing modes to measure, comma-separated, in order.
+    #[arg(
+        long,
+        env = "KVROUTE_REPLAY_MODES",
+        value_enum,
+        value_delimiter = ',',
+        default_value = "kv,round-robin,random,least-busy"
+    )]
+    pub modes: Vec<Mode>,
+    /// Where selections come from.
+    #[arg(long, env = "KVROUTE_REPLAY_SELECTOR", value_enum, default_value_t = SelectorKind::Router)]
+    pub selector: SelectorKind,
+    /// Model name to request (the workers' cards must serve it).
+    #[arg(long, env = "KVROUTE_REPLAY_MODEL", default_value = "mock-model")]
+    pub model: String,
+    /// Simulated seconds per wall second of the fleet; default: the workers' card label
+    /// `kvroute.mocker/speedup`, else 1.
+    #[arg(long, env = "KVROUTE_REPLAY_SPEEDUP")]
+    pub speedup: Option<f64>,
+    /// Wall-clock seconds to wait for a router's answer.
+    #[arg(
+        long,
+        env = "KVROUTE_REPLAY_SELECT_TIMEOUT_SECS",
+        default_value_t = 5.0
+    )]
+    pub select_timeout_secs: f64,
+    /// Wall-clock seconds to wait for a worker to finish a request.
+    #[arg(
+        long,
+        env = "KVROUTE_REPLAY_REQUEST_TIMEOUT_SECS",
+        default_value_t = 120.0
+    )]
+    pub request_timeout_secs: f64,
+    /// Wall-clock seconds to wait for workers to register before the first mode.
+    #[arg(long, env = "KVROUTE_REPLAY_WAIT_WORKERS_SECS", default_value_t = 30.0)]
+    pub wait_workers_secs: f64,
+    /// Do not reset the workers' caches before each mode (they must be kvroute-mocker
+    /// workers to reset; without reset, later modes inherit warm caches).
+    #[arg(long, env = "KVROUTE_REPLAY_NO_RESET")]
+    pub no_reset: bool,
+    /// Wall-clock milliseconds to wait after the resets, so indexers and routers see them.
+    #[arg(long, env = "KVROUTE_REPLAY_SETTLE_MS", default_value_t = 500)]
+    pub settle_ms: u64,
+    /// Seed of the local selector's random choices.
+    #[arg(long, env = "KVROUTE_REPLAY_SEED", default_value_t = 42)]
+    pub seed: u64,
+    /// Write the JSON report here.
+    #[arg(long, env = "KVROUTE_REPLAY_JSON_OUT")]
+    pub json_out: Option<PathBuf>,
+    /// Draw the PNG chart (TTFT percentiles and hit rate per mode) here.
+    #[arg(long, env = "KVROUTE_REPLAY_CHART_OUT")]
+    pub chart_out: Option<PathBuf>,
+    /// TrueType font for the chart's text.
+    #[arg(long, env = "KVROUTE_REPLAY_FONT", default_value = DEFAULT_FONT)]
+    pub font: PathBuf,
+    /// No progress bar; print only the summary.
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// Print only the JSON report on stdout (no progress bar, no table).
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub namespace: NamespaceArgs,
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
+}
+
+fn positive(field: &'static str, value: f64) -> Result<(), ConfigError> {
+    if value.is_finite() && value > 0.0 {
+        Ok(())
+    } else {
+        Err(ConfigError::new(
+            field,
+            format!("must be a positive number, got {value}"),
+        ))
+    }
+}
+
+impl ReplayArgs {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !self.trace.is_file() {
+            return Err(ConfigError::new(
+                "trace",
+                format!("file {} does not exist", self.trace.display()),
+            ));
+        }
+        positive("time-scale", self.time_scale)?;
+        if let Some(d) = self.target_duration_secs {
+            positive("target-duration-secs", d)?;
+        }
+        if self.modes.is_empty() {
+            return Err(ConfigError::new("modes", "name at least one mode"));
+        }
+        let mut seen = self.modes.clone();
+        seen.sort();
+        seen.dedup();
+        if seen.len() != self.modes.len() {
+            return Err(ConfigError::new("modes", "a mode is listed twice"));
+        }
+        if self.model.trim().is_empty() {
+            return Err(ConfigError::new("model", "must not be empty"));
+        }
+        if let Some(s) = self.speedup {
+            positive("speedup", s)?;
+        }
+        positive("select-timeout-secs", self.select_timeout_secs)?;
+        positive("request-timeout-secs", self.request_timeout_secs)?;
+        positive("wait-workers-secs", self.wait_workers_secs)?;
+        if self.chart_out.is_some() && !self.font.is_file() {
+            return Err(ConfigError::new(
+                "font",
+                format!(
+                    "file {} does not exist (needed by --chart-out)",
+                    self.font.display()
+                ),
+            ));
+        }
+        self.nats.validate()?;
+        self.etcd.validate()
+    }
+
+    pub fn select_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.select_timeout_secs)
+    }
+
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.request_timeout_secs)
+    }
+
+    /// Whether a progress bar and tables go to the terminal.
+    pub fn interactive(&self) -> bool {
+        !self.quiet && !self.json
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    fn parse(args: &[&str]) -> ReplayArgs {
+        let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+        let mut all = vec!["kvroute-replay", "--trace", trace];
+        all.extend_from_slice(args);
+        ReplayArgs::try_parse_from(all).unwrap()
+    }
+
+    #[test]
+    fn defaults_are_valid_and_modes_parse() {
+        let a = parse(&[]);
+        a.validate().unwrap();
+        assert_eq!(a.modes, Mode::ALL.to_vec());
+        let a = parse(&["--modes", "least-busy,kv", "--selector", "local"]);
+        assert_eq!(a.modes, vec![Mode::LeastBusy, Mode::Kv]);
+        assert_eq!(a.selector, SelectorKind::Local);
+        assert_eq!(Mode::Kv.router_policy(), None);
+        assert_eq!(Mode::RoundRobin.router_policy(), Some("round-robin"));
+    }
+
+    #[test]
+    fn validation_names_the_flag() {
+        let field = |args: &[&str]| parse(args).validate().unwrap_err().field;
+        assert_eq!(field(&["--time-scale", "0"]), "time-scale");
+        assert_eq!(
+            field(&["--target-duration-secs=-1"]),
+            "target-duration-secs"
+        );
+        assert_eq!(field(&["--modes", "kv,kv"]), "modes");
+        assert_eq!(field(&["--speedup", "0"]), "speedup");
+        let mut missing = parse(&[]);
+        missing.trace = "/nonexistent.jsonl".into();
+        assert_eq!(missing.validate().unwrap_err().field, "trace");
+        assert_eq!(
+            field(&["--chart-out", "x.png", "--font", "/nonexistent.ttf"]),
+            "font"
+        );
+        assert!(
+            ReplayArgs::try_parse_from([
+                "kvroute-replay",
+                "--time-scale",
+                "2",
+                "--target-duration-secs",
+                "3"
+            ])
+            .is_err(),
+            "the two scalings conflict"
+        );
+    }
+}

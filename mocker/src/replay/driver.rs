@@ -1,0 +1,216 @@
+//! Drives one mode of a replay: every planned request, at its arrival time, goes to the
+//! selector and then to the chosen worker; outcomes are recorded as they come back.
+//!
+//! Arrivals are simulated times; the driver sends at `start + arrival / speedup` of wall time.
+//! A request that fails anywhere (selection refused, worker gone, timeout, error reply) is
+//! counted by kind and the replay goes on.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::client::RequestErrorKind;
+use kvroute_common::codec::{decode, encode};
+use kvroute_common::messages::{GenerateRequest, GenerateResponse, SelectRequest};
+use kvroute_common::trace::TraceRequest;
+use kvroute_common::{Names, WorkerId};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::config::Mode;
+use super::plan::Plan;
+use super::report::{ModeRecorder, ModeReport, RequestSample};
+use super::selector::Selector;
+
+/// What a mode's run needs besides the plan and the selector.
+#[derive(Debug, Clone)]
+pub struct DriveSettings {
+    pub mode: Mode,
+    pub model: String,
+    /// Simulated seconds per wall second of the fleet.
+    pub speedup: f64,
+    /// Wall time to wait for a worker's reply.
+    pub request_timeout: Duration,
+    /// The workers at the start (every one counts in the load spread, even if idle).
+    pub workers: Vec<WorkerId>,
+}
+
+/// Running totals, for progress displays.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tally {
+    pub total: u64,
+    pub done: u64,
+    pub errors: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+}
+
+impl Tally {
+    pub fn hit_rate(&self) -> f64 {
+        if self.prompt_tokens == 0 {
+            0.0
+        } else {
+            self.cached_tokens as f64 / self.prompt_tokens as f64
+        }
+    }
+}
+
+enum Outcome {
+    Done {
+        sample: RequestSample,
+        /// Simulated time from the run's start to the last token.
+        finished_at: Duration,
+    },
+    Failed {
+        kind: String,
+    },
+}
+
+/// Replays `plan` once through `selector`; `progress` sees the totals after every request.
+pub async fn drive<S: Selector>(
+    plan: &Plan,
+    settings: &DriveSettings,
+    selector: Arc<S>,
+    nats: async_nats::Client,
+    names: &Names,
+    mut progress: impl FnMut(&Tally),
+) -> ModeReport {
+    let mut recorder = ModeRecorder::new(settings.mode.as_str(), settings.workers.clone());
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    // A short lead so the first requests are not late while the rest are being scheduled.
+    let start = Instant::now() + Duration::from_millis(20);
+    for (trace, arrival) in plan.requests.iter().zip(&plan.arrivals) {
+        let task = RequestTask {
+            trace: trace.clone(),
+            settings: settings.clone(),
+            selector: selector.clone(),
+            nats: nats.clone(),
+            names: names.clone(),
+            start,
+        };
+        let at = start + arrival.div_f64(settings.speedup);
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep_until(at).await;
+            let _ = tx.send(task.run().await);
+        });
+    }
+    drop(tx);
+    let mut tally = Tally {
+        total: plan.len() as u64,
+        ..Tally::default()
+    };
+    let mut duration = Duration::ZERO;
+    while let Some(outcome) = rx.recv().await {
+        match outcome {
+            Outcome::Done {
+                sample,
+                finished_at,
+            } => {
+                tally.done += 1;
+                tally.prompt_tokens += sample.prompt_tokens;
+                tally.cached_tokens += sample.cached_tokens;
+                duration = duration.max(finished_at);
+                recorder.record(sample);
+            }
+            Outcome::Failed { kind } => {
+                tally.errors += 1;
+                recorder.record_error(&kind);
+            }
+        }
+        progress(&tally);
+    }
+    recorder.finish(duration)
+}
+
+struct RequestTask<S> {
+    trace: TraceRequest,
+    settings: DriveSettings,
+    selector: Arc<S>,
+    nats: async_nats::Client,
+    names: Names,
+    start: Instant,
+}
+
+impl<S: Selector> RequestTask<S> {
+    async fn run(self) -> Outcome {
+        match self.attempt().await {
+            Ok(outcome) => outcome,
+            Err(kind) => {
+                tracing::debug!(kind, "request failed");
+                Outcome::Failed { kind }
+            }
+        }
+    }
+
+    async fn attempt(&self) -> Result<Outcome, String> {
+        let tokens = self.trace.tokens();
+        let output = self.trace.output_length;
+        let select = SelectRequest {
+            request_id: Some(uuid::Uuid::new_v4()),
+            model: self.settings.model.clone(),
+            token_ids: Some(tokens.clone()),
+            expected_output_tokens: Some(output),
+            policy: self.settings.mode.router_policy().map(str::to_owned),
+            ..SelectRequest::default()
+        };
+        let asked = Instant::now();
+        let reply = self.selector.select(select).await.map_err(|e| e.kind())?;
+        let selection_latency = asked.elapsed();
+        let subject = if reply.request_subject.is_empty() {
+            self.names.worker_requests(reply.worker_id)
+        } else {
+            reply.request_subject.clone()
+        };
+        let generate = GenerateRequest {
+            request_id: reply.request_id,
+            token_ids: Some(tokens),
+            max_tokens: output,
+            dp_rank: Some(reply.dp_rank),
+            decision_id: Some(reply.decision_id),
+            ..GenerateRequest::default()
+        };
+        let payload = encode(&generate).map_err(|_| "worker_too_large".to_owned());
+        let sent = Instant::now();
+        let answer = match payload {
+            Ok(payload) => {
+                let req = async_nats::Request::new()
+                    .payload(payload)
+                    .timeout(Some(self.settings.request_timeout));
+                self.nats
+                    .send_request(subject, req)
+                    .await
+                    .map_err(|e| match e.kind() {
+                        RequestErrorKind::NoResponders => "worker_unreachable".to_owned(),
+                        RequestErrorKind::TimedOut => "worker_timeout".to_owned(),
+                        RequestErrorKind::MaxPayloadExceeded => "worker_too_large".to_owned(),
+                        _ => "worker_transport".to_owned(),
+                    })
+            }
+            Err(e) => Err(e),
+        };
+        self.selector.finished(&reply);
+        let msg = answer?;
+        match decode::<GenerateResponse>(&msg.payload) {
+            Ok(GenerateResponse::Ok(r)) => {
+                let latency = Duration::from_secs_f64(r.latency_ms.max(0.0) / 1e3);
+                let sent_sim = sent
+                    .saturating_duration_since(self.start)
+                    .mul_f64(self.settings.speedup);
+                Ok(Outcome::Done {
+                    sample: RequestSample {
+                        worker_id: r.worker_id,
+                        prompt_tokens: r.prompt_tokens,
+                        cached_tokens: r.cached_tokens,
+                        output_tokens: r.output_tokens,
+                        ttft: Duration::from_secs_f64(r.ttft_ms.max(0.0) / 1e3),
+                        latency,
+                        selection_latency: Some(selection_latency),
+                    },
+                    finished_at: sent_sim + latency,
+                })
+            }
+            Ok(GenerateResponse::Error(e)) => Err(format!("worker_{}", e.code.as_str())),
+            Err(_) => Err("worker_malformed".to_owned()),
+        }
+    }
+}

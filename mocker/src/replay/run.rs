@@ -1,0 +1,165 @@
+//! The whole replay: read and plan the trace, find the fleet, compute the oracles, then for
+//! each mode reset the fleet's caches, drive the trace through the selector and collect a
+//! [`ModeReport`]; finally print / write the [`RunReport`].
+//!
+//! Fair comparison: before each mode every worker's cache is reset (kvroute-mocker's reset
+//! subject publishes `Cleared`, so indexers and routers forget the old blocks too), and the
+//! tool waits `--settle-ms` before sending.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use kvroute_common::Names;
+use kvroute_common::trace::read_trace;
+
+use super::chart::write_chart;
+use super::config::{ReplayArgs, SelectorKind};
+use super::driver::{DriveSettings, drive};
+use super::local::LocalSelector;
+use super::oracle::oracle_hit_rates;
+use super::plan::Plan;
+use super::progress::Progress;
+use super::report::{ModeReport, RunReport};
+use super::selector::{RouterSelector, Selector};
+use super::table::render_table;
+use super::workers::{read_cards, reset_workers, speedup_of, wait_for_workers, watch_cards};
+
+/// How long a worker may take to answer a reset.
+const RESET_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Runs every mode of `args` against the fleet and returns the report (prints nothing on
+/// stdout; see [`emit`]).
+pub async fn run(args: &ReplayArgs) -> anyhow::Result<RunReport> {
+    args.validate()?;
+    let trace = read_trace(&args.trace)?;
+    let plan = Plan::new(
+        trace,
+        args.limit,
+        args.time_scale,
+        args.target_duration_secs.map(Duration::from_secs_f64),
+    );
+    anyhow::ensure!(
+        !plan.is_empty(),
+        "the trace {} is empty",
+        args.trace.display()
+    );
+    let names = Names::new(&args.namespace.namespace);
+    let nats = args.nats.connect("kvroute-replay").await?;
+    let mut etcd = args.etcd.connect().await?;
+    let limit = Duration::from_secs_f64(args.wait_workers_secs);
+    let cards = wait_for_workers(&mut etcd, &names, &args.model, limit).await?;
+    let speedup = args.speedup.or_else(|| speedup_of(&cards)).unwrap_or(1.0);
+    let block_size = cards[0].block_size;
+    let blocks_per_worker = cards.iter().map(|c| c.total_kv_blocks).min().unwrap_or(0);
+    let capacity: u64 = cards.iter().map(|c| c.total_kv_blocks).sum();
+    tracing::info!(
+        requests = plan.len(),
+        workers = cards.len(),
+        block_size,
+        speedup,
+        time_scale = plan.time_scale,
+        last_arrival_s = plan.arrivals.last().map_or(0.0, Duration::as_secs_f64),
+        "replay planned"
+    );
+    let oracle = {
+        let requests = plan.requests.clone();
+        tokio::task::spawn_blocking(move || oracle_hit_rates(&requests, block_size, capacity))
+            .await?
+    };
+    let mut modes = Vec::new();
+    for &mode in &args.modes {
+        let cards = read_cards(&mut etcd, &names, &args.model).await?;
+        anyhow::ensure!(
+            !cards.is_empty(),
+            "no worker serves {:?} any more",
+            args.model
+        );
+        let workers: Vec<_> = cards.iter().map(|c| c.worker_id).collect();
+        if !args.no_reset {
+            reset_workers(&nats, &names, &workers, RESET_TIMEOUT).await?;
+            tokio::time::sleep(Duration::from_millis(args.settle_ms)).await;
+        }
+        let settings = DriveSettings {
+            mode,
+            model: args.model.clone(),
+            speedup,
+            request_timeout: args.request_timeout(),
+            workers,
+        };
+        let report = match args.selector {
+            SelectorKind::Router => {
+                let selector = RouterSelector::new(nats.clone(), &names, args.select_timeout());
+                run_mode(&plan, &settings, Arc::new(selector), &nats, &names, args).await
+            }
+            SelectorKind::Local => {
+                let selector = Arc::new(LocalSelector::new(mode, &cards, args.seed));
+                let watched = selector.clone();
+                let watch = watch_cards(etcd.clone(), &names, args.model.clone(), move |c| {
+                    watched.workers_changed(c)
+                });
+                let report = run_mode(&plan, &settings, selector, &nats, &names, args).await;
+                watch.abort();
+                report
+            }
+        };
+        tracing::info!(
+            mode = %mode,
+            completed = report.completed,
+            errors = report.errors,
+            hit_rate = report.hit_rate,
+            ttft_p50_ms = report.ttft_ms.p50,
+            "mode done"
+        );
+        modes.push(report);
+    }
+    Ok(RunReport {
+        trace: args.trace.display().to_string(),
+        requests: plan.len() as u64,
+        workers: cards.len() as u32,
+        block_size,
+        blocks_per_worker,
+        speedup,
+        oracle,
+        modes,
+    })
+}
+
+async fn run_mode<S: Selector>(
+    plan: &Plan,
+    settings: &DriveSettings,
+    selector: Arc<S>,
+    nats: &async_nats::Client,
+    names: &Names,
+    args: &ReplayArgs,
+) -> ModeReport {
+    let progress = Progress::new(
+        settings.mode.as_str(),
+        plan.len() as u64,
+        args.interactive(),
+    );
+    let report = drive(plan, settings, selector, nats.clone(), names, |t| {
+        progress.update(t)
+    })
+    .await;
+    progress.finish();
+    report
+}
+
+/// Prints the report (a table, or only JSON with `--json`) and writes `--json-out` and
+/// `--chart-out`.
+pub fn emit(report: &RunReport, args: &ReplayArgs) -> anyhow::Result<()> {
+    let json = report.to_json();
+    if let Some(path) = &args.json_out {
+        std::fs::write(path, &json).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if args.json {
+        println!("{json}");
+    } else {
+        print!("{}", render_table(report));
+    }
+    if let Some(path) = &args.chart_out {
+        write_chart(report, path, &args.font)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,182 @@
+//! The human summary of a [`RunReport`]: the setup and oracles, one row per mode, and the
+//! errors by kind.
+
+use std::fmt::Write as _;
+
+use super::report::RunReport;
+
+fn pct(x: f64) -> String {
+    format!("{:.1}%", x * 100.0)
+}
+
+/// `part / whole` as a percentage, or `-` without a bound.
+fn of_bound(part: f64, whole: f64) -> String {
+    if whole > 0.0 {
+        pct(part / whole)
+    } else {
+        "-".into()
+    }
+}
+
+/// Renders the report as a fixed-width table.
+pub fn render_table(report: &RunReport) -> String {
+    let mut out = String::new();
+    let o = &report.oracle;
+    let _ = writeln!(
+        out,
+        "trace {} — {} requests on {} workers × {} blocks of {} tokens, speedup {}",
+        report.trace,
+        report.requests,
+        report.workers,
+        report.blocks_per_worker,
+        report.block_size,
+        report.speedup
+    );
+    let _ = writeln!(
+        out,
+        "oracle hit rate (blocks): infinite {}, finite (one LRU of {} blocks) {}\n",
+        pct(o.infinite),
+        o.capacity_blocks,
+        pct(o.finite)
+    );
+    let header = [
+        "mode",
+        "done",
+        "errors",
+        "hit",
+        "/inf",
+        "/fin",
+        "ttft p50",
+        "p90",
+        "p99",
+        "e2e p50",
+        "p99",
+        "req/s",
+        "out tok/s",
+        "load cv",
+        "select p50",
+        "p99",
+    ];
+    let widths = [12, 6, 6, 6, 6, 6, 9, 9, 9, 9, 9, 7, 9, 7, 10, 9];
+    let row = |cells: &[String]| {
+        let mut line = String::new();
+        for (i, (cell, w)) in cells.iter().zip(widths).enumerate() {
+            if i == 0 {
+                let _ = write!(line, "{cell:<w$}");
+            } else {
+                let _ = write!(line, " {cell:>w$}");
+            }
+        }
+        line
+    };
+    let _ = writeln!(out, "{}", row(&header.map(str::to_owned)));
+    let _ = writeln!(
+        out,
+        "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>29} {:>19} {:>7} {:>9} {:>7} {:>20}",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "(ms, simulated)",
+        "(ms, simulated)",
+        "",
+        "",
+        "(reqs)",
+        "(µs, wall)"
+    );
+    for m in &report.modes {
+        let ms = |x: f64| format!("{x:.1}");
+        let cells = [
+            m.mode.clone(),
+            m.completed.to_string(),
+            m.errors.to_string(),
+            pct(m.hit_rate),
+            of_bound(m.hit_rate, o.infinite),
+            of_bound(m.hit_rate, o.finite),
+            ms(m.ttft_ms.p50),
+            ms(m.ttft_ms.p90),
+            ms(m.ttft_ms.p99),
+            ms(m.e2e_latency_ms.p50),
+            ms(m.e2e_latency_ms.p99),
+            format!("{:.2}", m.requests_per_s),
+            format!("{:.0}", m.output_tokens_per_s),
+            format!("{:.2}", m.load_cv_requests),
+            format!("{:.0}", m.selection_latency_us.p50),
+            format!("{:.0}", m.selection_latency_us.p99),
+        ];
+        let _ = writeln!(out, "{}", row(&cells));
+    }
+    for m in report.modes.iter().filter(|m| m.errors > 0) {
+        let kinds: Vec<String> = m
+            .errors_by_kind
+            .iter()
+            .map(|(k, n)| format!("{k} {n}"))
+            .collect();
+        let _ = writeln!(out, "errors in {}: {}", m.mode, kinds.join(", "));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::replay::oracle::OracleHitRates;
+    use crate::replay::report::{ModeRecorder, RequestSample};
+
+    #[test]
+    fn one_row_per_mode_and_errors_listed() {
+        let mode = |name: &str, cached: u64, error: Option<&str>| {
+            let mut r = ModeRecorder::new(name, [1, 2]);
+            r.record(RequestSample {
+                worker_id: 1,
+                prompt_tokens: 100,
+                cached_tokens: cached,
+                output_tokens: 5,
+                ttft: Duration::from_millis(12),
+                latency: Duration::from_millis(80),
+                selection_latency: Some(Duration::from_micros(300)),
+            });
+            if let Some(kind) = error {
+                r.record_error(kind);
+            }
+            r.finish(Duration::from_secs(1))
+        };
+        let report = RunReport {
+            trace: "t.jsonl".into(),
+            requests: 2,
+            workers: 2,
+            block_size: 64,
+            blocks_per_worker: 100,
+            speedup: 10.0,
+            oracle: OracleHitRates {
+                block_size: 64,
+                capacity_blocks: 200,
+                total_blocks: 4,
+                infinite_hit_blocks: 2,
+                finite_hit_blocks: 1,
+                infinite: 0.5,
+                finite: 0.25,
+            },
+            modes: vec![
+                mode("kv", 25, None),
+                mode("round-robin", 0, Some("worker_timeout")),
+            ],
+        };
+        let text = render_table(&report);
+        let kv = text.lines().find(|l| l.starts_with("kv ")).unwrap();
+        assert!(
+            kv.contains("25.0%") && kv.contains("50.0%") && kv.contains("100.0%"),
+            "{text}"
+        );
+        assert!(kv.contains("12.0") && kv.contains("300"), "{text}");
+        assert!(
+            text.contains("errors in round-robin: worker_timeout 1"),
+            "{text}"
+        );
+        assert!(text.contains("infinite 50.0%"), "{text}");
+    }
+}
