@@ -7,7 +7,7 @@
 //! feed it or read the shared index.
 
 mod bootstrap;
-mod ingest;
+pub mod ingest;
 mod leader;
 mod metrics;
 mod serve;
