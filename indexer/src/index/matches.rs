@@ -147,21 +147,32 @@ impl RadixIndex {
             }
         }
         flush(&mut runs, &live, &mut pending);
-        let mut matches: Vec<WorkerMatch> = runs
-            .iter()
-            .map(|r| {
-                let s = self.workers.get(r.slot).expect("owner slot in use");
-                WorkerMatch {
-                    worker_id: s.worker_id,
-                    dp_rank: s.dp_rank,
-                    device: r.by_tier[0],
-                    host: r.by_tier[1],
-                    disk: r.by_tier[2],
-                    total_blocks: s.blocks.len() as u64,
-                }
-            })
-            .collect();
-        matches.sort_unstable_by_key(|m| (m.worker_id, m.dp_rank));
+        let row = |r: &Run| {
+            let s = self.workers.get(r.slot).expect("owner slot in use");
+            WorkerMatch {
+                worker_id: s.worker_id,
+                dp_rank: s.dp_rank,
+                device: r.by_tier[0],
+                host: r.by_tier[1],
+                disk: r.by_tier[2],
+                total_blocks: s.blocks.len() as u64,
+            }
+        };
+        // Sorted by (worker, dp rank): place by rank when many matched, else sort the few.
+        let pairs = self.workers.len();
+        let matches: Vec<WorkerMatch> = if runs.len() * 8 >= pairs {
+            let mut at = vec![u32::MAX; pairs];
+            for (i, r) in runs.iter().enumerate() {
+                at[self.workers.rank(r.slot) as usize] = i as u32;
+            }
+            at.iter()
+                .filter(|&&i| i != u32::MAX)
+                .map(|&i| row(&runs[i as usize]))
+                .collect()
+        } else {
+            runs.sort_unstable_by_key(|r| self.workers.rank(r.slot));
+            runs.iter().map(row).collect()
+        };
         OverlapScores {
             matches,
             query_blocks,

@@ -264,6 +264,7 @@ impl RadixIndex {
             }
             entries += n;
         }
+        workers.finish_restore();
         if r.at != body.len() {
             return Err(corrupt("trailing bytes"));
         }

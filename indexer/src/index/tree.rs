@@ -35,11 +35,15 @@ pub(crate) struct Node {
     pub parent: NodeId,
     /// Number of children, or [`FREE`].
     pub children: u32,
+    /// A child to try before the edge table ([`ROOT`]: none). Chains are the common shape and
+    /// their nodes are allocated together, so following the hint reads memory the walk is
+    /// about to touch anyway, where an edge-table probe is a cache miss.
+    pub hint: NodeId,
     /// Owner entries sorted by slot. Four fit inline; more spill to the heap.
     pub owners: SmallVec<[u32; 4]>,
 }
 
-const _: () = assert!(std::mem::size_of::<Node>() == 40);
+const _: () = assert!(std::mem::size_of::<Node>() == 48);
 
 /// Owner entry helpers.
 #[inline]
@@ -99,6 +103,7 @@ impl Tree {
                 tokens_hash: 0,
                 parent: ROOT,
                 children: 0,
+                hint: ROOT,
                 owners: SmallVec::new(),
             }],
             free_head: FREE,
@@ -135,6 +140,19 @@ impl Tree {
     #[inline]
     pub fn child(&self, parent: NodeId, tokens_hash: u64) -> Option<NodeId> {
         let nodes = &self.nodes;
+        let p = &nodes[parent as usize];
+        if p.children == 0 {
+            return None;
+        }
+        // (parent, tokens_hash) names at most one live node, so a matching hint is the child.
+        let h = &nodes[p.hint as usize];
+        if p.hint != ROOT
+            && h.parent == parent
+            && h.tokens_hash == tokens_hash
+            && h.children != FREE
+        {
+            return Some(p.hint);
+        }
         let hash = edge_hash(parent, tokens_hash);
         self.edges[shard_of(hash)]
             .find(hash, |&c| {
@@ -147,14 +165,15 @@ impl Tree {
     /// The child of `parent` for `tokens_hash`, created (without owners) if missing. The caller
     /// must give the new node an owner or a child before the next release.
     pub fn child_or_insert(&mut self, parent: NodeId, tokens_hash: u64) -> NodeId {
-        // A parent without children (the common case when a chain grows) needs no probe.
-        if self.nodes[parent as usize].children != 0
-            && let Some(c) = self.child(parent, tokens_hash)
-        {
+        if let Some(c) = self.child(parent, tokens_hash) {
             return c;
         }
         let id = self.alloc(parent, tokens_hash);
-        self.nodes[parent as usize].children += 1;
+        let p = &mut self.nodes[parent as usize];
+        p.children += 1;
+        if p.hint == ROOT {
+            p.hint = id;
+        }
         let nodes = &self.nodes;
         let hash = edge_hash(parent, tokens_hash);
         self.edges[shard_of(hash)].insert_unique(hash, id, |&c| {
@@ -170,6 +189,7 @@ impl Tree {
             tokens_hash,
             parent,
             children: 0,
+            hint: ROOT,
             owners: SmallVec::new(),
         };
         if self.free_head != FREE {
@@ -240,7 +260,11 @@ impl Tree {
             freed.owners = SmallVec::new();
             self.free_head = node;
             self.live -= 1;
-            self.nodes[parent as usize].children -= 1;
+            let p = &mut self.nodes[parent as usize];
+            p.children -= 1;
+            if p.hint == node {
+                p.hint = ROOT;
+            }
             node = parent;
         }
     }
@@ -279,6 +303,7 @@ impl Tree {
                 tokens_hash,
                 parent,
                 children: 0,
+                hint: ROOT,
                 owners: SmallVec::new(),
             });
             tree.live += 1;

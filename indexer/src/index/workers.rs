@@ -50,6 +50,9 @@ pub(crate) struct Workers {
     slots: Vec<Option<SlotBlocks>>,
     free: Vec<Slot>,
     by_pair: HashMap<(WorkerId, DpRank), Slot>,
+    /// Per slot, its rank among slots in use ordered by (worker, dp rank), so query results
+    /// come out sorted without a comparison sort. Rebuilt when a pair joins or leaves.
+    rank: Vec<u32>,
 }
 
 impl Workers {
@@ -82,7 +85,25 @@ impl Workers {
             }
         };
         self.by_pair.insert((worker_id, dp_rank), slot);
+        self.rerank();
         Some(slot)
+    }
+
+    fn rerank(&mut self) {
+        let mut order: Vec<(WorkerId, DpRank, Slot)> =
+            self.by_pair.iter().map(|(&(w, d), &s)| (w, d, s)).collect();
+        order.sort_unstable();
+        self.rank.clear();
+        self.rank.resize(self.slots.len(), u32::MAX);
+        for (r, (_, _, s)) in order.into_iter().enumerate() {
+            self.rank[s as usize] = r as u32;
+        }
+    }
+
+    /// The slot's position in (worker, dp rank) order among slots in use (`< len()`).
+    #[inline]
+    pub fn rank(&self, slot: Slot) -> u32 {
+        self.rank[slot as usize]
     }
 
     #[inline]
@@ -100,6 +121,7 @@ impl Workers {
         let taken = self.slots.get_mut(slot as usize)?.take()?;
         self.by_pair.remove(&(taken.worker_id, taken.dp_rank));
         self.free.push(slot);
+        self.rerank();
         Some(taken)
     }
 
@@ -135,6 +157,7 @@ impl Workers {
         per_slot
             + self.slots.capacity() * std::mem::size_of::<Option<SlotBlocks>>()
             + self.free.capacity() * 4
+            + self.rank.capacity() * 4
             + self.by_pair.allocation_size()
     }
 }
@@ -158,5 +181,10 @@ impl Workers {
             blocks,
         }));
         Some(slot)
+    }
+
+    /// Computes what `push_restored` deferred (one ranking instead of one per pair).
+    pub fn finish_restore(&mut self) {
+        self.rerank();
     }
 }
