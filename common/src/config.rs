@@ -51,7 +51,8 @@ pub struct NamespaceArgs {
     pub namespace: Namespace,
 }
 
-/// How to reach NATS.
+/// How to reach NATS. (Arg ids are the flag names, so the struct flattens next to
+/// [`EtcdArgs`], whose fields have the same names.)
 #[derive(Debug, Clone, clap::Args)]
 pub struct NatsArgs {
     /// NATS server URLs, comma-separated (nats://, tls://, or host:port).
@@ -63,10 +64,11 @@ pub struct NatsArgs {
     )]
     pub urls: Vec<String>,
     /// NATS user name (with --nats-password).
-    #[arg(long = "nats-user", env = "KVROUTE_NATS_USER")]
+    #[arg(id = "nats-user", long = "nats-user", env = "KVROUTE_NATS_USER")]
     pub user: Option<String>,
     /// NATS password (with --nats-user).
     #[arg(
+        id = "nats-password",
         long = "nats-password",
         env = "KVROUTE_NATS_PASSWORD",
         hide_env_values = true
@@ -83,16 +85,25 @@ pub struct NatsArgs {
     #[arg(long = "nats-creds", env = "KVROUTE_NATS_CREDS")]
     pub creds_file: Option<PathBuf>,
     /// CA certificate (PEM) to verify the NATS server; implies TLS.
-    #[arg(long = "nats-tls-ca", env = "KVROUTE_NATS_TLS_CA")]
+    #[arg(id = "nats-tls-ca", long = "nats-tls-ca", env = "KVROUTE_NATS_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
     /// Client certificate (PEM) for mutual TLS (with --nats-tls-key).
-    #[arg(long = "nats-tls-cert", env = "KVROUTE_NATS_TLS_CERT")]
+    #[arg(
+        id = "nats-tls-cert",
+        long = "nats-tls-cert",
+        env = "KVROUTE_NATS_TLS_CERT"
+    )]
     pub tls_cert: Option<PathBuf>,
     /// Client private key (PEM) for mutual TLS (with --nats-tls-cert).
-    #[arg(long = "nats-tls-key", env = "KVROUTE_NATS_TLS_KEY")]
+    #[arg(
+        id = "nats-tls-key",
+        long = "nats-tls-key",
+        env = "KVROUTE_NATS_TLS_KEY"
+    )]
     pub tls_key: Option<PathBuf>,
     /// Time to wait for the first connection, in milliseconds.
     #[arg(
+        id = "nats-connect-timeout-ms",
         long = "nats-connect-timeout-ms",
         env = "KVROUTE_NATS_CONNECT_TIMEOUT_MS",
         default_value_t = 5000
@@ -341,6 +352,32 @@ fn validate_url(field: &'static str, url: &str, schemes: &[&str]) -> Result<(), 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nats_and_etcd_flatten_into_one_command() {
+        use clap::{CommandFactory, Parser};
+        #[derive(Debug, Parser)]
+        struct Both {
+            #[command(flatten)]
+            nats: NatsArgs,
+            #[command(flatten)]
+            etcd: EtcdArgs,
+        }
+        Both::command().debug_assert();
+        let both = Both::try_parse_from([
+            "x",
+            "--nats-user=u",
+            "--nats-password=p",
+            "--etcd-user=e",
+            "--etcd-password=q",
+            "--nats-connect-timeout-ms=7",
+        ])
+        .unwrap();
+        assert_eq!(both.nats.user.as_deref(), Some("u"));
+        assert_eq!(both.etcd.user.as_deref(), Some("e"));
+        assert_eq!(both.nats.connect_timeout_ms, 7);
+        assert_eq!(both.etcd.connect_timeout_ms, 5000);
+    }
 
     #[test]
     fn validation_names_the_field() {
