@@ -133,6 +133,18 @@ impl Names {
         format!("{}_SESSIONS", self.upper)
     }
 
+    /// The key of session `session` in [`Names::sessions_bucket`]: `s.` and the id's UTF-8
+    /// bytes in lowercase hex (session ids are free-form; bucket keys are not).
+    pub fn session_key(&self, session: &str) -> String {
+        use std::fmt::Write as _;
+        let mut key = String::with_capacity(2 + 2 * session.len());
+        key.push_str("s.");
+        for b in session.bytes() {
+            let _ = write!(key, "{b:02x}");
+        }
+        key
+    }
+
     /// Object store holding index snapshots.
     pub fn snapshots_bucket(&self) -> String {
         format!("{}_SNAPSHOTS", self.upper)
@@ -175,6 +187,7 @@ mod tests {
         assert_eq!(n.worker_resync(7), "kvroute.prod-1.worker.7.resync");
         assert_eq!(n.events_stream(), "KVROUTE_prod-1_EVENTS");
         assert_eq!(n.sessions_bucket(), "KVROUTE_prod-1_SESSIONS");
+        assert_eq!(n.session_key("ab/1"), "s.61622f31");
         assert_eq!(n.worker_key(7), "/kvroute/prod-1/workers/7");
         assert_eq!(n.worker_id_of_key(b"/kvroute/prod-1/workers/7"), Some(7));
         assert_eq!(n.worker_id_of_key(b"/kvroute/other/workers/7"), None);
