@@ -23,6 +23,7 @@ pub fn kvroute_bin(package: &str, name: &str) -> anyhow::Result<PathBuf> {
                 .current_dir(workspace_root())
                 .args(["build", "--quiet", "--bins", "-p", "kvroute-indexer"])
                 .args(["-p", "kvroute-router", "-p", "kvroute-mocker"])
+                .args(["-p", "kvroute-example-custom-policy"])
                 .output()
                 .map_err(|e| e.to_string())?;
             if !out.status.success() {

@@ -8,10 +8,12 @@ mod bins;
 mod http;
 mod ports;
 mod process;
+mod router;
 mod servers;
 
 pub use bins::{IndexerProcess, kvroute_bin};
 pub use http::http_get;
 pub use ports::free_port;
 pub use process::{ChildGuard, Supervised};
+pub use router::{RouterProcess, SimWorker, request, router_exit, select, select_raw, worker_card};
 pub use servers::{EtcdServer, NatsServer, TestEnv, find_binary, workspace_root};
