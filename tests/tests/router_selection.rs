@@ -361,3 +361,34 @@ fn rmp_like_encode(request: &SelectRequest) -> Vec<u8> {
     }
     out
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_may_ask_for_a_policy_by_name() {
+    let env = TestEnv::start().unwrap();
+    let names = Names::new(&env.namespace);
+    let _fleet = workers(&env, &[1, 2, 3]).await;
+    let _router = RouterProcess::start(&env, "r1", &[]).unwrap();
+    let nats = env.nats.connect().await.unwrap();
+    // round-robin visits every worker in turn whatever the cache holds.
+    let mut seen = BTreeMap::new();
+    for i in 0..6 {
+        let mut req = request("m", prompt(9, 2));
+        req.policy = Some("round-robin".into());
+        let reply = ok(select(&nats, &names, &req).await.unwrap());
+        assert_eq!(reply.policy, "round-robin", "request {i}");
+        *seen.entry(reply.worker_id).or_insert(0) += 1;
+    }
+    assert_eq!(seen, BTreeMap::from([(1, 2), (2, 2), (3, 2)]));
+    // Without the field the role's policy answers.
+    let reply = ok(select(&nats, &names, &request("m", prompt(9, 2)))
+        .await
+        .unwrap());
+    assert_eq!(reply.policy, "default");
+    // An unknown name is a bad request, not a silent fallback.
+    let mut req = request("m", prompt(9, 2));
+    req.policy = Some("no-such-policy".into());
+    assert_eq!(
+        err(select(&nats, &names, &req).await.unwrap()),
+        ErrorCode::BadRequest
+    );
+}

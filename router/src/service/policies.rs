@@ -38,7 +38,8 @@ impl std::fmt::Debug for PolicySlot {
 pub struct Policies {
     resolved: ResolvedPolicies,
     seed: u64,
-    slots: Mutex<HashMap<(WorkerRole, String), Arc<PolicySlot>>>,
+    /// Keyed by (role, model, the policy a request asked for by name).
+    slots: Mutex<HashMap<(WorkerRole, String, Option<String>), Arc<PolicySlot>>>,
 }
 
 impl Policies {
@@ -54,24 +55,36 @@ impl Policies {
         &self.resolved
     }
 
-    /// The slot of (role, model), built on first use. Call only for partitions that exist,
-    /// so the map stays bounded by the models ever registered.
+    /// The slot of (role, model) — or of the policy `requested` by name — built on first use.
+    /// Call only for partitions that exist, so the map stays bounded by the models ever
+    /// registered times the policies known at startup. `Ok(None)`: no policy of that name.
     pub fn slot(
         &self,
         role: WorkerRole,
         model: &str,
+        requested: Option<&str>,
         host: &HostConfig,
-    ) -> Result<Arc<PolicySlot>, ConfigError> {
+    ) -> Result<Option<Arc<PolicySlot>>, ConfigError> {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(slot) = slots.get(&(role, model.to_owned())) {
-            return Ok(slot.clone());
+        let key = (role, model.to_owned(), requested.map(str::to_owned));
+        if let Some(slot) = slots.get(&key) {
+            return Ok(Some(slot.clone()));
         }
-        let policy = self.resolved.build(role, model)?;
+        let policy = match requested {
+            None => self.resolved.build(role, model)?,
+            Some(name) => match self.resolved.build_named(name, role, model) {
+                Some(policy) => policy?,
+                None => return Ok(None),
+            },
+        };
         tracing::info!(%role, model, policy = policy.name(), "built a policy");
         // Distinct, reproducible streams per partition.
-        let partition_seed = model.bytes().fold(self.seed ^ (role as u64), |h, b| {
-            h.rotate_left(5) ^ u64::from(b)
-        });
+        let partition_seed = model
+            .bytes()
+            .chain(requested.unwrap_or("").bytes())
+            .fold(self.seed ^ (role as u64), |h, b| {
+                h.rotate_left(5) ^ u64::from(b)
+            });
         let slot = Arc::new(PolicySlot {
             inputs: host.required_inputs(&policy),
             state: tokio::sync::Mutex::new(SlotState {
@@ -79,7 +92,7 @@ impl Policies {
                 rng: StdRng::seed_from_u64(partition_seed),
             }),
         });
-        slots.insert((role, model.to_owned()), slot.clone());
-        Ok(slot)
+        slots.insert(key, slot.clone());
+        Ok(Some(slot))
     }
 }

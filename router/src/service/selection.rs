@@ -99,8 +99,23 @@ impl Router {
         let prompt = intake::prompt(request, &partition).map_err(reject)?;
         let slot = self
             .policies
-            .slot(request.role, &request.model, &self.host)
-            .map_err(|e| reply::error(ErrorCode::Unavailable, e.to_string(), Some(request_id)))?;
+            .slot(
+                request.role,
+                &request.model,
+                request.policy.as_deref(),
+                &self.host,
+            )
+            .map_err(|e| reply::error(ErrorCode::Unavailable, e.to_string(), Some(request_id)))?
+            .ok_or_else(|| {
+                reply::error(
+                    ErrorCode::BadRequest,
+                    format!(
+                        "unknown policy {:?}: name a configured instance or a registered type",
+                        request.policy.as_deref().unwrap_or_default()
+                    ),
+                    Some(request_id),
+                )
+            })?;
         let signals = self
             .signals(request, &prompt, &partition.cards, &slot)
             .await;
