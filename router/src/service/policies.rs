@@ -33,13 +33,15 @@ impl std::fmt::Debug for PolicySlot {
     }
 }
 
+/// (role, model, the policy a request asked for by name).
+type SlotKey = (WorkerRole, String, Option<String>);
+
 /// The policies built so far.
 #[derive(Debug)]
 pub struct Policies {
     resolved: ResolvedPolicies,
     seed: u64,
-    /// Keyed by (role, model, the policy a request asked for by name).
-    slots: Mutex<HashMap<(WorkerRole, String, Option<String>), Arc<PolicySlot>>>,
+    slots: Mutex<HashMap<SlotKey, Arc<PolicySlot>>>,
 }
 
 impl Policies {
