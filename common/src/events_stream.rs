@@ -33,7 +33,8 @@ pub struct StreamArgs {
     )]
     pub max_age_secs: u64,
     /// Most bytes the stream keeps (-1 = no limit).
-    #[arg(long = "stream-max-bytes", env = "KVROUTE_STREAM_MAX_BYTES", default_value_t = 8 * 1024 * 1024 * 1024)]
+    #[arg(long = "stream-max-bytes", env = "KVROUTE_STREAM_MAX_BYTES",
+        allow_negative_numbers = true, default_value_t = 1024 * 1024 * 1024)]
     pub max_bytes: i64,
     /// Stream storage: file or memory.
     #[arg(long = "stream-storage", env = "KVROUTE_STREAM_STORAGE", value_enum, default_value_t = StreamStorage::File)]
@@ -53,7 +54,7 @@ impl Default for StreamArgs {
         Self {
             replicas: 1,
             max_age_secs: 86_400,
-            max_bytes: 8 * 1024 * 1024 * 1024,
+            max_bytes: 1024 * 1024 * 1024,
             storage: StreamStorage::File,
             duplicate_window_secs: 120,
         }

@@ -502,3 +502,60 @@ fn rmpv_to_json(v: &Value) -> serde_json::Value {
         other => serde_json::Value::String(format!("{other:?}")),
     }
 }
+
+#[test]
+fn event_fields_may_come_in_any_order_and_extra_fields_are_ignored() {
+    let event = |fields: Vec<(Value, Value)>| {
+        let mut raw = Vec::new();
+        rmpv::encode::write_value(
+            &mut raw,
+            &Value::Map(vec![
+                ("worker_id".into(), 1.into()),
+                (
+                    "events".into(),
+                    Value::Array(vec![Value::Map(vec![
+                        ("event_id".into(), 0.into()),
+                        ("data".into(), Value::Map(fields)),
+                    ])]),
+                ),
+            ]),
+        )
+        .unwrap();
+        decode::<KvEventBatch>(&raw).map(|b| b.events[0].data.clone())
+    };
+    let block = Value::Map(vec![
+        ("block_hash".into(), 5.into()),
+        ("tokens_hash".into(), 6.into()),
+    ]);
+    // The tag last, an explicit nil parent, an unknown field.
+    let stored = event(vec![
+        ("blocks".into(), Value::Array(vec![block])),
+        ("parent_hash".into(), Value::Nil),
+        ("shiny_new_field".into(), Value::from("x")),
+        ("type".into(), "stored".into()),
+    ])
+    .unwrap();
+    assert_eq!(
+        stored,
+        KvEventData::Stored {
+            parent_hash: None,
+            blocks: vec![StoredBlock {
+                block_hash: 5,
+                tokens_hash: 6
+            }],
+            tier: StorageTier::Device,
+        }
+    );
+    assert!(
+        event(vec![("type".into(), "removed".into())]).is_err(),
+        "removed needs block_hashes"
+    );
+    assert!(
+        event(vec![("blocks".into(), Value::Array(vec![]))]).is_err(),
+        "the tag is required"
+    );
+    assert_eq!(
+        event(vec![("type".into(), "cleared".into())]).unwrap(),
+        KvEventData::Cleared
+    );
+}

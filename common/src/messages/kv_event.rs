@@ -36,7 +36,11 @@ pub struct KvEvent {
 }
 
 /// What happened. Internally tagged: `{"type": "stored", ...}`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// Deserialization is hand-written (`de_event.rs`): serde's derive for internally tagged enums
+/// buffers every field before choosing the variant, which made decoding the indexer's most
+/// expensive step; the hand-written visitor reads the fields in one pass, in any order.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum KvEventData {
     /// Blocks stored as a chain under `parent_hash` (absent: the chain starts the prompt).

@@ -4,6 +4,7 @@
 //! message carries the schema version `v`. Optional fields default when missing and unknown
 //! fields are ignored, so older and newer peers can talk.
 
+mod de_event;
 mod decision;
 mod generate;
 mod index;

@@ -98,12 +98,21 @@ impl ReplicaState {
     /// Applies the log message at stream sequence `seq`. Messages at or below the applied
     /// sequence are ignored (already applied). A bad message changes nothing but the sequence.
     pub fn apply(&mut self, seq: u64, subject: &str, payload: &[u8]) -> ApplyReport {
+        if seq <= self.applied_seq {
+            return ApplyReport::default();
+        }
+        self.apply_entry(seq, decode_entry(&self.names, subject, payload))
+    }
+
+    /// [`ReplicaState::apply`] for a message already decoded with [`decode_entry`] (the
+    /// service decodes on the consumer's thread, so decoding and applying overlap).
+    pub fn apply_entry(&mut self, seq: u64, entry: Result<LogEntry, BadEntry>) -> ApplyReport {
         let mut report = ApplyReport::default();
         if seq <= self.applied_seq {
             return report;
         }
         self.applied_seq = seq;
-        match decode_entry(&self.names, subject, payload) {
+        match entry {
             Err(bad) => report.bad = Some(bad),
             Ok(LogEntry::Control(record)) => match record.action {
                 ControlAction::WorkerRemoved { worker_id } => {

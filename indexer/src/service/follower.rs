@@ -63,6 +63,7 @@ impl LocalReplica {
             }),
         };
         let task = tokio::spawn(follow(
+            nats.clone(),
             jetstream::new(nats),
             names.clone(),
             config,
@@ -102,6 +103,7 @@ impl LocalReplica {
 }
 
 async fn follow(
+    nats: async_nats::Client,
     js: jetstream::Context,
     names: Names,
     config: LocalReplicaConfig,
@@ -119,7 +121,7 @@ async fn follow(
             .applied_seq
             .store(state.applied_seq(), Ordering::Release);
         let (tx, mut log) = mpsc::channel::<LogMessage>(8192);
-        let consumer = spawn_consumer(stream.clone(), start, tx);
+        let consumer = spawn_consumer(names.clone(), nats.clone(), stream.clone(), start, tx);
         let mut state = state;
         let mut tick = tokio::time::interval(TICK);
         // Runs until the log skips messages this replica had not applied.
@@ -132,7 +134,7 @@ async fn follow(
                             "the log skipped messages; bootstrapping the local replica again");
                         break;
                     }
-                    state.apply(msg.seq, &msg.subject, &msg.payload);
+                    state.apply_entry(msg.seq, msg.entry);
                     shared.applied_seq.store(state.applied_seq(), Ordering::Release);
                 }
                 _ = tick.tick() => {

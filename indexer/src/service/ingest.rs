@@ -1,5 +1,6 @@
-//! Reads the events stream in order from a given sequence with an ordered consumer and hands
-//! every message to the main loop. If the consumer fails (for example while NATS restarts),
+//! Reads the events stream in order from a given sequence with an ordered consumer, decodes
+//! every message on this task (so decoding overlaps the main loop's applying) and hands it to
+//! the main loop. If the consumer fails (for example while NATS restarts),
 //! it is recreated from the next sequence not yet handed over, so nothing is skipped.
 
 use std::time::Duration;
@@ -7,18 +8,24 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::{DeliverPolicy, pull};
 use async_nats::jetstream::stream::Stream;
 use futures::StreamExt;
+use kvroute_common::names::Names;
 use tokio::sync::mpsc;
 
-/// One message of the log.
+use crate::replica::{BadEntry, LogEntry, decode_entry};
+
+/// One message of the log, decoded.
 #[derive(Debug, Clone)]
 pub struct LogMessage {
     pub seq: u64,
-    pub subject: String,
-    pub payload: bytes::Bytes,
+    pub entry: Result<LogEntry, BadEntry>,
 }
 
-/// Consumes from `start_seq` until `tx` closes.
+/// Consumes from `start_seq` until `tx` closes. `client` is the connection the stream was
+/// opened on: after it reconnects (a NATS restart) the consumer is recreated at once rather
+/// than after the ordered consumer's missed-heartbeat timeout.
 pub fn spawn_consumer(
+    names: Names,
+    client: async_nats::Client,
     stream: Stream,
     start_seq: u64,
     tx: mpsc::Sender<LogMessage>,
@@ -47,7 +54,24 @@ pub fn spawn_consumer(
                     continue;
                 }
             };
-            while let Some(item) = messages.next().await {
+            let mut check = tokio::time::interval(Duration::from_millis(250));
+            let mut disconnected = false;
+            loop {
+                let item = tokio::select! {
+                    item = messages.next() => item,
+                    _ = check.tick() => {
+                        match client.connection_state() {
+                            async_nats::connection::State::Connected if disconnected => {
+                                tracing::info!(next, "reconnected to NATS; recreating the log consumer");
+                                break;
+                            }
+                            async_nats::connection::State::Connected => {}
+                            _ => disconnected = true,
+                        }
+                        continue;
+                    }
+                };
+                let Some(item) = item else { break };
                 match item {
                     Ok(msg) => {
                         let seq = match msg.info() {
@@ -62,8 +86,7 @@ pub fn spawn_consumer(
                         }
                         let out = LogMessage {
                             seq,
-                            subject: msg.subject.to_string(),
-                            payload: msg.payload.clone(),
+                            entry: decode_entry(&names, &msg.subject, &msg.payload),
                         };
                         if tx.send(out).await.is_err() {
                             return;

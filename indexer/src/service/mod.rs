@@ -174,7 +174,13 @@ pub async fn run(
     loop {
         let (log_tx, mut log_rx) = mpsc::channel::<LogMessage>(8192);
         let start = replica.bootstrap().await?;
-        let consumer = ingest::spawn_consumer(replica.stream.clone(), start, log_tx);
+        let consumer = ingest::spawn_consumer(
+            replica.names.clone(),
+            replica.nats.clone(),
+            replica.stream.clone(),
+            start,
+            log_tx,
+        );
         let stop = replica.run_loop(&mut inputs, &mut log_rx).await;
         consumer.abort();
         match stop {
@@ -327,7 +333,7 @@ impl Replica {
     }
 
     fn apply(&mut self, msg: LogMessage) {
-        let report = self.state.apply(msg.seq, &msg.subject, &msg.payload);
+        let report = self.state.apply_entry(msg.seq, msg.entry);
         self.since_snapshot += 1;
         self.record(&report);
     }
