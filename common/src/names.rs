@@ -119,24 +119,21 @@ impl Names {
         format!("{}_EVENTS", self.upper)
     }
 
-    /// The durable consumer name of an indexer replica.
-    pub fn indexer_consumer(&self, replica_id: &str) -> String {
-        let safe: String = replica_id
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
-        format!("indexer_{safe}")
-    }
-
     /// KV bucket holding session bindings.
     pub fn sessions_bucket(&self) -> String {
         format!("{}_SESSIONS", self.upper)
+    }
+
+    /// The key of session `session` in [`Names::sessions_bucket`]: `s.` and the id's UTF-8
+    /// bytes in lowercase hex (session ids are free-form; bucket keys are not).
+    pub fn session_key(&self, session: &str) -> String {
+        use std::fmt::Write as _;
+        let mut key = String::with_capacity(2 + 2 * session.len());
+        key.push_str("s.");
+        for b in session.bytes() {
+            let _ = write!(key, "{b:02x}");
+        }
+        key
     }
 
     /// Object store holding index snapshots.
@@ -182,10 +179,10 @@ mod tests {
         assert_eq!(n.worker_reset(7), "kvroute.prod-1.worker.7.reset");
         assert_eq!(n.events_stream(), "KVROUTE_prod-1_EVENTS");
         assert_eq!(n.sessions_bucket(), "KVROUTE_prod-1_SESSIONS");
+        assert_eq!(n.session_key("ab/1"), "s.61622f31");
         assert_eq!(n.worker_key(7), "/kvroute/prod-1/workers/7");
         assert_eq!(n.worker_id_of_key(b"/kvroute/prod-1/workers/7"), Some(7));
         assert_eq!(n.worker_id_of_key(b"/kvroute/other/workers/7"), None);
         assert_eq!(n.indexer_leader_key(), "/kvroute/prod-1/leader/indexer");
-        assert_eq!(n.indexer_consumer("a.b c"), "indexer_a_b_c");
     }
 }

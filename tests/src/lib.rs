@@ -8,6 +8,7 @@ mod bins;
 mod http;
 mod ports;
 mod process;
+mod router;
 mod servers;
 mod sim_worker;
 
@@ -15,5 +16,8 @@ pub use bins::{IndexerProcess, kvroute_bin};
 pub use http::http_get;
 pub use ports::free_port;
 pub use process::{ChildGuard, Supervised};
+pub use router::{
+    PromptWorker, RouterProcess, request, router_exit, select, select_raw, worker_card,
+};
 pub use servers::{EtcdServer, NatsServer, TestEnv, find_binary, workspace_root};
 pub use sim_worker::{SimWorker, expected_index, sim_card, stored};

@@ -2,8 +2,8 @@
 //! round-robin on a trace with shared prefixes, the report's JSON and chart are written, and a
 //! worker dying mid-run costs counted errors while routing moves on.
 //!
-//! These use the replay tool's in-process selector (`--selector local`). The same runs through
-//! `kvroute-router` are at the end, ignored until the router binary exists.
+//! The first tests use the replay tool's in-process selector (`--selector local`); the last one
+//! runs the same comparison through two `kvroute-router` replicas.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -211,7 +211,7 @@ fn workspace_binary(package: &str, bin: &str) -> Option<PathBuf> {
 /// `kvroute.<ns>.select` and honours `policy` (its flags are assumed to be the common
 /// `--namespace`, `--nats-url`, `--etcd-endpoints`).
 #[tokio::test]
-#[ignore = "needs the kvroute-router binary (issue 5): cargo nextest run -p kvroute-tests --test replay --run-ignored all"]
+
 async fn through_the_router_every_mode_runs_and_kv_beats_round_robin() {
     let router = workspace_binary("kvroute-router", "kvroute-router")
         .expect("the kvroute-router binary builds");

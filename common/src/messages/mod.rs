@@ -9,6 +9,7 @@ mod generate;
 mod index;
 mod kv_event;
 mod select;
+mod session;
 mod worker;
 
 pub use decision::{Decision, LifecycleKind, RequestLifecycle};
@@ -26,6 +27,7 @@ pub use select::{
     BindingState, CostBreakdown, DpRankRange, ErrorCode, Pin, SelectError, SelectReply,
     SelectRequest, SelectResponse, SessionContext, SessionTrigger,
 };
+pub use session::SessionBindingRecord;
 pub use worker::{WorkerCard, WorkerLoad, WorkerRole};
 
 use serde::{Deserialize, Serialize};

@@ -10,8 +10,36 @@ use etcd_client::GetOptions;
 use futures::future::join_all;
 use std::sync::atomic::Ordering;
 
+use kvroute_common::names::Names;
+
+use super::snapshots::SnapshotStore;
 use super::{Input, Replica};
 use crate::replica::ReplicaState;
+
+/// The newest snapshot the log still reaches back to (the log's first sequence is `first`),
+/// restored; damaged snapshots are skipped for older ones. Shared with [`super::LocalReplica`].
+pub(super) async fn newest_usable_snapshot(
+    store: &SnapshotStore,
+    names: &Names,
+    first: u64,
+) -> Option<(u64, ReplicaState)> {
+    for seq in store.list().await.unwrap_or_default() {
+        // The log must still hold every message after the snapshot.
+        if seq + 1 < first {
+            tracing::info!(seq, first, "snapshot is older than the log; skipping it");
+            continue;
+        }
+        let loaded = match store.load(seq).await {
+            Ok(bytes) => ReplicaState::restore(names, &bytes).map_err(anyhow::Error::from),
+            Err(e) => Err(e),
+        };
+        match loaded {
+            Ok(state) => return Some((seq, state)),
+            Err(e) => tracing::warn!(seq, error = %e, "snapshot unusable; trying an older one"),
+        }
+    }
+    None
+}
 
 impl Replica {
     /// Returns the stream sequence to consume from.
@@ -21,27 +49,7 @@ impl Replica {
         let (first, last) = (info.state.first_sequence, info.state.last_sequence);
         self.stream_last_seq = last;
         let started = Instant::now();
-        let mut restored = None;
-        for seq in self.store.list().await.unwrap_or_default() {
-            // The log must still hold every message after the snapshot.
-            if seq + 1 < first {
-                tracing::info!(seq, first, "snapshot is older than the log; skipping it");
-                continue;
-            }
-            let loaded = match self.store.load(seq).await {
-                Ok(bytes) => {
-                    ReplicaState::restore(&self.names, &bytes).map_err(anyhow::Error::from)
-                }
-                Err(e) => Err(e),
-            };
-            match loaded {
-                Ok(state) => {
-                    restored = Some((seq, state));
-                    break;
-                }
-                Err(e) => tracing::warn!(seq, error = %e, "snapshot unusable; trying an older one"),
-            }
-        }
+        let restored = newest_usable_snapshot(&self.store, &self.names, first).await;
         let start = match restored {
             Some((seq, state)) => {
                 tracing::info!(

@@ -7,6 +7,7 @@
 //! feed it or read the shared index.
 
 mod bootstrap;
+mod follower;
 pub mod ingest;
 mod leader;
 mod metrics;
@@ -27,6 +28,7 @@ use kvroute_common::messages::{ControlAction, ControlRecord, ReplicaStatus, Sche
 use kvroute_common::names::Names;
 use tokio::sync::{mpsc, oneshot, watch};
 
+pub use self::follower::{LocalReplica, LocalReplicaConfig};
 use self::ingest::LogMessage;
 pub use self::metrics::IndexerMetrics;
 pub use self::serve::{Shared, answer};

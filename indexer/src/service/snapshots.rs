@@ -51,6 +51,12 @@ impl SnapshotStore {
         Ok(Self { store })
     }
 
+    /// Opens the bucket if it exists (followers read snapshots, never create the bucket).
+    pub async fn existing(js: &jetstream::Context, names: &Names) -> Option<Self> {
+        let store = js.get_object_store(names.snapshots_bucket()).await.ok()?;
+        Some(Self { store })
+    }
+
     /// Sequences of the stored snapshots, newest first.
     pub async fn list(&self) -> anyhow::Result<Vec<u64>> {
         let mut out = Vec::new();

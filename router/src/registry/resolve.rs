@@ -63,15 +63,53 @@ impl fmt::Debug for RoleSelection {
     }
 }
 
-/// One validated factory per role, ready to build policies per partition.
-#[derive(Debug, Clone)]
+/// One validated factory per role, ready to build policies per partition, plus every policy a
+/// request may ask for by name (`SelectRequest.policy`): the configured instances and each
+/// registered type that accepts empty parameters.
+#[derive(Clone)]
 pub struct ResolvedPolicies {
     roles: BTreeMap<WorkerRole, RoleSelection>,
+    named: BTreeMap<String, PolicyFactory>,
+}
+
+impl fmt::Debug for ResolvedPolicies {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResolvedPolicies")
+            .field("roles", &self.roles)
+            .field("named", &self.named.keys().collect::<Vec<_>>())
+            .finish()
+    }
 }
 
 impl ResolvedPolicies {
     pub fn selection(&self, role: WorkerRole) -> &RoleSelection {
         &self.roles[&role]
+    }
+
+    /// Builds the policy named `name` (a configured instance or a registered type) for `role`
+    /// and `partition`, for requests that ask for it; `None` if no such policy exists.
+    pub fn build_named(
+        &self,
+        name: &str,
+        role: WorkerRole,
+        partition: &str,
+    ) -> Option<Result<WorkerSelectionPolicy, ConfigError>> {
+        let factory = self.named.get(name)?;
+        let context = PolicyBuildContext {
+            instance: name,
+            role,
+            partition,
+        };
+        Some(
+            factory(&context)
+                .map(|policy| policy.named(name.to_owned()))
+                .map_err(|source| ConfigError::Build {
+                    instance: name.to_owned(),
+                    role,
+                    partition: partition.to_owned(),
+                    source,
+                }),
+        )
     }
 
     /// Builds the policy for `role` and `partition`; call once per pair and keep the result.
@@ -162,7 +200,18 @@ impl PolicyRegistry {
                 },
             );
         }
-        Ok(ResolvedPolicies { roles })
+        let mut named: BTreeMap<String, PolicyFactory> = BTreeMap::new();
+        for t in self.types() {
+            if let Some(provider) = self.provider(t)
+                && let Ok(factory) = provider(&PolicyParameters::default())
+            {
+                named.insert(t.to_owned(), factory);
+            }
+        }
+        for (name, factory) in instances {
+            named.insert(name.to_owned(), factory);
+        }
+        Ok(ResolvedPolicies { roles, named })
     }
 
     /// A selection naming a registered type directly (`default` included): the type with

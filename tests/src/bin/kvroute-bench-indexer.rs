@@ -20,7 +20,7 @@ use futures::StreamExt;
 use kvroute_common::codec::encode;
 use kvroute_common::events_stream::{StreamArgs, ensure_events_stream};
 use kvroute_common::messages::{KvEvent, KvEventBatch, KvEventData, SchemaVersion};
-use kvroute_common::{Namespace, Names};
+use kvroute_common::{Names, Namespace};
 use kvroute_indexer::index::IndexConfig;
 use kvroute_indexer::replica::ReplicaState;
 use kvroute_indexer::service::SnapshotStore;
@@ -63,7 +63,11 @@ fn blocks_of(data: &KvEventData) -> usize {
 
 /// The workload as encoded batches per worker, interleaved in replay order.
 fn batches(args: &Args) -> anyhow::Result<(Vec<bytes::Bytes>, Vec<u64>, u64, usize)> {
-    let path = if args.trace.is_absolute() { args.trace.clone() } else { workspace_root().join(&args.trace) };
+    let path = if args.trace.is_absolute() {
+        args.trace.clone()
+    } else {
+        workspace_root().join(&args.trace)
+    };
     let trace = kvroute_common::trace::read_trace(&path)?;
     let config = WorkloadConfig {
         workers: args.workers,
@@ -77,7 +81,13 @@ fn batches(args: &Args) -> anyhow::Result<(Vec<bytes::Bytes>, Vec<u64>, u64, usi
     let mut worker_of = Vec::new();
     // Every worker starts an incarnation.
     for w in 0..args.workers {
-        out.push(encode(&batch(w as u64, vec![KvEvent { event_id: 0, data: KvEventData::Cleared }]))?);
+        out.push(encode(&batch(
+            w as u64,
+            vec![KvEvent {
+                event_id: 0,
+                data: KvEventData::Cleared,
+            }],
+        ))?);
         worker_of.push(w as u64);
     }
     let mut current: Option<(u64, Vec<KvEvent>, usize)> = None;
@@ -92,7 +102,10 @@ fn batches(args: &Args) -> anyhow::Result<(Vec<bytes::Bytes>, Vec<u64>, u64, usi
         }
         let (_, events, blocks) = current.get_or_insert((e.worker_id, Vec::new(), 0));
         let id = &mut next_id[e.worker_id as usize];
-        events.push(KvEvent { event_id: *id, data: e.data });
+        events.push(KvEvent {
+            event_id: *id,
+            data: e.data,
+        });
         *id += 1;
         *blocks += n;
     }
@@ -100,11 +113,22 @@ fn batches(args: &Args) -> anyhow::Result<(Vec<bytes::Bytes>, Vec<u64>, u64, usi
         out.push(encode(&batch(w, events))?);
         worker_of.push(w);
     }
-    Ok((out, worker_of, workload.block_events, workload.final_entries))
+    Ok((
+        out,
+        worker_of,
+        workload.block_events,
+        workload.final_entries,
+    ))
 }
 
 fn batch(worker_id: u64, events: Vec<KvEvent>) -> KvEventBatch {
-    KvEventBatch { v: SchemaVersion::CURRENT, worker_id, dp_rank: 0, events, ts: 0 }
+    KvEventBatch {
+        v: SchemaVersion::CURRENT,
+        worker_id,
+        dp_rank: 0,
+        events,
+        ts: 0,
+    }
 }
 
 #[tokio::main]
@@ -128,7 +152,16 @@ async fn main() -> anyhow::Result<()> {
     let names = Names::new(&ns);
     let client = nats.connect().await?;
     let js = jetstream::new(client.clone());
-    let (stream, _) = ensure_events_stream(&js, &names, &StreamArgs { max_bytes: -1, max_age_secs: 0, ..Default::default() }).await?;
+    let (stream, _) = ensure_events_stream(
+        &js,
+        &names,
+        &StreamArgs {
+            max_bytes: -1,
+            max_age_secs: 0,
+            ..Default::default()
+        },
+    )
+    .await?;
 
     let publish_start = Instant::now();
     let mut acks = Vec::with_capacity(1024);
@@ -152,7 +185,9 @@ async fn main() -> anyhow::Result<()> {
     for round in 0..args.rounds {
         // (a) the transport limit: an ordered consumer that only counts.
         let t = Instant::now();
-        let consumer = stream.create_consumer(pull::OrderedConfig::default()).await?;
+        let consumer = stream
+            .create_consumer(pull::OrderedConfig::default())
+            .await?;
         let mut msgs = consumer.messages().await?;
         let mut n = 0u64;
         while n < total {
@@ -191,7 +226,12 @@ async fn main() -> anyhow::Result<()> {
     // Cold start: snapshot at total - catch_up, then a fresh process catches up the rest.
     let snap_seq = total.saturating_sub(args.catch_up as u64).max(1);
     let mut state = ReplicaState::new(&names, IndexConfig::default());
-    for (i, (payload, w)) in messages.iter().zip(&worker_of).enumerate().take(snap_seq as usize) {
+    for (i, (payload, w)) in messages
+        .iter()
+        .zip(&worker_of)
+        .enumerate()
+        .take(snap_seq as usize)
+    {
         state.apply(i as u64 + 1, &names.kv_events(*w), payload);
     }
     let entries = state.index().stats().entries;
@@ -203,35 +243,55 @@ async fn main() -> anyhow::Result<()> {
     let restore = t.elapsed();
     assert_eq!(restored.digest(), state.digest());
     let snapshot_mb = snapshot.len() as f64 / 1e6;
-    SnapshotStore::open(&js, &names, 1).await?.save(snap_seq, snapshot).await?;
+    SnapshotStore::open(&js, &names, 1)
+        .await?
+        .save(snap_seq, snapshot)
+        .await?;
 
     let bin = std::env::current_exe()?.with_file_name("kvroute-indexer");
     let http = free_port();
     let spec = Supervised::new(
         bin,
         vec![
-            "--namespace".into(), "bench".into(),
-            "--nats-url".into(), nats.url(),
-            "--etcd-endpoints".into(), etcd.endpoint(),
-            "--http-addr".into(), format!("127.0.0.1:{http}"),
-            "--ready-max-lag".into(), "0".into(),
-            "--replica-id".into(), "cold".into(),
-            "--stream-max-bytes".into(), "-1".into(),
-            "--stream-max-age-secs".into(), "0".into(),
+            "--namespace".into(),
+            "bench".into(),
+            "--nats-url".into(),
+            nats.url(),
+            "--etcd-endpoints".into(),
+            etcd.endpoint(),
+            "--http-addr".into(),
+            format!("127.0.0.1:{http}"),
+            "--ready-max-lag".into(),
+            "0".into(),
+            "--replica-id".into(),
+            "cold".into(),
+            "--stream-max-bytes".into(),
+            "-1".into(),
+            "--stream-max-age-secs".into(),
+            "0".into(),
         ],
         nats.data_dir().join("cold.log"),
     );
     let t = Instant::now();
     let child = spec.spawn()?;
     while !matches!(http_get(http, "/readyz"), Some((200, _))) {
-        anyhow::ensure!(t.elapsed() < Duration::from_secs(120), "cold start did not finish");
+        anyhow::ensure!(
+            t.elapsed() < Duration::from_secs(120),
+            "cold start did not finish"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let cold = t.elapsed();
     let status = http_get(http, "/status").context("status")?.1;
     let status: serde_json::Value = serde_json::from_str(&status)?;
-    anyhow::ensure!(status["applied_seq"].as_u64() == Some(total), "cold replica at {status}");
-    anyhow::ensure!(status["digest"].as_u64() == Some(digest), "cold replica digest differs");
+    anyhow::ensure!(
+        status["applied_seq"].as_u64() == Some(total),
+        "cold replica at {status}"
+    );
+    anyhow::ensure!(
+        status["digest"].as_u64() == Some(digest),
+        "cold replica digest differs"
+    );
     child.stop()?;
 
     println!();
@@ -239,12 +299,21 @@ async fn main() -> anyhow::Result<()> {
     println!("|---|---|---|---|");
     println!(
         "| ingest through JetStream into one replica (block events/s) | {:.0} | raw consume of the same messages: {:.0} | {:.2} (target ≥ 0.80) |",
-        ingest_rate, raw_rate, ingest_rate / raw_rate
+        ingest_rate,
+        raw_rate,
+        ingest_rate / raw_rate
     );
     println!(
         "| cold start to ready, {} entries (snapshot {:.1} MB + {} messages catch-up) | {:.2?} | target 2 s; leading peer reports 46–50 s for 2.28 M events | {:.2} of target |",
-        entries, snapshot_mb, total - snap_seq, cold, cold.as_secs_f64() / 2.0
+        entries,
+        snapshot_mb,
+        total - snap_seq,
+        cold,
+        cold.as_secs_f64() / 2.0
     );
-    println!("| snapshot write / restore in memory | {:.2?} / {:.2?} | | |", write, restore);
+    println!(
+        "| snapshot write / restore in memory | {:.2?} / {:.2?} | | |",
+        write, restore
+    );
     Ok(())
 }

@@ -1,0 +1,290 @@
+//! The router process's configuration: CLI flags with `KVROUTE_*` environment fallbacks (clap
+//! reads them in the binary), validated once at startup; [`RouterConfig::validate`] names the
+//! bad flag.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use kvroute_common::config::{ConfigError, EtcdArgs, NamespaceArgs, NatsArgs};
+use kvroute_common::telemetry::TelemetryArgs;
+
+use crate::eligibility::{BusyThresholds, PrefillLimit};
+use crate::registry::PolicyOverrides;
+use crate::select::HostConfig;
+use crate::session::{AffinityMode, SessionConfig};
+
+/// Where prefix overlap comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum OverlapMode {
+    /// Ask the indexer replicas on `kvroute.<ns>.index.query`, with a deadline.
+    #[default]
+    Remote,
+    /// Keep an embedded index replica (snapshot + log, like an indexer).
+    Local,
+}
+
+/// Session affinity mode (see `AffinityMode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum AffinityArg {
+    /// The binding is the exact target while eligible.
+    #[default]
+    Hard,
+    /// The binding is a hint the policy may override.
+    Soft,
+}
+
+/// Everything `kvroute-router` needs.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "kvroute-router",
+    version,
+    about = "kvroute router: answers which worker should serve a request (NATS queue group on kvroute.<ns>.select)"
+)]
+pub struct RouterConfig {
+    #[command(flatten)]
+    pub namespace: NamespaceArgs,
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
+
+    /// This replica's id, reported in replies and decisions (default: router-<random>).
+    #[arg(long = "router-id", env = "KVROUTE_ROUTER_ID")]
+    pub router_id: Option<String>,
+    /// Address of /metrics, /healthz, /readyz, /status (port 0: any free port).
+    #[arg(
+        long = "http-addr",
+        env = "KVROUTE_HTTP_ADDR",
+        default_value = "127.0.0.1:9200"
+    )]
+    pub http_addr: SocketAddr,
+
+    /// Worker-selection YAML (a top-level `worker_selection:` key).
+    #[arg(long = "policy-config", env = "KVROUTE_POLICY_CONFIG")]
+    pub policy_config: Option<PathBuf>,
+    /// Policy for every role (an instance name or a registered type); below the role flags,
+    /// above the YAML.
+    #[arg(
+        long = "worker-selection-policy",
+        env = "KVROUTE_WORKER_SELECTION_POLICY"
+    )]
+    pub worker_selection_policy: Option<String>,
+    /// Policy for prefill workers; overrides every other selection for that role.
+    #[arg(long = "prefill-policy", env = "KVROUTE_PREFILL_POLICY")]
+    pub prefill_policy: Option<String>,
+    /// Policy for decode workers; overrides every other selection for that role.
+    #[arg(long = "decode-policy", env = "KVROUTE_DECODE_POLICY")]
+    pub decode_policy: Option<String>,
+    /// Seed of the policies' random generators (default: from the OS).
+    #[arg(long = "seed", env = "KVROUTE_SEED")]
+    pub seed: Option<u64>,
+
+    /// Where overlap comes from: remote (indexer queries) or local (embedded replica).
+    #[arg(long = "overlap-mode", env = "KVROUTE_OVERLAP_MODE", value_enum, default_value_t = OverlapMode::Remote)]
+    pub overlap_mode: OverlapMode,
+    /// Deadline of one remote index query, in milliseconds; past it, score on load alone.
+    #[arg(
+        long = "index-query-timeout-ms",
+        env = "KVROUTE_INDEX_QUERY_TIMEOUT_MS",
+        default_value_t = 50
+    )]
+    pub index_query_timeout_ms: u64,
+    /// Local mode: ready only when at most this many log messages are not yet applied.
+    #[arg(
+        long = "ready-max-lag",
+        env = "KVROUTE_READY_MAX_LAG",
+        default_value_t = 1000
+    )]
+    pub ready_max_lag: u64,
+
+    /// Session affinity: hard (the binding is the target) or soft (a hint to the policy).
+    #[arg(long = "session-affinity", env = "KVROUTE_SESSION_AFFINITY", value_enum, default_value_t = AffinityArg::Hard)]
+    pub session_affinity: AffinityArg,
+    /// A binding unused for this long is dropped (the bucket's max age), in seconds.
+    #[arg(
+        long = "session-idle-ttl-secs",
+        env = "KVROUTE_SESSION_IDLE_TTL_SECS",
+        default_value_t = 600
+    )]
+    pub session_idle_ttl_secs: u64,
+    /// Replicas of the sessions bucket when this replica creates it (1 on one NATS node).
+    #[arg(
+        long = "session-bucket-replicas",
+        env = "KVROUTE_SESSION_BUCKET_REPLICAS",
+        default_value_t = 1
+    )]
+    pub session_bucket_replicas: usize,
+
+    /// Workers' load report interval, in milliseconds: once a newer report arrives, predicted
+    /// load older than this is dropped (the report includes it).
+    #[arg(
+        long = "load-report-interval-ms",
+        env = "KVROUTE_LOAD_REPORT_INTERVAL_MS",
+        default_value_t = 1000
+    )]
+    pub load_report_interval_ms: u64,
+    /// Predicted load of a request with no lifecycle event and no newer report is dropped
+    /// after this long, in seconds.
+    #[arg(
+        long = "prediction-max-age-secs",
+        env = "KVROUTE_PREDICTION_MAX_AGE_SECS",
+        default_value_t = 600
+    )]
+    pub prediction_max_age_secs: u64,
+
+    /// A rank is busy (not eligible) above this fraction of its KV blocks in decode (off by default).
+    #[arg(
+        long = "busy-decode-blocks-fraction",
+        env = "KVROUTE_BUSY_DECODE_BLOCKS_FRACTION"
+    )]
+    pub busy_decode_blocks_fraction: Option<f64>,
+    /// A rank is busy above this many active prefill tokens (off by default).
+    #[arg(long = "busy-prefill-tokens", env = "KVROUTE_BUSY_PREFILL_TOKENS")]
+    pub busy_prefill_tokens: Option<u64>,
+    /// Cost multiplier in (0, 1] of a worker carrying one of the request's preferred taints.
+    #[arg(
+        long = "preferred-taint-multiplier",
+        env = "KVROUTE_PREFERRED_TAINT_MULTIPLIER",
+        default_value_t = 0.8
+    )]
+    pub preferred_taint_multiplier: f64,
+    /// Selections handled concurrently; more wait for a slot.
+    #[arg(
+        long = "max-in-flight",
+        env = "KVROUTE_MAX_IN_FLIGHT",
+        default_value_t = 1024
+    )]
+    pub max_in_flight: usize,
+}
+
+impl RouterConfig {
+    /// Checks every setting; the error names the flag.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.nats.validate()?;
+        self.etcd.validate()?;
+        if let Some(id) = &self.router_id
+            && (id.is_empty() || id.len() > 128)
+        {
+            return Err(ConfigError::new("router-id", "must be 1-128 characters"));
+        }
+        if let Some(path) = &self.policy_config
+            && !path.is_file()
+        {
+            return Err(ConfigError::new(
+                "policy-config",
+                format!("file {} does not exist", path.display()),
+            ));
+        }
+        let positive = [
+            ("index-query-timeout-ms", self.index_query_timeout_ms),
+            ("session-idle-ttl-secs", self.session_idle_ttl_secs),
+            ("load-report-interval-ms", self.load_report_interval_ms),
+            ("prediction-max-age-secs", self.prediction_max_age_secs),
+            (
+                "session-bucket-replicas",
+                self.session_bucket_replicas as u64,
+            ),
+            ("max-in-flight", self.max_in_flight as u64),
+        ];
+        for (field, value) in positive {
+            if value == 0 {
+                return Err(ConfigError::new(field, "must be above 0"));
+            }
+        }
+        if self.busy_prefill_tokens == Some(0) {
+            return Err(ConfigError::new("busy-prefill-tokens", "must be above 0"));
+        }
+        if let Err(e) = self.host().validate() {
+            let field = match e {
+                crate::select::HostConfigError::Busy(_) => "busy-decode-blocks-fraction",
+                crate::select::HostConfigError::TaintMultiplier { .. } => {
+                    "preferred-taint-multiplier"
+                }
+            };
+            return Err(ConfigError::new(field, e.to_string()));
+        }
+        Ok(())
+    }
+
+    /// The replica id: the flag, or `router-<random>`.
+    pub fn router_id(&self) -> String {
+        self.router_id.clone().unwrap_or_else(|| {
+            let id = uuid::Uuid::new_v4().simple().to_string();
+            format!("router-{}", &id[..8])
+        })
+    }
+
+    /// Eligibility thresholds and the preferred-taint multiplier.
+    pub fn host(&self) -> HostConfig {
+        HostConfig {
+            busy: BusyThresholds {
+                decode_blocks_fraction: self.busy_decode_blocks_fraction,
+                prefill_tokens: self.busy_prefill_tokens.map(PrefillLimit::Tokens),
+            },
+            preferred_taint_multiplier: self.preferred_taint_multiplier,
+        }
+    }
+
+    pub fn sessions(&self) -> SessionConfig {
+        SessionConfig {
+            mode: match self.session_affinity {
+                AffinityArg::Hard => AffinityMode::Hard,
+                AffinityArg::Soft => AffinityMode::Soft,
+            },
+            idle_ttl_ms: self.session_idle_ttl_secs.saturating_mul(1000),
+        }
+    }
+
+    /// The selections given outside the YAML.
+    pub fn policy_overrides(&self) -> PolicyOverrides {
+        PolicyOverrides {
+            prefill: self.prefill_policy.clone(),
+            decode: self.decode_policy.clone(),
+            env: self.worker_selection_policy.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    fn parse(args: &[&str]) -> RouterConfig {
+        RouterConfig::try_parse_from(std::iter::once("kvroute-router").chain(args.iter().copied()))
+            .unwrap()
+    }
+
+    #[test]
+    fn defaults_validate_and_bad_values_name_their_flag() {
+        assert!(parse(&[]).validate().is_ok());
+        let err = parse(&["--index-query-timeout-ms", "0"])
+            .validate()
+            .unwrap_err();
+        assert_eq!(err.field, "index-query-timeout-ms");
+        let err = parse(&["--preferred-taint-multiplier", "1.5"])
+            .validate()
+            .unwrap_err();
+        assert_eq!(err.field, "preferred-taint-multiplier");
+        let err = parse(&["--policy-config", "/nonexistent.yaml"])
+            .validate()
+            .unwrap_err();
+        assert_eq!(err.field, "policy-config");
+        let err = parse(&["--busy-decode-blocks-fraction=-1"])
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("busy"), "{err}");
+    }
+
+    #[test]
+    fn role_flags_and_the_all_roles_selection_become_overrides() {
+        let c = parse(&["--prefill-policy", "p", "--worker-selection-policy", "all"]);
+        let o = c.policy_overrides();
+        assert_eq!(o.prefill.as_deref(), Some("p"));
+        assert_eq!(o.decode, None);
+        assert_eq!(o.env.as_deref(), Some("all"));
+    }
+}

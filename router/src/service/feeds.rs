@@ -1,0 +1,124 @@
+//! The loops that keep the router's inputs current: the worker watch (etcd → candidates) and
+//! the load feed, one loop over one closed [`Feed`] enum: every replica's decisions, worker
+//! load reports, lifecycle events, and a tick that expires old predictions.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use futures::StreamExt;
+use kvroute_common::codec::{DecodeError, decode};
+use kvroute_common::discovery::WorkerEvent;
+use kvroute_common::messages::{Decision, RequestLifecycle, WorkerLoad, now_ms};
+use tokio::sync::mpsc;
+
+use super::Router;
+use super::load_view::Applied;
+
+const TICK: Duration = Duration::from_secs(1);
+
+/// Every trigger of the load feed.
+enum Feed {
+    Decision(async_nats::Message),
+    Load(async_nats::Message),
+    Lifecycle(async_nats::Message),
+    Tick,
+}
+
+/// Applies worker events until the watch ends.
+pub async fn watch_workers(router: Arc<Router>, mut events: mpsc::Receiver<WorkerEvent>) {
+    while let Some(event) = events.recv().await {
+        let change = {
+            let mut candidates = router.candidates.write().unwrap_or_else(|p| p.into_inner());
+            let change = candidates.apply(event);
+            router.metrics.workers.set(candidates.len() as i64);
+            change
+        };
+        if change.loaded {
+            tracing::info!("worker snapshot loaded");
+            router.loaded.store(true, Ordering::Release);
+        }
+        if !change.departed.is_empty() {
+            let mut view = router.lock_load();
+            for worker_id in &change.departed {
+                tracing::info!(
+                    worker_id,
+                    "worker departed; its load and bindings are dropped"
+                );
+                view.remove_worker(*worker_id);
+            }
+        }
+    }
+}
+
+/// Subscribes to decisions, load reports and lifecycle events and applies them until every
+/// subscription ends.
+pub async fn run_load_feed(
+    router: Arc<Router>,
+    nats: async_nats::Client,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let names = &router.names;
+    let mut decisions = nats.subscribe(names.decisions()).await?;
+    let mut loads = nats.subscribe(names.load_all()).await?;
+    let mut lifecycle = nats.subscribe(names.lifecycle_all()).await?;
+    Ok(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(TICK);
+        loop {
+            let feed = tokio::select! {
+                Some(m) = decisions.next() => Feed::Decision(m),
+                Some(m) = loads.next() => Feed::Load(m),
+                Some(m) = lifecycle.next() => Feed::Lifecycle(m),
+                _ = tick.tick() => Feed::Tick,
+            };
+            router.on_feed(feed);
+        }
+    }))
+}
+
+impl Router {
+    fn bad(&self, input: &str, e: &DecodeError) {
+        self.metrics
+            .bad_messages
+            .inc(&format!("{input}_{}", e.reason()));
+    }
+
+    fn on_feed(&self, feed: Feed) {
+        let m = &self.metrics;
+        match feed {
+            Feed::Decision(msg) => match decode::<Decision>(&msg.payload) {
+                Ok(d) => match self.lock_load().apply_decision(&d, now_ms()) {
+                    Applied::Added => m.decisions_applied.inc(),
+                    Applied::Duplicate => m.decisions_duplicate.inc(),
+                },
+                Err(e) => self.bad("decision", &e),
+            },
+            Feed::Load(msg) => match decode::<WorkerLoad>(&msg.payload) {
+                Ok(report) => {
+                    if self.lock_load().apply_report(&report, now_ms()) {
+                        m.load_reports.inc();
+                    } else {
+                        m.load_reports_stale.inc();
+                    }
+                }
+                Err(e) => self.bad("load", &e),
+            },
+            Feed::Lifecycle(msg) => match decode::<RequestLifecycle>(&msg.payload) {
+                Ok(event) => {
+                    self.lock_load().apply_lifecycle(&event);
+                    m.lifecycle_events.inc();
+                }
+                Err(e) => self.bad("lifecycle", &e),
+            },
+            Feed::Tick => {
+                let mut view = self.lock_load();
+                view.expire(now_ms());
+                m.predicted_requests.set(view.predictions() as i64);
+                drop(view);
+                if let super::overlap::OverlapSource::Local(replica) = &self.overlap {
+                    m.local_applied_seq.set(replica.applied_seq() as i64);
+                }
+                m.ready.set(i64::from(self.is_ready()));
+            }
+        }
+    }
+}

@@ -1,0 +1,54 @@
+//! `/metrics`, `/healthz`, `/readyz` and `/status` (JSON: id, readiness, workers, policies).
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use kvroute_common::messages::WorkerRole;
+use kvroute_common::ops::{HttpHandler, HttpResponse};
+
+use super::Router;
+
+pub struct Http(pub Arc<Router>);
+
+impl HttpHandler for Http {
+    fn get(&self, path: &str) -> BoxFuture<'static, HttpResponse> {
+        let router = &self.0;
+        let path = path.split('?').next().unwrap_or(path);
+        let response = match path {
+            "/metrics" => {
+                router.metrics.ready.set(i64::from(router.is_ready()));
+                HttpResponse::prometheus(router.metrics.registry.render())
+            }
+            "/healthz" => HttpResponse::text(200, "ok\n"),
+            "/readyz" if router.is_ready() => HttpResponse::text(200, "ready\n"),
+            "/readyz" => HttpResponse::text(503, "not ready\n"),
+            "/status" => HttpResponse::json(200, status(router).to_string()),
+            _ => HttpResponse::text(404, "not found\n"),
+        };
+        Box::pin(async move { response })
+    }
+}
+
+fn status(router: &Router) -> serde_json::Value {
+    let workers = router
+        .candidates
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .len();
+    let policies: serde_json::Map<String, serde_json::Value> = WorkerRole::ALL
+        .into_iter()
+        .map(|role| {
+            let s = router.policies.resolved().selection(role);
+            (
+                role.to_string(),
+                serde_json::json!({"instance": s.instance, "source": s.source.to_string()}),
+            )
+        })
+        .collect();
+    serde_json::json!({
+        "router_id": router.router_id,
+        "ready": router.is_ready(),
+        "workers": workers,
+        "policies": policies,
+    })
+}

@@ -1,0 +1,126 @@
+//! The router's metrics, rendered on `/metrics` (the list is in ARCHITECTURE.md).
+
+use std::sync::Arc;
+
+use kvroute_common::ops::{Counter, CounterVec, Gauge, Histogram, Registry};
+
+/// Every series the router exports.
+#[derive(Debug)]
+pub struct RouterMetrics {
+    pub registry: Registry,
+    /// From receiving a request to publishing its reply (ok or error).
+    pub selection_latency: Arc<Histogram>,
+    /// Remote query round trips and local lookups.
+    pub overlap_latency: Arc<Histogram>,
+    /// Decisions made by this replica, by `<worker>/<rank>`.
+    pub decisions: Arc<CounterVec>,
+    /// Error replies by code.
+    pub errors: Arc<CounterVec>,
+    /// Device overlap blocks and prompt blocks of the decisions (ratio = overlap / request).
+    pub overlap_blocks: Arc<Counter>,
+    pub request_blocks: Arc<Counter>,
+    /// Selections scored on load alone because overlap was unavailable, by reason.
+    pub overlap_fallbacks: Arc<CounterVec>,
+    /// Session outcomes: `new`, `kept` (a hit), `rebound`, `released`.
+    pub sessions: Arc<CounterVec>,
+    /// Decisions applied to the load view (all replicas'), and duplicates skipped.
+    pub decisions_applied: Arc<Counter>,
+    pub decisions_duplicate: Arc<Counter>,
+    /// Load reports taken, and stale ones dropped.
+    pub load_reports: Arc<Counter>,
+    pub load_reports_stale: Arc<Counter>,
+    pub lifecycle_events: Arc<Counter>,
+    /// Undecodable messages on the inputs, by `<input>_<reason>`.
+    pub bad_messages: Arc<CounterVec>,
+    pub predicted_requests: Arc<Gauge>,
+    pub workers: Arc<Gauge>,
+    pub ready: Arc<Gauge>,
+    /// Local mode: the embedded replica's applied log sequence.
+    pub local_applied_seq: Arc<Gauge>,
+}
+
+impl RouterMetrics {
+    pub fn new() -> Self {
+        let r = Registry::default();
+        Self {
+            selection_latency: r.histogram(
+                "kvroute_router_selection_latency_seconds",
+                "Time from receiving a select request to publishing its reply.",
+            ),
+            overlap_latency: r.histogram(
+                "kvroute_router_overlap_latency_seconds",
+                "Time to get a prompt's overlap (remote query or local lookup).",
+            ),
+            decisions: r.counter_vec(
+                "kvroute_router_decisions_total",
+                "Selections made by this replica, per worker rank.",
+                "worker",
+            ),
+            errors: r.counter_vec(
+                "kvroute_router_errors_total",
+                "Error replies, per error code.",
+                "code",
+            ),
+            overlap_blocks: r.counter(
+                "kvroute_router_overlap_blocks_total",
+                "Device blocks the chosen worker already held (overlap ratio = this / request blocks).",
+            ),
+            request_blocks: r.counter(
+                "kvroute_router_request_blocks_total",
+                "Full prompt blocks of the selections.",
+            ),
+            overlap_fallbacks: r.counter_vec(
+                "kvroute_router_overlap_fallbacks_total",
+                "Selections scored on load alone because overlap was unavailable, per reason.",
+                "reason",
+            ),
+            sessions: r.counter_vec(
+                "kvroute_router_sessions_total",
+                "Session binding outcomes (kept = affinity hit).",
+                "binding",
+            ),
+            decisions_applied: r.counter(
+                "kvroute_router_decisions_applied_total",
+                "Decisions (every replica's) applied to the load view.",
+            ),
+            decisions_duplicate: r.counter(
+                "kvroute_router_decisions_duplicate_total",
+                "Decisions seen again (own decisions echoed by NATS) and skipped.",
+            ),
+            load_reports: r.counter(
+                "kvroute_router_load_reports_total",
+                "Worker load reports applied.",
+            ),
+            load_reports_stale: r.counter(
+                "kvroute_router_load_reports_stale_total",
+                "Worker load reports older than the last one, dropped.",
+            ),
+            lifecycle_events: r.counter(
+                "kvroute_router_lifecycle_events_total",
+                "Request lifecycle events applied.",
+            ),
+            bad_messages: r.counter_vec(
+                "kvroute_router_bad_messages_total",
+                "Undecodable messages skipped, per input and reason.",
+                "kind",
+            ),
+            predicted_requests: r.gauge(
+                "kvroute_router_predicted_requests",
+                "Requests in the predicted load view, not yet finished.",
+            ),
+            workers: r.gauge("kvroute_router_workers", "Registered workers."),
+            ready: r.gauge("kvroute_router_ready", "1 when the replica answers selections."),
+            local_applied_seq: r.gauge(
+                "kvroute_router_local_applied_seq",
+                "Local overlap mode: the embedded replica's applied log sequence.",
+            ),
+            registry: r,
+        }
+    }
+}
+
+impl Default for RouterMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,232 @@
+//! The router process around the pure core. Modules follow a request: [`intake`] (queue
+//! group, decoding) → [`candidates`] (etcd workers by model and role) → [`overlap`] (indexer
+//! query or local replica) → [`load_view`] (reports + predictions, fed by [`feeds`]) → the
+//! core's `select` with [`sessions_kv`] → [`reply`] (answer, then the published decision).
+//! Only intake, reply, overlap, sessions_kv and feeds touch the network.
+
+pub mod candidates;
+pub mod config;
+mod feeds;
+mod http;
+pub mod intake;
+pub mod load_view;
+pub mod metrics;
+pub mod overlap;
+mod policies;
+pub mod reply;
+mod selection;
+pub mod sessions_kv;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use async_nats::jetstream;
+use kvroute_common::discovery::watch_workers;
+use kvroute_common::names::Names;
+use kvroute_indexer::service::{LocalReplica, LocalReplicaConfig};
+
+use self::candidates::Candidates;
+pub use self::config::{OverlapMode, RouterConfig};
+use self::load_view::{LoadView, LoadViewConfig};
+use self::metrics::RouterMetrics;
+use self::overlap::OverlapSource;
+use self::policies::{Policies, PolicySlot};
+use self::sessions_kv::{BucketConfig, KvSessionStore};
+use crate::registry::{ConfigError as PolicyConfigError, PolicyRegistry, WorkerSelectionConfig};
+use crate::select::HostConfig;
+use crate::session::SessionTable;
+
+/// Why the router could not start; each names what is wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    #[error(transparent)]
+    Config(#[from] kvroute_common::config::ConfigError),
+    #[error("--policy-config {path}: {source}")]
+    PolicyFile {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("--policy-config: {0}")]
+    Policy(#[from] PolicyConfigError),
+}
+
+/// The checked configuration with the policies resolved: everything that can fail before
+/// connecting to anything.
+#[derive(Debug)]
+pub struct Prepared {
+    config: RouterConfig,
+    policies: crate::registry::ResolvedPolicies,
+}
+
+impl Prepared {
+    /// Validates `config` and resolves every role's policy against `registry` (unknown
+    /// types, duplicate instances and bad parameters stop here).
+    pub fn new(config: RouterConfig, registry: &PolicyRegistry) -> Result<Self, StartupError> {
+        config.validate()?;
+        let yaml = match &config.policy_config {
+            Some(path) => {
+                let text =
+                    std::fs::read_to_string(path).map_err(|source| StartupError::PolicyFile {
+                        path: path.display().to_string(),
+                        source,
+                    })?;
+                WorkerSelectionConfig::from_yaml(&text)?
+            }
+            None => WorkerSelectionConfig::default(),
+        };
+        let policies = registry.resolve(&yaml, &config.policy_overrides())?;
+        Ok(Self { config, policies })
+    }
+}
+
+/// One router replica's state, shared by the request tasks, the feeds and the HTTP handler.
+pub struct Router {
+    router_id: String,
+    names: Names,
+    nats: async_nats::Client,
+    decisions_subject: String,
+    candidates: RwLock<Candidates>,
+    /// The worker watch delivered its first snapshot.
+    loaded: AtomicBool,
+    load: Mutex<LoadView>,
+    overlap: OverlapSource,
+    sessions: SessionTable<KvSessionStore>,
+    policies: Policies,
+    host: HostConfig,
+    metrics: RouterMetrics,
+    max_in_flight: usize,
+}
+
+impl std::fmt::Debug for Router {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Router")
+            .field("router_id", &self.router_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Router {
+    /// Ready to answer: workers loaded and, in local mode, the replica caught up.
+    pub fn is_ready(&self) -> bool {
+        self.loaded.load(Ordering::Acquire) && self.overlap.is_ready()
+    }
+
+    fn lock_load(&self) -> MutexGuard<'_, LoadView> {
+        self.load.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Runs a router replica until `shutdown` resolves. The binary passes the registry (built-ins
+/// plus whatever catalogs it links).
+pub async fn run(
+    prepared: Prepared,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let Prepared { config, policies } = prepared;
+    let router_id = config.router_id();
+    let names = Names::new(&config.namespace.namespace);
+    let nats = config.nats.connect(&router_id).await?;
+    let etcd = config.etcd.connect().await?;
+    let js = jetstream::new(nats.clone());
+    let sessions_config = config.sessions();
+    let store = KvSessionStore::open(
+        &js,
+        &names,
+        BucketConfig {
+            idle_ttl: Duration::from_millis(sessions_config.idle_ttl_ms),
+            replicas: config.session_bucket_replicas,
+        },
+    )
+    .await
+    .context("opening the sessions bucket")?;
+    let (overlap, replica_task) = match config.overlap_mode {
+        OverlapMode::Remote => (
+            OverlapSource::remote(
+                nats.clone(),
+                &names,
+                Duration::from_millis(config.index_query_timeout_ms),
+            ),
+            None,
+        ),
+        OverlapMode::Local => {
+            let (replica, task) = LocalReplica::start(
+                nats.clone(),
+                &names,
+                LocalReplicaConfig {
+                    index: Default::default(),
+                    ready_max_lag: config.ready_max_lag,
+                },
+            );
+            (OverlapSource::Local(replica), Some(task))
+        }
+    };
+    for role in kvroute_common::messages::WorkerRole::ALL {
+        let s = policies.selection(role);
+        tracing::info!(%role, policy = s.instance, source = %s.source, "worker-selection policy");
+    }
+    let seed = config.seed.unwrap_or_else(rand::random);
+    let router = Arc::new(Router {
+        router_id: router_id.clone(),
+        decisions_subject: names.decisions(),
+        names: names.clone(),
+        nats: nats.clone(),
+        candidates: RwLock::new(Candidates::new()),
+        loaded: AtomicBool::new(false),
+        load: Mutex::new(LoadView::new(LoadViewConfig {
+            report_interval_ms: config.load_report_interval_ms,
+            prediction_max_age_ms: config.prediction_max_age_secs.saturating_mul(1000),
+        })),
+        overlap,
+        sessions: SessionTable::new(store, sessions_config),
+        policies: Policies::new(policies, seed),
+        host: config.host(),
+        metrics: RouterMetrics::new(),
+        max_in_flight: config.max_in_flight,
+    });
+
+    let (addr, http_task) =
+        kvroute_common::ops::serve_http(config.http_addr, Arc::new(http::Http(router.clone())))
+            .await?;
+    tracing::info!(router_id, %addr, "router http listening");
+    let watch_task = tokio::spawn(feeds::watch_workers(
+        router.clone(),
+        watch_workers(etcd, &names),
+    ));
+    let feed_task = feeds::run_load_feed(router.clone(), nats.clone()).await?;
+    let requests = nats
+        .queue_subscribe(names.select(), names.router_queue_group())
+        .await?;
+    let intake_task = tokio::spawn(intake::serve(router.clone(), requests));
+    tracing::info!(router_id, subject = names.select(), overlap = ?config.overlap_mode, "router serving");
+
+    shutdown.await;
+    tracing::info!(router_id, "shutting down");
+    intake_task.abort();
+    watch_task.abort();
+    feed_task.abort();
+    http_task.abort();
+    if let Some(task) = replica_task {
+        task.abort();
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(2), nats.flush()).await;
+    Ok(())
+}
+
+/// The whole `main` of a router binary linking `registry`'s policy types: parse flags (with
+/// `KVROUTE_*` env fallbacks), set up logging, prepare (exit 2 with the message on a bad
+/// configuration), run until SIGTERM or Ctrl-C.
+pub async fn main_with(registry: PolicyRegistry, name: &str) -> anyhow::Result<()> {
+    use clap::Parser as _;
+    let config = RouterConfig::parse();
+    kvroute_common::telemetry::init(&config.telemetry);
+    let prepared = match Prepared::new(config, &registry) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            std::process::exit(2);
+        }
+    };
+    run(prepared, kvroute_common::ops::shutdown_signal()).await
+}

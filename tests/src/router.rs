@@ -1,0 +1,322 @@
+//! Router tests' helpers: `kvroute-router` processes, simulated workers built on the
+//! worker-side library (they publish the blocks of the prompts they "served", load reports
+//! and lifecycle events), and a select client.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use kvroute_common::codec::{decode, encode};
+use kvroute_common::hashing::{local_block_hashes, seed_for_lora, sequence_hashes};
+use kvroute_common::messages::{
+    KvEventData, SchemaVersion, SelectRequest, SelectResponse, StorageTier, StoredBlock,
+    WorkerCard, WorkerLoad, WorkerRole,
+};
+use kvroute_common::worker::{
+    EventPublisher, RegistrationConfig, ResyncSource, WorkerAgent, WorkerAgentConfig,
+};
+use kvroute_common::{Names, WorkerId};
+
+use crate::bins::kvroute_bin;
+use crate::http::http_get;
+use crate::ports::free_port;
+use crate::process::{ChildGuard, Supervised};
+use crate::servers::TestEnv;
+
+/// A `kvroute-router` (or another binary embedding the router) against a [`TestEnv`].
+#[derive(Debug)]
+pub struct RouterProcess {
+    pub router_id: String,
+    pub http_port: u16,
+    spec: Supervised,
+    child: Option<ChildGuard>,
+}
+
+impl RouterProcess {
+    /// Starts `kvroute-router` with `extra` flags and waits until `/readyz` is 200.
+    pub fn start(env: &TestEnv, router_id: &str, extra: &[&str]) -> anyhow::Result<Self> {
+        Self::start_bin(env, "kvroute-router", router_id, extra)
+    }
+
+    /// Starts binary `bin` (`kvroute-router` or `kvroute-router-custom`).
+    pub fn start_bin(
+        env: &TestEnv,
+        bin: &str,
+        router_id: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
+        let program = kvroute_bin("kvroute-router", bin)?;
+        let http_port = free_port();
+        let mut args = base_args(env);
+        args.extend([
+            "--router-id".into(),
+            router_id.into(),
+            "--http-addr".into(),
+            format!("127.0.0.1:{http_port}"),
+            "--seed".into(),
+            "7".into(),
+        ]);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let log = env.nats.data_dir().join(format!("router-{router_id}.log"));
+        let mut spec = Supervised::new(program, args, log);
+        spec.env.push(("RUST_LOG".into(), "info".into()));
+        let child = Some(spec.spawn()?);
+        let p = Self {
+            router_id: router_id.into(),
+            http_port,
+            spec,
+            child,
+        };
+        p.wait_ready()?;
+        Ok(p)
+    }
+
+    fn wait_ready(&self) -> anyhow::Result<()> {
+        let start = Instant::now();
+        while !self.is_ready() {
+            if start.elapsed() > Duration::from_secs(60) {
+                bail!("router {} not ready:\n{}", self.router_id, self.log());
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        Ok(())
+    }
+
+    pub fn is_ready(&self) -> bool {
+        matches!(http_get(self.http_port, "/readyz"), Some((200, _)))
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.spec.log).unwrap_or_default()
+    }
+
+    /// The value of the sample `name` (exactly, labels included, e.g.
+    /// `kvroute_router_errors_total{code="bad_request"}`); 0 when absent.
+    pub fn metric(&self, name: &str) -> f64 {
+        let Some((_, body)) = http_get(self.http_port, "/metrics") else {
+            return 0.0;
+        };
+        body.lines()
+            .filter(|l| !l.starts_with('#'))
+            .find_map(|l| {
+                let (n, v) = l.rsplit_once(' ')?;
+                (n == name).then(|| v.parse().ok())?
+            })
+            .unwrap_or(0.0)
+    }
+
+    pub fn stop(&mut self) -> anyhow::Result<()> {
+        match self.child.take() {
+            Some(c) => c.stop(),
+            None => Ok(()),
+        }
+    }
+}
+
+fn base_args(env: &TestEnv) -> Vec<String> {
+    vec![
+        "--namespace".into(),
+        env.namespace.to_string(),
+        "--nats-url".into(),
+        env.nats.url(),
+        "--etcd-endpoints".into(),
+        env.etcd.endpoint(),
+    ]
+}
+
+/// Runs router binary `bin` expecting it to exit by itself (a startup failure): its exit
+/// code and stderr.
+pub fn router_exit(env: &TestEnv, bin: &str, extra: &[&str]) -> anyhow::Result<(i32, String)> {
+    let program = kvroute_bin("kvroute-router", bin)?;
+    let mut child = std::process::Command::new(program)
+        .args(base_args(env))
+        .args(["--http-addr", "127.0.0.1:0"])
+        .args(extra)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait()? {
+            let mut stderr = String::new();
+            std::io::Read::read_to_string(
+                &mut child.stderr.take().context("stderr")?,
+                &mut stderr,
+            )?;
+            return Ok((status.code().unwrap_or(-1), stderr));
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            bail!("{bin} did not exit");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A worker card for model `model` with block size 16.
+pub fn worker_card(names: &Names, worker_id: WorkerId, model: &str) -> WorkerCard {
+    WorkerCard {
+        v: SchemaVersion::CURRENT,
+        worker_id,
+        model: model.into(),
+        role: WorkerRole::Aggregated,
+        block_size: 16,
+        total_kv_blocks: 100_000,
+        max_num_batched_tokens: 8192,
+        dp_start_rank: 0,
+        dp_size: 1,
+        taints: vec![],
+        labels: Default::default(),
+        request_subject: names.worker_requests(worker_id),
+        software_version: "sim".into(),
+    }
+}
+
+/// The stored-block chains a simulated worker holds, republished on resync.
+#[derive(Debug, Default)]
+struct SimCache(Mutex<Vec<Vec<StoredBlock>>>);
+
+impl ResyncSource for SimCache {
+    fn resync(&self, publisher: &EventPublisher) {
+        let chains = self.0.lock().expect("sim cache");
+        let mut events = vec![KvEventData::Cleared];
+        events.extend(chains.iter().map(|blocks| KvEventData::Stored {
+            parent_hash: None,
+            blocks: blocks.clone(),
+            tier: StorageTier::Device,
+        }));
+        publisher.publish(0, events);
+    }
+}
+
+/// A worker registered in etcd that "holds" the prompts it is told to store.
+#[derive(Debug)]
+pub struct PromptWorker {
+    agent: WorkerAgent,
+    cache: Arc<SimCache>,
+    load_seq: Mutex<u64>,
+}
+
+impl PromptWorker {
+    /// Registers `card` (lease TTL `ttl_secs`) and waits until it is in etcd.
+    pub async fn start(env: &TestEnv, card: WorkerCard, ttl_secs: u64) -> anyhow::Result<Self> {
+        let names = Names::new(&env.namespace);
+        let cache = Arc::new(SimCache::default());
+        let config = WorkerAgentConfig {
+            registration: RegistrationConfig {
+                lease_ttl: Duration::from_secs(ttl_secs),
+                retry_interval: Duration::from_millis(100),
+            },
+            ..Default::default()
+        };
+        let mut agent = WorkerAgent::start(
+            env.nats.connect().await?,
+            env.etcd.connect().await?,
+            &names,
+            card,
+            config,
+            cache.clone(),
+        )
+        .await?;
+        agent.wait_registered().await;
+        Ok(Self {
+            agent,
+            cache,
+            load_seq: Mutex::new(0),
+        })
+    }
+
+    pub fn id(&self) -> WorkerId {
+        self.agent.card().worker_id
+    }
+
+    /// Publishes the full blocks of `tokens` as one stored chain and waits until acked.
+    pub async fn store_prompt(&self, tokens: &[u32]) {
+        let seed = seed_for_lora(None);
+        let local = local_block_hashes(tokens, self.agent.card().block_size as usize, seed);
+        let seq = sequence_hashes(&local, seed);
+        let blocks: Vec<StoredBlock> = local
+            .iter()
+            .zip(&seq)
+            .map(|(l, s)| StoredBlock {
+                block_hash: *s,
+                tokens_hash: *l,
+            })
+            .collect();
+        self.cache.0.lock().expect("sim cache").push(blocks.clone());
+        self.agent.publish_events(
+            0,
+            vec![KvEventData::Stored {
+                parent_hash: None,
+                blocks,
+                tier: StorageTier::Device,
+            }],
+        );
+        self.agent.publisher().flush().await;
+    }
+
+    /// Publishes a load report with `active_requests` and `decode_blocks`.
+    pub async fn report_load(&self, active_requests: u64, decode_blocks: u64) {
+        let seq = {
+            let mut s = self.load_seq.lock().expect("load seq");
+            *s += 1;
+            *s
+        };
+        let load = WorkerLoad {
+            v: SchemaVersion::CURRENT,
+            worker_id: self.id(),
+            dp_rank: 0,
+            seq,
+            active_prefill_tokens: 0,
+            active_decode_blocks: decode_blocks,
+            active_requests,
+            waiting_requests: 0,
+            kv_used_blocks: 0,
+            total_kv_blocks: 100_000,
+            ts: 0,
+        };
+        self.agent.publish_load(&load).await.expect("load report");
+    }
+
+    pub fn agent(&self) -> &WorkerAgent {
+        &self.agent
+    }
+
+    /// Deregisters (the card disappears at once).
+    pub async fn shutdown(self) {
+        self.agent.shutdown().await;
+    }
+}
+
+/// Sends one select request and decodes the answer.
+pub async fn select(
+    nats: &async_nats::Client,
+    names: &Names,
+    request: &SelectRequest,
+) -> anyhow::Result<SelectResponse> {
+    select_raw(nats, names, encode(request)?.to_vec()).await
+}
+
+/// Sends raw bytes as a select request and decodes the answer.
+pub async fn select_raw(
+    nats: &async_nats::Client,
+    names: &Names,
+    payload: Vec<u8>,
+) -> anyhow::Result<SelectResponse> {
+    let reply = tokio::time::timeout(
+        Duration::from_secs(20),
+        nats.request(names.select(), payload.into()),
+    )
+    .await
+    .context("select timed out")??;
+    Ok(decode(&reply.payload)?)
+}
+
+/// A request for `model` with prompt `tokens`.
+pub fn request(model: &str, tokens: Vec<u32>) -> SelectRequest {
+    SelectRequest {
+        model: model.into(),
+        token_ids: Some(tokens),
+        ..SelectRequest::default()
+    }
+}

@@ -1,0 +1,126 @@
+//! Policy configuration of the router binaries: the example custom policy selected through
+//! YAML changes the outcome, and bad YAML stops startup with a message naming the problem.
+
+use std::time::Duration;
+
+use kvroute_common::Names;
+use kvroute_common::messages::{SelectResponse, StorageTier};
+use kvroute_tests::{
+    IndexerProcess, PromptWorker, RouterProcess, TestEnv, request, router_exit, select, worker_card,
+};
+
+fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
+    (0..blocks * 16).map(|i| seed * 100_000 + i).collect()
+}
+
+fn yaml(env: &TestEnv, name: &str, text: &str) -> String {
+    let path = env.nats.data_dir().join(name);
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+const STICKY: &str = "worker_selection:
+  aggregated: sticky
+  instances:
+    - name: sticky
+      type: sticky-until-busy
+      parameters:
+        busy_threshold: 4
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_policy_selected_through_yaml_changes_the_outcome() {
+    let env = TestEnv::start().unwrap();
+    let names = Names::new(&env.namespace);
+    let _indexer = IndexerProcess::start(&env, "ix", &[]).unwrap();
+    let mut workers = Vec::new();
+    for id in [1, 2] {
+        workers.push(
+            PromptWorker::start(&env, worker_card(&names, id, "m"), 10)
+                .await
+                .unwrap(),
+        );
+    }
+    let tokens = prompt(1, 8);
+    workers[1].store_prompt(&tokens).await;
+    let nats = env.nats.connect().await.unwrap();
+
+    // The built-in default follows the cache: worker 2.
+    let mut stock = RouterProcess::start(&env, "stock", &[]).unwrap();
+    let start = std::time::Instant::now();
+    loop {
+        let SelectResponse::Ok(r) = select(&nats, &names, &request("m", tokens.clone()))
+            .await
+            .unwrap()
+        else {
+            panic!("selection failed");
+        };
+        if r.overlap_blocks.get(&StorageTier::Device) == Some(&8) {
+            assert_eq!(r.worker_id, 2);
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stock.stop().unwrap();
+
+    // sticky-until-busy ignores the cache: fewest active requests, ties to the lowest id.
+    let path = yaml(&env, "sticky.yaml", STICKY);
+    let _custom = RouterProcess::start_bin(
+        &env,
+        "kvroute-router-custom",
+        "custom",
+        &["--policy-config", &path],
+    )
+    .unwrap();
+    let SelectResponse::Ok(r) = select(&nats, &names, &request("m", tokens)).await.unwrap() else {
+        panic!("selection failed");
+    };
+    assert_eq!((r.worker_id, r.policy.as_str()), (1, "sticky"));
+}
+
+#[tokio::test]
+async fn bad_policy_configuration_stops_startup_with_a_clear_message() {
+    let env = TestEnv::start().unwrap();
+    let cases = [
+        // The stock binary does not link the example's type.
+        (
+            "kvroute-router",
+            "unknown.yaml",
+            STICKY,
+            "unknown type \"sticky-until-busy\"",
+        ),
+        (
+            "kvroute-router",
+            "dup.yaml",
+            "worker_selection:\n  instances:\n    - {name: a, type: random}\n    - {name: a, type: least-busy}\n",
+            "\"a\" is configured more than once",
+        ),
+        (
+            "kvroute-router-custom",
+            "param.yaml",
+            "worker_selection:\n  instances:\n    - name: s\n      type: sticky-until-busy\n      parameters: {busy_threshold: 5, max_active_requests: 2}\n",
+            "max_active_requests (2) must be above busy_threshold (5)",
+        ),
+        (
+            "kvroute-router",
+            "typo.yaml",
+            "worker_selection:\n  agregated: random\n",
+            "agregated",
+        ),
+    ];
+    for (bin, file, text, expected) in cases {
+        let path = yaml(&env, file, text);
+        let (code, stderr) = router_exit(&env, bin, &["--policy-config", &path]).unwrap();
+        assert_eq!(code, 2, "{bin} {file}: {stderr}");
+        assert!(stderr.contains(expected), "{bin} {file}: {stderr}");
+    }
+    let (code, stderr) =
+        router_exit(&env, "kvroute-router", &["--decode-policy", "nonexistent"]).unwrap();
+    assert_eq!(code, 2);
+    assert!(stderr.contains("nonexistent"), "{stderr}");
+    let (code, stderr) =
+        router_exit(&env, "kvroute-router", &["--index-query-timeout-ms", "0"]).unwrap();
+    assert_eq!(code, 2);
+    assert!(stderr.contains("--index-query-timeout-ms"), "{stderr}");
+}
