@@ -276,7 +276,7 @@ mod tests {
     fn random_worker_id_starts_leave_room_for_a_whole_fleet() {
         for r in [0, 1, u64::MAX, (1 << 32) - 2, 12_345_678_901] {
             let start = FleetConfig::random_worker_id_start(r);
-            assert!(start >= 1 << 16 && start < 1 << 48, "{r}: {start}");
+            assert!((1 << 16..1 << 48).contains(&start), "{r}: {start}");
             assert_eq!(start % (1 << 16), 0);
             assert!(u64::from(MAX_WORKERS) < 1 << 16);
         }
