@@ -99,6 +99,10 @@ pub struct FleetConfig {
     /// Worker id of the first worker; the others follow consecutively.
     #[arg(long, env = "KVROUTE_MOCKER_WORKER_ID_START", default_value_t = 1)]
     pub worker_id_start: WorkerId,
+    /// Instead of --worker-id-start, start at a random multiple of 65536 below 2^48, so
+    /// replicas of one container configuration (`docker-compose up --scale`) get distinct ids.
+    #[arg(long, env = "KVROUTE_MOCKER_RANDOM_WORKER_IDS")]
+    pub random_worker_ids: bool,
     /// Model name the workers serve (in their cards).
     #[arg(long, env = "KVROUTE_MOCKER_MODEL", default_value = "mock-model")]
     pub model: String,
@@ -128,6 +132,7 @@ impl Default for FleetConfig {
         Self {
             workers: 2,
             worker_id_start: 1,
+            random_worker_ids: false,
             model: "mock-model".into(),
             engine: EngineArgs::default(),
             speedup: 1.0,
@@ -196,6 +201,13 @@ impl FleetConfig {
         Duration::from_millis(self.load_interval_ms)
     }
 
+    /// The first worker id under `--random-worker-ids`, from `random` (any u64): a multiple of
+    /// 65536 in [65536, 2^48), so fleets (at most [`MAX_WORKERS`] workers) never overlap unless
+    /// two draws are equal.
+    pub fn random_worker_id_start(random: u64) -> WorkerId {
+        ((random % ((1 << 32) - 1)) + 1) << 16
+    }
+
     /// The worker ids this fleet runs.
     pub fn worker_ids(&self) -> impl Iterator<Item = WorkerId> + use<> {
         let start = self.worker_id_start;
@@ -258,6 +270,16 @@ mod tests {
             "{err}"
         );
         assert!(err.to_string().contains("got 4"), "{err}");
+    }
+
+    #[test]
+    fn random_worker_id_starts_leave_room_for_a_whole_fleet() {
+        for r in [0, 1, u64::MAX, (1 << 32) - 2, 12_345_678_901] {
+            let start = FleetConfig::random_worker_id_start(r);
+            assert!((1 << 16..1 << 48).contains(&start), "{r}: {start}");
+            assert_eq!(start % (1 << 16), 0);
+            assert!(u64::from(MAX_WORKERS) < 1 << 16);
+        }
     }
 
     #[test]

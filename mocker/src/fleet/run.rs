@@ -39,11 +39,15 @@ impl MockerArgs {
 pub async fn run(args: MockerArgs, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     args.validate()?;
     let names = Names::new(&args.namespace.namespace);
+    let mut config = args.fleet.clone();
+    if config.random_worker_ids {
+        config.worker_id_start = FleetConfig::random_worker_id_start(rand::random());
+    }
     let nats = args.nats.connect("kvroute-mocker").await?;
     let etcd = args.etcd.connect().await?;
     tokio::pin!(shutdown);
     let fleet = tokio::select! {
-        fleet = Fleet::start(&args.fleet, nats.clone(), etcd, &names) => {
+        fleet = Fleet::start(&config, nats.clone(), etcd, &names) => {
             fleet.context("starting the fleet")?
         }
         _ = &mut shutdown => {

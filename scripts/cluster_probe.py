@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""Measurements for scripts/fault-test, against a running kvroute cluster (PROTOCOL.md only:
+MessagePack over NATS, and the indexers' HTTP /status). Every subcommand prints one JSON
+object on stdout.
+
+  sessions  --out F | --expect F   bind sessions (one selection each), or check they kept
+                                   the worker recorded in F
+  departure --workers 1,2 --since T   seconds from T (Unix time) until the routers answer
+                                   `pinned_unavailable` for each worker
+  indexers  --status URL,URL       poll the replicas' /status until they report the same
+                                   applied_seq; compare the digests there
+  replay    --report F             selection success from kvroute-replay's JSON report
+"""
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+
+SELECT_TIMEOUT = 3.0
+
+
+def nats_servers(urls):
+    return [u.strip() for u in urls.split(",") if u.strip()]
+
+
+async def connect(urls):
+    import nats
+
+    return await nats.connect(servers=nats_servers(urls), connect_timeout=5,
+                              max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+
+
+async def select(nc, ns, request):
+    import msgpack
+
+    request = {"v": 1, "request_id": str(uuid.uuid4()), **request}
+    msg = await nc.request("kvroute.%s.select" % ns, msgpack.packb(request, use_bin_type=True),
+                           timeout=SELECT_TIMEOUT)
+    return msgpack.unpackb(msg.data, raw=False)
+
+
+def session_prompt(i):
+    # A prompt of its own per session (2 blocks of 64 tokens and a bit).
+    return [(i + 1) * 1_000_003 % 4_000_000 + t for t in range(150)]
+
+
+async def select_retrying(nc, ns, request, attempts=5):
+    """A selection, retried on transport errors (a router or NATS node may be down)."""
+    import nats.errors
+
+    last = None
+    for _ in range(attempts):
+        try:
+            return await select(nc, ns, request)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
+            last = repr(e)
+            await asyncio.sleep(0.3)
+    return {"status": "error", "code": "transport", "message": last}
+
+
+async def sessions(args):
+    nc = await connect(args.nats)
+    expected = json.load(open(args.expect)) if args.expect else None
+    bound, errors, kept, moved = {}, {}, 0, {}
+    routers = set()
+    for i in range(args.count):
+        sid = "%s-%d" % (args.prefix, i)
+        reply = await select_retrying(nc, args.namespace, {
+            "model": args.model, "token_ids": session_prompt(i),
+            "session": {"id": sid, "final": False, "trigger": "user_message"}})
+        if reply.get("status") != "ok":
+            errors[sid] = reply.get("code")
+            continue
+        routers.add(reply.get("router_id"))
+        bound[sid] = reply["worker_id"]
+        if expected is not None and sid in expected:
+            if expected[sid] == reply["worker_id"] and reply.get("binding") == "kept":
+                kept += 1
+            else:
+                moved[sid] = {"before": expected[sid], "after": reply["worker_id"],
+                              "binding": reply.get("binding")}
+    await nc.close()
+    if args.out:
+        json.dump(bound, open(args.out, "w"))
+    out = {"sessions": args.count, "answered": len(bound), "errors": errors,
+           "routers": sorted(r for r in routers if r)}
+    if expected is not None:
+        out.update({"kept": kept, "moved": moved})
+    print(json.dumps(out))
+    ok = not errors and (expected is None or kept == len(expected))
+    return 0 if ok else 1
+
+
+async def departure(args):
+    nc = await connect(args.nats)
+    pending = {int(w) for w in args.workers.split(",") if w}
+    gone, last = {}, {}
+    deadline = args.since + args.timeout
+    while pending and time.time() < deadline:
+        for w in sorted(pending):
+            reply = await select_retrying(nc, args.namespace, {
+                "model": args.model, "token_ids": session_prompt(w % 1000),
+                "pin": {"worker_id": w}})
+            last[w] = reply.get("code") or reply.get("status")
+            if reply.get("code") == "pinned_unavailable":
+                gone[w] = round(time.time() - args.since, 2)
+                pending.discard(w)
+        await asyncio.sleep(0.1)
+    await nc.close()
+    print(json.dumps({"gone_after_s": gone, "still_routed": sorted(pending),
+                      "last_answer": {str(k): v for k, v in last.items()},
+                      "max_s": max(gone.values()) if gone and not pending else None}))
+    return 0 if not pending else 1
+
+
+def get_status(url):
+    with urllib.request.urlopen(url, timeout=2) as r:
+        return json.loads(r.read())
+
+
+def indexers(args):
+    """Each replica's history of (applied_seq -> digest), polled concurrently; under traffic
+    the replicas rarely stop at the same sequence at the same moment, so compare them at every
+    sequence both were seen at."""
+    urls = [u for u in args.status.split(",") if u]
+    history = [dict() for _ in urls]
+    errors = [0 for _ in urls]
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def poll(i, url):
+        while not stop.is_set():
+            try:
+                s = get_status(url)
+                with lock:
+                    seen = history[i].get(s["applied_seq"])
+                    ready = bool(s.get("ready")) or bool(seen and seen[1])
+                    history[i][s["applied_seq"]] = (s["digest"] if seen is None else seen[0], ready)
+            except Exception:
+                errors[i] += 1
+                time.sleep(0.2)
+            time.sleep(args.interval)
+
+    threads = [threading.Thread(target=poll, args=(i, u), daemon=True) for i, u in enumerate(urls)]
+    start = time.time()
+    for t in threads:
+        t.start()
+    result = None
+    while time.time() - start < args.timeout:
+        time.sleep(0.05)
+        with lock:
+            common = set(history[0]).intersection(*history[1:])
+            agreed = [s for s in common if len({h[s][0] for h in history}) == 1
+                      and all(h[s][1] for h in history)]
+            differ = [s for s in common if len({h[s][0] for h in history}) > 1]
+            if differ:
+                result = {"ok": False, "seq": differ[0],
+                          "digests": [str(h[differ[0]][0]) for h in history]}
+                break
+            if agreed:
+                seq = max(agreed)
+                # u64 digests as strings: JSON tools (jq) read numbers as doubles.
+                result = {"ok": True, "seq": seq, "digest": str(history[0][seq][0])}
+                break
+    stop.set()
+    if result is None:
+        result = {"ok": False, "seq": None,
+                  "last": [max(h) if h else None for h in history], "http_errors": errors}
+    result["after_s"] = round(time.time() - start, 2)
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+def replay(args):
+    report = json.load(open(args.report))
+    total = completed = select_errors = worker_errors = 0
+    kinds = {}
+    for mode in report["modes"]:
+        completed += mode["completed"]
+        total += mode["completed"] + mode["errors"]
+        for kind, n in mode["errors_by_kind"].items():
+            kinds[kind] = kinds.get(kind, 0) + n
+            if kind.startswith("select_"):
+                select_errors += n
+            else:
+                worker_errors += n
+    # Requests whose selection succeeded but whose worker failed them (killed, or unreachable
+    # while its lease ran out) do not count against selection.
+    attempted = total - worker_errors
+    success = (attempted - select_errors) / attempted if attempted else 0.0
+    print(json.dumps({"requests": total, "completed": completed,
+                      "select_errors": select_errors, "worker_errors": worker_errors,
+                      "errors_by_kind": kinds, "selection_success": success}))
+    return 0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--nats", default="nats://127.0.0.1:4222")
+    p.add_argument("--namespace", default="default")
+    p.add_argument("--model", default="mock-model")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("sessions")
+    s.add_argument("--count", type=int, default=20)
+    s.add_argument("--prefix", default="fault-test")
+    s.add_argument("--out")
+    s.add_argument("--expect")
+    d = sub.add_parser("departure")
+    d.add_argument("--workers", required=True)
+    d.add_argument("--since", type=float, required=True)
+    d.add_argument("--timeout", type=float, default=30)
+    i = sub.add_parser("indexers")
+    i.add_argument("--status", required=True)
+    i.add_argument("--timeout", type=float, default=60)
+    i.add_argument("--interval", type=float, default=0.02)
+    r = sub.add_parser("replay")
+    r.add_argument("--report", required=True)
+    args = p.parse_args()
+    if args.cmd == "sessions":
+        return asyncio.run(sessions(args))
+    if args.cmd == "departure":
+        return asyncio.run(departure(args))
+    if args.cmd == "indexers":
+        return indexers(args)
+    return replay(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
