@@ -6,7 +6,6 @@
 //! checked the same way).
 
 use hashbrown::HashTable;
-use smallvec::SmallVec;
 
 /// An index into the node arena.
 pub(crate) type NodeId = u32;
@@ -27,6 +26,10 @@ pub(crate) const MAX_SLOTS: usize = 1 << (32 - TIER_BITS);
 /// `children` of a node on the free list.
 const FREE: u32 = u32::MAX;
 
+/// Owner entries stored in the node itself; a node with more keeps them in the tree's spill
+/// arena (most nodes have one or two owners, and a 32-byte node puts two in a cache line).
+const INLINE: usize = 2;
+
 /// One prefix: the block `tokens_hash` under `parent`.
 #[derive(Debug, Clone)]
 pub(crate) struct Node {
@@ -39,11 +42,32 @@ pub(crate) struct Node {
     /// their nodes are allocated together, so following the hint reads memory the walk is
     /// about to touch anyway, where an edge-table probe is a cache miss.
     pub hint: NodeId,
-    /// Owner entries sorted by slot. Four fit inline; more spill to the heap.
-    pub owners: SmallVec<[u32; 4]>,
+    /// Number of owner entries.
+    n_owners: u32,
+    /// Owner entries sorted by slot when `n_owners <= INLINE`; otherwise `inline[0]` is the
+    /// index of the node's list in `Tree::spill`.
+    inline: [u32; INLINE],
 }
 
-const _: () = assert!(std::mem::size_of::<Node>() == 48);
+const _: () = assert!(std::mem::size_of::<Node>() == 32);
+
+impl Node {
+    fn fresh(parent: NodeId, tokens_hash: u64) -> Self {
+        Self {
+            tokens_hash,
+            parent,
+            children: 0,
+            hint: ROOT,
+            n_owners: 0,
+            inline: [0; INLINE],
+        }
+    }
+
+    #[inline]
+    fn has_owners(&self) -> bool {
+        self.n_owners != 0
+    }
+}
 
 /// Owner entry helpers.
 #[inline]
@@ -78,6 +102,10 @@ pub(crate) struct Tree {
     /// chosen by the hash's top bits, so a table resize (which rehashes through the arena)
     /// stalls a writer, and readers behind it, for 1/64 of the edges only.
     edges: Vec<HashTable<NodeId>>,
+    /// Owner lists of nodes with more than [`INLINE`] owners (sorted by slot), and free
+    /// indices into it.
+    spill: Vec<Vec<u32>>,
+    spill_free: Vec<u32>,
 }
 
 /// Edge tables (a power of two).
@@ -99,16 +127,12 @@ impl Default for Tree {
 impl Tree {
     pub fn new() -> Self {
         Self {
-            nodes: vec![Node {
-                tokens_hash: 0,
-                parent: ROOT,
-                children: 0,
-                hint: ROOT,
-                owners: SmallVec::new(),
-            }],
+            nodes: vec![Node::fresh(ROOT, 0)],
             free_head: FREE,
             live: 0,
             edges: (0..EDGE_SHARDS).map(|_| HashTable::new()).collect(),
+            spill: Vec::new(),
+            spill_free: Vec::new(),
         }
     }
 
@@ -120,6 +144,18 @@ impl Tree {
     #[inline]
     pub fn node(&self, id: NodeId) -> &Node {
         &self.nodes[id as usize]
+    }
+
+    /// The owner entries of `id`, sorted by slot.
+    #[inline]
+    pub fn owners(&self, id: NodeId) -> &[u32] {
+        let n = &self.nodes[id as usize];
+        let len = n.n_owners as usize;
+        if len <= INLINE {
+            &n.inline[..len]
+        } else {
+            &self.spill[n.inline[0] as usize]
+        }
     }
 
     /// Every live node id other than the root, in arena order.
@@ -185,13 +221,7 @@ impl Tree {
 
     fn alloc(&mut self, parent: NodeId, tokens_hash: u64) -> NodeId {
         self.live += 1;
-        let fresh = Node {
-            tokens_hash,
-            parent,
-            children: 0,
-            hint: ROOT,
-            owners: SmallVec::new(),
-        };
+        let fresh = Node::fresh(parent, tokens_hash);
         if self.free_head != FREE {
             let id = self.free_head;
             self.free_head = self.nodes[id as usize].parent;
@@ -207,7 +237,7 @@ impl Tree {
     /// Tier mask `slot` holds on `node` (0: none).
     #[inline]
     pub fn tiers_of(&self, node: NodeId, slot: Slot) -> u8 {
-        let owners = &self.nodes[node as usize].owners;
+        let owners = self.owners(node);
         match owners.binary_search_by_key(&slot, |&e| owner_slot(e)) {
             Ok(i) => owner_tiers(owners[i]),
             Err(_) => 0,
@@ -217,24 +247,65 @@ impl Tree {
     /// Sets `slot`'s tier mask on `node` (a mask of 0 drops the owner, and frees the node and
     /// its ancestors if they are left unused). Returns the previous mask.
     pub fn set_tiers(&mut self, node: NodeId, slot: Slot, tiers: u8) -> u8 {
-        let owners = &mut self.nodes[node as usize].owners;
         let entry = slot << TIER_BITS | u32::from(tiers);
-        let before = match owners.binary_search_by_key(&slot, |&e| owner_slot(e)) {
-            Ok(i) => {
-                let before = owner_tiers(owners[i]);
-                if tiers == 0 {
-                    owners.remove(i);
-                } else {
-                    owners[i] = entry;
+        let n = &mut self.nodes[node as usize];
+        let len = n.n_owners as usize;
+        let before = if len <= INLINE {
+            match n.inline[..len].binary_search_by_key(&slot, |&e| owner_slot(e)) {
+                Ok(i) => {
+                    let before = owner_tiers(n.inline[i]);
+                    if tiers == 0 {
+                        n.inline.copy_within(i + 1..len, i);
+                        n.n_owners -= 1;
+                    } else {
+                        n.inline[i] = entry;
+                    }
+                    before
                 }
-                before
-            }
-            Err(i) => {
-                if tiers != 0 {
-                    owners.insert(i, entry);
+                Err(i) => {
+                    if tiers != 0 {
+                        if len < INLINE {
+                            n.inline.copy_within(i..len, i + 1);
+                            n.inline[i] = entry;
+                        } else {
+                            let mut list = Vec::with_capacity(INLINE + 2);
+                            list.extend_from_slice(&n.inline[..i]);
+                            list.push(entry);
+                            list.extend_from_slice(&n.inline[i..]);
+                            n.inline[0] = alloc_spill(&mut self.spill, &mut self.spill_free, list);
+                        }
+                        n.n_owners += 1;
+                    }
+                    0
                 }
-                0
             }
+        } else {
+            let sid = n.inline[0];
+            let list = &mut self.spill[sid as usize];
+            let before = match list.binary_search_by_key(&slot, |&e| owner_slot(e)) {
+                Ok(i) => {
+                    let before = owner_tiers(list[i]);
+                    if tiers == 0 {
+                        list.remove(i);
+                    } else {
+                        list[i] = entry;
+                    }
+                    before
+                }
+                Err(i) => {
+                    if tiers != 0 {
+                        list.insert(i, entry);
+                    }
+                    0
+                }
+            };
+            n.n_owners = list.len() as u32;
+            if list.len() <= INLINE {
+                let list = std::mem::take(list);
+                n.inline[..list.len()].copy_from_slice(&list);
+                self.spill_free.push(sid);
+            }
+            before
         };
         if tiers == 0 && before != 0 {
             self.release(node);
@@ -246,7 +317,7 @@ impl Tree {
     pub fn release(&mut self, mut node: NodeId) {
         while node != ROOT {
             let n = &self.nodes[node as usize];
-            if n.children != 0 || !n.owners.is_empty() {
+            if n.children != 0 || n.has_owners() {
                 return;
             }
             let (parent, tokens_hash) = (n.parent, n.tokens_hash);
@@ -257,7 +328,6 @@ impl Tree {
             let freed = &mut self.nodes[node as usize];
             freed.children = FREE;
             freed.parent = self.free_head;
-            freed.owners = SmallVec::new();
             self.free_head = node;
             self.live -= 1;
             let p = &mut self.nodes[parent as usize];
@@ -271,12 +341,9 @@ impl Tree {
 
     /// Bytes allocated by the arena, spilled owner lists and the edge table.
     pub fn bytes(&self) -> usize {
-        let spilled: usize = self
-            .nodes
-            .iter()
-            .filter(|n| n.owners.spilled())
-            .map(|n| n.owners.capacity() * 4)
-            .sum();
+        let spilled: usize = self.spill.iter().map(|l| l.capacity() * 4).sum::<usize>()
+            + self.spill.capacity() * std::mem::size_of::<Vec<u32>>()
+            + self.spill_free.capacity() * 4;
         let edges: usize = self.edges.iter().map(HashTable::allocation_size).sum();
         self.nodes.capacity() * std::mem::size_of::<Node>() + spilled + edges
     }
@@ -299,13 +366,7 @@ impl Tree {
             if tree.child(parent, tokens_hash).is_some() {
                 return Err("duplicate node under one parent");
             }
-            tree.nodes.push(Node {
-                tokens_hash,
-                parent,
-                children: 0,
-                hint: ROOT,
-                owners: SmallVec::new(),
-            });
+            tree.nodes.push(Node::fresh(parent, tokens_hash));
             tree.live += 1;
             tree.nodes[parent as usize].children += 1;
             let nodes = &tree.nodes;
@@ -320,11 +381,27 @@ impl Tree {
 
     /// Appends an owner entry to `node` during a restore; entries must come in slot order.
     pub fn push_owner_sorted(&mut self, node: NodeId, slot: Slot, tiers: u8) -> bool {
-        let owners = &mut self.nodes[node as usize].owners;
-        if owners.last().is_some_and(|&e| owner_slot(e) >= slot) {
+        if self
+            .owners(node)
+            .last()
+            .is_some_and(|&e| owner_slot(e) >= slot)
+        {
             return false;
         }
-        owners.push(slot << TIER_BITS | u32::from(tiers));
+        let entry = slot << TIER_BITS | u32::from(tiers);
+        let n = &mut self.nodes[node as usize];
+        let len = n.n_owners as usize;
+        if len < INLINE {
+            n.inline[len] = entry;
+        } else if len == INLINE {
+            let mut list = Vec::with_capacity(INLINE + 2);
+            list.extend_from_slice(&n.inline);
+            list.push(entry);
+            n.inline[0] = alloc_spill(&mut self.spill, &mut self.spill_free, list);
+        } else {
+            self.spill[n.inline[0] as usize].push(entry);
+        }
+        n.n_owners += 1;
         true
     }
 
@@ -332,8 +409,22 @@ impl Tree {
     pub fn has_unused_node(&self) -> bool {
         self.live_ids().any(|id| {
             let n = self.node(id);
-            n.children == 0 && n.owners.is_empty()
+            n.children == 0 && !n.has_owners()
         })
+    }
+}
+
+/// Stores a spilled owner list; returns its index in `spill`.
+fn alloc_spill(spill: &mut Vec<Vec<u32>>, free: &mut Vec<u32>, list: Vec<u32>) -> u32 {
+    match free.pop() {
+        Some(i) => {
+            spill[i as usize] = list;
+            i
+        }
+        None => {
+            spill.push(list);
+            u32::try_from(spill.len() - 1).expect("more than 2^32 spilled owner lists")
+        }
     }
 }
 
@@ -371,5 +462,33 @@ mod tests {
         assert_eq!(t.len(), 2);
         t.set_tiers(b, 0, 0);
         assert_eq!(t.len(), 0);
+    }
+
+    #[test]
+    fn owner_lists_spill_and_come_back_inline() {
+        let mut t = Tree::new();
+        let a = t.child_or_insert(ROOT, 1);
+        for slot in [5, 1, 9, 3, 7] {
+            t.set_tiers(a, slot, 1);
+        }
+        let slots: Vec<_> = t.owners(a).iter().map(|&e| owner_slot(e)).collect();
+        assert_eq!(slots, [1, 3, 5, 7, 9]);
+        for slot in [1, 9, 5] {
+            assert_eq!(t.set_tiers(a, slot, 0), 1);
+        }
+        let slots: Vec<_> = t.owners(a).iter().map(|&e| owner_slot(e)).collect();
+        assert_eq!(slots, [3, 7]);
+        assert_eq!(t.tiers_of(a, 7), 1);
+        t.set_tiers(a, 7, 6);
+        assert_eq!(t.tiers_of(a, 7), 6);
+        t.set_tiers(a, 3, 0);
+        t.set_tiers(a, 7, 0);
+        assert_eq!(t.len(), 0);
+        let b = t.child_or_insert(ROOT, 2);
+        for slot in 0..4 {
+            assert!(t.push_owner_sorted(b, slot, 1));
+        }
+        assert!(!t.push_owner_sorted(b, 2, 1));
+        assert_eq!(t.owners(b).len(), 4);
     }
 }
