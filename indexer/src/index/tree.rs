@@ -38,9 +38,9 @@ pub(crate) struct Node {
     pub parent: NodeId,
     /// Number of children, or [`FREE`].
     pub children: u32,
-    /// A child to try before the edge table ([`ROOT`]: none). Chains are the common shape and
-    /// their nodes are allocated together, so following the hint reads memory the walk is
-    /// about to touch anyway, where an edge-table probe is a cache miss.
+    /// One child, kept out of the edge table ([`ROOT`]: none). Chains are the common shape, so
+    /// most nodes' only child is their hint: finding, adding and freeing it reads memory the
+    /// walk touches anyway, where an edge-table probe, insert or removal is a cache miss.
     pub hint: NodeId,
     /// Number of owner entries.
     n_owners: u32,
@@ -92,13 +92,15 @@ fn edge_hash(parent: NodeId, tokens_hash: u64) -> u64 {
     mix(tokens_hash ^ (u64::from(parent) << 32 | u64::from(parent)))
 }
 
-/// The arena and its edge table `(parent, tokens_hash) -> child`.
+/// The arena and its edge table `(parent, tokens_hash) -> child` (for children other than
+/// their parent's hint).
 #[derive(Debug, Clone)]
 pub(crate) struct Tree {
     nodes: Vec<Node>,
     free_head: NodeId,
     live: usize,
-    /// Child ids, keyed by their node's `(parent, tokens_hash)`, in [`EDGE_SHARDS`] tables
+    /// Child ids other than hints, keyed by their node's `(parent, tokens_hash)`, in
+    /// [`EDGE_SHARDS`] tables
     /// chosen by the hash's top bits, so a table resize (which rehashes through the arena)
     /// stalls a writer, and readers behind it, for 1/64 of the edges only.
     edges: Vec<HashTable<NodeId>>,
@@ -181,13 +183,17 @@ impl Tree {
             return None;
         }
         // (parent, tokens_hash) names at most one live node, so a matching hint is the child.
-        let h = &nodes[p.hint as usize];
-        if p.hint != ROOT
-            && h.parent == parent
-            && h.tokens_hash == tokens_hash
-            && h.children != FREE
-        {
-            return Some(p.hint);
+        let mut in_table = p.children;
+        if p.hint != ROOT {
+            let h = &nodes[p.hint as usize];
+            debug_assert!(h.parent == parent && h.children != FREE);
+            if h.tokens_hash == tokens_hash {
+                return Some(p.hint);
+            }
+            in_table -= 1;
+        }
+        if in_table == 0 {
+            return None;
         }
         let hash = edge_hash(parent, tokens_hash);
         self.edges[shard_of(hash)]
@@ -205,10 +211,17 @@ impl Tree {
             return c;
         }
         let id = self.alloc(parent, tokens_hash);
+        self.link(parent, id, tokens_hash);
+        id
+    }
+
+    /// Counts `id` as a child of `parent`: as its hint if it has none, else in the edge table.
+    fn link(&mut self, parent: NodeId, id: NodeId, tokens_hash: u64) {
         let p = &mut self.nodes[parent as usize];
         p.children += 1;
         if p.hint == ROOT {
             p.hint = id;
+            return;
         }
         let nodes = &self.nodes;
         let hash = edge_hash(parent, tokens_hash);
@@ -216,7 +229,6 @@ impl Tree {
             let n = &nodes[c as usize];
             edge_hash(n.parent, n.tokens_hash)
         });
-        id
     }
 
     fn alloc(&mut self, parent: NodeId, tokens_hash: u64) -> NodeId {
@@ -321,20 +333,21 @@ impl Tree {
                 return;
             }
             let (parent, tokens_hash) = (n.parent, n.tokens_hash);
-            let hash = edge_hash(parent, tokens_hash);
-            if let Ok(edge) = self.edges[shard_of(hash)].find_entry(hash, |&c| c == node) {
-                edge.remove();
+            let p = &mut self.nodes[parent as usize];
+            p.children -= 1;
+            if p.hint == node {
+                p.hint = ROOT;
+            } else {
+                let hash = edge_hash(parent, tokens_hash);
+                if let Ok(edge) = self.edges[shard_of(hash)].find_entry(hash, |&c| c == node) {
+                    edge.remove();
+                }
             }
             let freed = &mut self.nodes[node as usize];
             freed.children = FREE;
             freed.parent = self.free_head;
             self.free_head = node;
             self.live -= 1;
-            let p = &mut self.nodes[parent as usize];
-            p.children -= 1;
-            if p.hint == node {
-                p.hint = ROOT;
-            }
             node = parent;
         }
     }
@@ -355,9 +368,6 @@ impl Tree {
     ) -> Result<Self, &'static str> {
         let mut tree = Self::new();
         tree.nodes.reserve_exact(nodes.len());
-        for shard in &mut tree.edges {
-            shard.reserve(nodes.len() / EDGE_SHARDS, |_| 0);
-        }
         for (parent, tokens_hash) in nodes {
             let id = tree.nodes.len() as NodeId;
             if parent >= id {
@@ -368,13 +378,7 @@ impl Tree {
             }
             tree.nodes.push(Node::fresh(parent, tokens_hash));
             tree.live += 1;
-            tree.nodes[parent as usize].children += 1;
-            let nodes = &tree.nodes;
-            let hash = edge_hash(parent, tokens_hash);
-            tree.edges[shard_of(hash)].insert_unique(hash, id, |&c| {
-                let n = &nodes[c as usize];
-                edge_hash(n.parent, n.tokens_hash)
-            });
+            tree.link(parent, id, tokens_hash);
         }
         Ok(tree)
     }
