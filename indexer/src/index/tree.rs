@@ -44,8 +44,8 @@ pub(crate) struct Node {
     pub hint: NodeId,
     /// Number of owner entries.
     n_owners: u32,
-    /// Owner entries sorted by slot when `n_owners <= INLINE`; otherwise `inline[0]` is the
-    /// index of the node's list in `Tree::spill`.
+    /// Owner entries sorted by slot when `n_owners <= INLINE`; otherwise `[offset, capacity]`
+    /// of the node's list in `Tree::spill`.
     inline: [u32; INLINE],
 }
 
@@ -104,10 +104,61 @@ pub(crate) struct Tree {
     /// chosen by the hash's top bits, so a table resize (which rehashes through the arena)
     /// stalls a writer, and readers behind it, for 1/64 of the edges only.
     edges: Vec<HashTable<NodeId>>,
-    /// Owner lists of nodes with more than [`INLINE`] owners (sorted by slot), and free
-    /// indices into it.
-    spill: Vec<Vec<u32>>,
-    spill_free: Vec<u32>,
+    /// Owner lists of nodes with more than [`INLINE`] owners (sorted by slot).
+    spill: Spill,
+}
+
+/// One flat arena for spilled owner lists (so reaching a list from its node is one memory
+/// read, as with a heap pointer), in blocks of power-of-two capacity with a free list per
+/// capacity.
+#[derive(Debug, Clone, Default)]
+struct Spill {
+    words: Vec<u32>,
+    free: Vec<Vec<u32>>,
+}
+
+impl Spill {
+    /// A block of `cap` (a power of two) words; returns its offset.
+    fn alloc(&mut self, cap: usize) -> u32 {
+        let class = cap.trailing_zeros() as usize;
+        if let Some(off) = self.free.get_mut(class).and_then(Vec::pop) {
+            return off;
+        }
+        let off = self.words.len();
+        self.words.resize(off + cap, 0);
+        u32::try_from(off).expect("more than 2^32 spilled owner entries")
+    }
+
+    fn release(&mut self, off: u32, cap: usize) {
+        let class = cap.trailing_zeros() as usize;
+        if self.free.len() <= class {
+            self.free.resize_with(class + 1, Vec::new);
+        }
+        self.free[class].push(off);
+    }
+
+    /// Stores a list of `INLINE + 1` entries in a fresh block; returns `[offset, capacity]`.
+    fn spill(&mut self, list: [u32; INLINE + 1]) -> [u32; INLINE] {
+        let cap = 2 * INLINE;
+        let off = self.alloc(cap);
+        self.words[off as usize..off as usize + INLINE + 1].copy_from_slice(&list);
+        [off, cap as u32]
+    }
+
+    /// Makes room for one more entry in a full block; returns the new `[offset, capacity]`.
+    fn grow(&mut self, off: u32, cap: usize) -> [u32; INLINE] {
+        let new = self.alloc(2 * cap);
+        let o = off as usize;
+        self.words.copy_within(o..o + cap, new as usize);
+        self.release(off, cap);
+        [new, 2 * cap as u32]
+    }
+
+    fn bytes(&self) -> usize {
+        self.words.capacity() * 4
+            + self.free.iter().map(|f| f.capacity() * 4).sum::<usize>()
+            + self.free.capacity() * std::mem::size_of::<Vec<u32>>()
+    }
 }
 
 /// Edge tables (a power of two).
@@ -133,8 +184,7 @@ impl Tree {
             free_head: FREE,
             live: 0,
             edges: (0..EDGE_SHARDS).map(|_| HashTable::new()).collect(),
-            spill: Vec::new(),
-            spill_free: Vec::new(),
+            spill: Spill::default(),
         }
     }
 
@@ -156,7 +206,8 @@ impl Tree {
         if len <= INLINE {
             &n.inline[..len]
         } else {
-            &self.spill[n.inline[0] as usize]
+            let off = n.inline[0] as usize;
+            &self.spill.words[off..off + len]
         }
     }
 
@@ -280,11 +331,11 @@ impl Tree {
                             n.inline.copy_within(i..len, i + 1);
                             n.inline[i] = entry;
                         } else {
-                            let mut list = Vec::with_capacity(INLINE + 2);
-                            list.extend_from_slice(&n.inline[..i]);
-                            list.push(entry);
-                            list.extend_from_slice(&n.inline[i..]);
-                            n.inline[0] = alloc_spill(&mut self.spill, &mut self.spill_free, list);
+                            let mut list = [0; INLINE + 1];
+                            list[..i].copy_from_slice(&n.inline[..i]);
+                            list[i] = entry;
+                            list[i + 1..].copy_from_slice(&n.inline[i..]);
+                            n.inline = self.spill.spill(list);
                         }
                         n.n_owners += 1;
                     }
@@ -292,32 +343,37 @@ impl Tree {
                 }
             }
         } else {
-            let sid = n.inline[0];
-            let list = &mut self.spill[sid as usize];
-            let before = match list.binary_search_by_key(&slot, |&e| owner_slot(e)) {
+            let [mut off, cap] = n.inline;
+            let o = off as usize;
+            match self.spill.words[o..o + len].binary_search_by_key(&slot, |&e| owner_slot(e)) {
                 Ok(i) => {
-                    let before = owner_tiers(list[i]);
+                    let before = owner_tiers(self.spill.words[o + i]);
                     if tiers == 0 {
-                        list.remove(i);
+                        self.spill.words.copy_within(o + i + 1..o + len, o + i);
+                        n.n_owners -= 1;
+                        if n.n_owners as usize == INLINE {
+                            n.inline.copy_from_slice(&self.spill.words[o..o + INLINE]);
+                            self.spill.release(off, cap as usize);
+                        }
                     } else {
-                        list[i] = entry;
+                        self.spill.words[o + i] = entry;
                     }
                     before
                 }
                 Err(i) => {
                     if tiers != 0 {
-                        list.insert(i, entry);
+                        if len == cap as usize {
+                            n.inline = self.spill.grow(off, cap as usize);
+                            off = n.inline[0];
+                        }
+                        let o = off as usize;
+                        self.spill.words.copy_within(o + i..o + len, o + i + 1);
+                        self.spill.words[o + i] = entry;
+                        n.n_owners += 1;
                     }
                     0
                 }
-            };
-            n.n_owners = list.len() as u32;
-            if list.len() <= INLINE {
-                let list = std::mem::take(list);
-                n.inline[..list.len()].copy_from_slice(&list);
-                self.spill_free.push(sid);
             }
-            before
         };
         if tiers == 0 && before != 0 {
             self.release(node);
@@ -354,9 +410,7 @@ impl Tree {
 
     /// Bytes allocated by the arena, spilled owner lists and the edge table.
     pub fn bytes(&self) -> usize {
-        let spilled: usize = self.spill.iter().map(|l| l.capacity() * 4).sum::<usize>()
-            + self.spill.capacity() * std::mem::size_of::<Vec<u32>>()
-            + self.spill_free.capacity() * 4;
+        let spilled = self.spill.bytes();
         let edges: usize = self.edges.iter().map(HashTable::allocation_size).sum();
         self.nodes.capacity() * std::mem::size_of::<Node>() + spilled + edges
     }
@@ -398,12 +452,14 @@ impl Tree {
         if len < INLINE {
             n.inline[len] = entry;
         } else if len == INLINE {
-            let mut list = Vec::with_capacity(INLINE + 2);
-            list.extend_from_slice(&n.inline);
-            list.push(entry);
-            n.inline[0] = alloc_spill(&mut self.spill, &mut self.spill_free, list);
+            let mut list = [entry; INLINE + 1];
+            list[..INLINE].copy_from_slice(&n.inline);
+            n.inline = self.spill.spill(list);
         } else {
-            self.spill[n.inline[0] as usize].push(entry);
+            if len == n.inline[1] as usize {
+                n.inline = self.spill.grow(n.inline[0], len);
+            }
+            self.spill.words[n.inline[0] as usize + len] = entry;
         }
         n.n_owners += 1;
         true
@@ -415,20 +471,6 @@ impl Tree {
             let n = self.node(id);
             n.children == 0 && !n.has_owners()
         })
-    }
-}
-
-/// Stores a spilled owner list; returns its index in `spill`.
-fn alloc_spill(spill: &mut Vec<Vec<u32>>, free: &mut Vec<u32>, list: Vec<u32>) -> u32 {
-    match free.pop() {
-        Some(i) => {
-            spill[i as usize] = list;
-            i
-        }
-        None => {
-            spill.push(list);
-            u32::try_from(spill.len() - 1).expect("more than 2^32 spilled owner lists")
-        }
     }
 }
 
