@@ -41,7 +41,6 @@ pub(crate) struct Node {
     /// One child, kept out of the edge table ([`ROOT`]: none). Chains are the common shape, so
     /// most nodes' only child is their hint: finding, adding and freeing it reads memory the
     /// walk touches anyway, where an edge-table probe, insert or removal is a cache miss.
-    /// On the free list, the previous free node ([`FREE`]: none).
     pub hint: NodeId,
     /// Number of owner entries.
     n_owners: u32,
@@ -283,22 +282,14 @@ impl Tree {
         });
     }
 
-    /// A node for a new child of `parent`: the id right after the parent if it is free (so a
-    /// chain stored over freed space stays adjacent in the arena, and a walk down it reads
-    /// consecutive memory), else the free list's head, else a new id.
     fn alloc(&mut self, parent: NodeId, tokens_hash: u64) -> NodeId {
         self.live += 1;
         let fresh = Node::fresh(parent, tokens_hash);
-        let next = parent as usize + 1;
-        let pick = if next < self.nodes.len() && self.nodes[next].children == FREE {
-            next as NodeId
-        } else {
-            self.free_head
-        };
-        if pick != FREE {
-            self.unlink_free(pick);
-            self.nodes[pick as usize] = fresh;
-            pick
+        if self.free_head != FREE {
+            let id = self.free_head;
+            self.free_head = self.nodes[id as usize].parent;
+            self.nodes[id as usize] = fresh;
+            id
         } else {
             let id = NodeId::try_from(self.nodes.len()).expect("more than 2^32 nodes");
             self.nodes.push(fresh);
@@ -408,39 +399,12 @@ impl Tree {
                     edge.remove();
                 }
             }
-            self.push_free(node);
+            let freed = &mut self.nodes[node as usize];
+            freed.children = FREE;
+            freed.parent = self.free_head;
+            self.free_head = node;
             self.live -= 1;
             node = parent;
-        }
-    }
-
-    /// Puts `id` on the free list (doubly linked through `parent`, next, and `hint`, previous,
-    /// so any free id can be taken in O(1)).
-    fn push_free(&mut self, id: NodeId) {
-        let head = self.free_head;
-        let freed = &mut self.nodes[id as usize];
-        freed.children = FREE;
-        freed.parent = head;
-        freed.hint = FREE;
-        freed.n_owners = 0;
-        if head != FREE {
-            self.nodes[head as usize].hint = id;
-        }
-        self.free_head = id;
-    }
-
-    /// Takes `id` off the free list.
-    fn unlink_free(&mut self, id: NodeId) {
-        let n = &self.nodes[id as usize];
-        debug_assert!(n.children == FREE);
-        let (next, prev) = (n.parent, n.hint);
-        if prev == FREE {
-            self.free_head = next;
-        } else {
-            self.nodes[prev as usize].parent = next;
-        }
-        if next != FREE {
-            self.nodes[next as usize].hint = prev;
         }
     }
 
