@@ -80,7 +80,7 @@ impl RadixIndex {
                 query_blocks,
             };
         };
-        let owners = &self.tree.node(node).owners;
+        let owners = self.tree.owners(node);
         let mut runs: Vec<Run> = owners
             .iter()
             .map(|&e| {
@@ -105,8 +105,8 @@ impl RadixIndex {
                 break;
             };
             node = child;
-            let owners = &self.tree.node(node).owners;
-            if owners.as_slice() == prev {
+            let owners = self.tree.owners(node);
+            if owners == prev {
                 pending += 1;
                 continue;
             }
