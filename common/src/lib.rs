@@ -14,6 +14,7 @@ pub mod discovery;
 pub mod events_stream;
 pub mod hashing;
 pub mod ids;
+pub mod lease;
 pub mod messages;
 pub mod names;
 pub mod ops;

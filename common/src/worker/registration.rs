@@ -131,7 +131,7 @@ async fn keep_registered(
                 tracing::info!(key, lease_id, "worker registered");
                 let stopped = tokio::select! {
                     _ = &mut stop => true,
-                    _ = keep_alive(&mut etcd, lease_id, config.lease_ttl) => false,
+                    _ = crate::lease::keep_alive(&mut etcd, lease_id, config.lease_ttl) => false,
                 };
                 let _ = registered.send(false);
                 if stopped {
@@ -162,22 +162,4 @@ async fn grant_and_put(
     etcd.put(key, value, Some(PutOptions::new().with_lease(lease_id)))
         .await?;
     Ok(lease_id)
-}
-
-/// Returns when the lease can no longer be kept alive (error, expiry, or no answer in time).
-async fn keep_alive(etcd: &mut etcd_client::Client, lease_id: i64, ttl: Duration) {
-    let interval = ttl / 3;
-    let Ok((mut keeper, mut responses)) = etcd.lease_keep_alive(lease_id).await else {
-        return;
-    };
-    loop {
-        if keeper.keep_alive().await.is_err() {
-            return;
-        }
-        match tokio::time::timeout(interval, responses.message()).await {
-            Ok(Ok(Some(resp))) if resp.ttl() > 0 => {}
-            _ => return,
-        }
-        tokio::time::sleep(interval).await;
-    }
 }

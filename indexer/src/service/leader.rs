@@ -99,21 +99,8 @@ async fn hold(
     ttl: Duration,
     stop: &mut watch::Receiver<bool>,
 ) -> bool {
-    let interval = ttl / 3;
-    let Ok((mut keeper, mut responses)) = etcd.lease_keep_alive(lease).await else {
-        return false;
-    };
-    loop {
-        if keeper.keep_alive().await.is_err() {
-            return false;
-        }
-        match tokio::time::timeout(interval, responses.message()).await {
-            Ok(Ok(Some(r))) if r.ttl() > 0 => {}
-            _ => return false,
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(interval) => {}
-            _ = stop.changed() => return true,
-        }
+    tokio::select! {
+        _ = kvroute_common::lease::keep_alive(etcd, lease, ttl) => false,
+        _ = stop.changed() => true,
     }
 }
