@@ -8,8 +8,13 @@
 //!
 //! `decode_blocks` is the rank's active decode blocks plus the request's blocks. The overlap
 //! tiers are disjoint (the index counts each leading block in the best tier holding it), so no
-//! block is credited twice. Temperature 0 picks the lowest cost (ties: fewest cached blocks,
-//! then worker id); above 0 it samples.
+//! block is credited twice. Temperature 0 picks the lowest cost (costs within `tie_tolerance`
+//! of it tie, and a tie goes to a random one of them, seeded); above 0 it samples.
+//!
+//! `prefill_load_scale` defaults to 64: an uncomputed prompt block costs an engine far more
+//! than a block held by a decoding request, and at 1 the decode term moves follow-up turns
+//! away from the worker holding their prefix (BENCHMARKS.md, "Routing quality", has the
+//! comparison on the Mooncake conversation trace).
 
 use std::sync::Arc;
 
@@ -33,10 +38,14 @@ pub struct DefaultPolicyParameters {
     pub host_cache_hit_weight: f64,
     /// Credit per overlap block whose best tier is disk, 0..=1. Default 0.5.
     pub disk_cache_hit_weight: f64,
-    /// Weight of the adjusted prefill blocks relative to decode blocks, ≥ 0. Default 1.0.
+    /// Weight of the adjusted prefill blocks relative to decode blocks, ≥ 0. Default 64.
     pub prefill_load_scale: f64,
-    /// 0: deterministic lowest cost; above 0: softmax sampling. Default 0.
+    /// 0: lowest cost; above 0: softmax sampling. Default 0.
     pub temperature: f64,
+    /// At temperature 0, costs within this fraction of the lowest tie (a tie is broken at
+    /// random), ≥ 0. Default 0 (only equal costs tie); 0.02–0.05 spreads bursts of requests
+    /// that several router replicas receive at the same moment.
+    pub tie_tolerance: f64,
 }
 
 impl Default for DefaultPolicyParameters {
@@ -45,8 +54,9 @@ impl Default for DefaultPolicyParameters {
             overlap_score_credit: 1.0,
             host_cache_hit_weight: 0.75,
             disk_cache_hit_weight: 0.5,
-            prefill_load_scale: 1.0,
+            prefill_load_scale: 64.0,
             temperature: 0.0,
+            tie_tolerance: 0.0,
         }
     }
 }
@@ -67,6 +77,7 @@ impl DefaultPolicyParameters {
             ),
             ("prefill_load_scale", self.prefill_load_scale, None),
             ("temperature", self.temperature, None),
+            ("tie_tolerance", self.tie_tolerance, None),
         ];
         for (name, value, max) in fields {
             if !value.is_finite() || value < 0.0 || max.is_some_and(|m| value > m) {
@@ -90,6 +101,7 @@ impl DefaultPolicyParameters {
             ],
             Box::new(SoftmaxPicker {
                 temperature: self.temperature,
+                tie_tolerance: self.tie_tolerance,
             }),
         )
         .named(super::DEFAULT_TYPE)
@@ -178,6 +190,7 @@ mod tests {
     use crate::testing::card;
     use crate::worker::WorkerRank;
 
+    /// The cost at `prefill_load_scale` 1 (the seed document's worked example).
     fn cost(overlap: Overlap, decode: u64, prefill_tokens: u64) -> f64 {
         let card = card(1);
         let ctx = RequestContext::new(10, 16);
@@ -192,7 +205,11 @@ mod tests {
         let row = WorkerCandidate::new(WorkerRank::new(1, 0), &card)
             .with_cache(overlap)
             .with_load(load);
-        let mut policy = DefaultPolicyParameters::default().policy();
+        let mut policy = DefaultPolicyParameters {
+            prefill_load_scale: 1.0,
+            ..DefaultPolicyParameters::default()
+        }
+        .policy();
         policy.score_exact(&ctx, row).unwrap().cost.total
     }
 
@@ -236,6 +253,12 @@ mod tests {
                 .contains("host_cache_hit_weight")
         );
         assert!(bad("temperature: -1").is_some());
+        assert!(
+            bad("tie_tolerance: -0.1")
+                .unwrap()
+                .message
+                .contains("tie_tolerance")
+        );
         assert!(bad("temprature: 1").unwrap().message.contains("temprature"));
         assert!(bad("").is_none());
     }

@@ -1,5 +1,5 @@
-//! Pickers shared by the built-in policies: lowest cost with a deterministic tie-break, and
-//! softmax sampling over range-normalized costs.
+//! Pickers shared by the built-in policies: lowest cost with a deterministic tie-break, lowest
+//! cost with a seeded random tie-break, and softmax sampling over range-normalized costs.
 
 use std::cmp::Ordering;
 
@@ -63,12 +63,36 @@ impl WorkerPicker for LowestCostPicker {
     }
 }
 
-/// Temperature 0: [`LowestCostPicker`] with the cached-block tie-break. Above 0: samples a row
-/// with probability ∝ `exp(-normalized_cost / temperature)`, where costs are scaled to [0, 1]
-/// by their range. A request's temperature override replaces the configured temperature.
+/// Temperature 0: the lowest cost; rows within `tie_tolerance` of it (relative) are ties,
+/// and a tie goes to a uniformly random row (the seeded generator), so router replicas that
+/// cannot yet see each other's latest decisions do not all pick the same worker. Above 0:
+/// samples a row with probability ∝ `exp(-normalized_cost / temperature)`, where costs are
+/// scaled to [0, 1] by their range. A request's temperature override replaces the configured
+/// temperature.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SoftmaxPicker {
     pub temperature: f64,
+    /// Relative: rows costing at most `min + tie_tolerance · |min|` tie with the lowest.
+    pub tie_tolerance: f64,
+}
+
+/// A uniformly random row among those costing at most `min + tolerance · |min|`, drawn in rank
+/// order so a seed gives the same pick whatever the row order.
+fn random_lowest(rows: &[ScoredCandidate<'_>], tolerance: f64, rng: &mut dyn RngCore) -> usize {
+    let min = rows
+        .iter()
+        .map(ScoredCandidate::cost)
+        .fold(f64::INFINITY, f64::min);
+    let limit = min + tolerance * min.abs();
+    let mut tied: Vec<usize> = (0..rows.len())
+        .filter(|i| rows[*i].cost() <= limit)
+        .collect();
+    tied.sort_by_key(|i| rows[*i].worker());
+    match tied.len() {
+        0 => 0,
+        1 => tied[0],
+        n => tied[rng.random_range(0..n)],
+    }
 }
 
 /// The sampling probabilities of `costs` at `temperature` (> 0), in input order.
@@ -100,11 +124,11 @@ impl WorkerPicker for SoftmaxPicker {
         rng: &mut dyn RngCore,
     ) -> Result<usize, ComponentError> {
         let temperature = context.temperature_override().unwrap_or(self.temperature);
-        let deterministic = LowestCostPicker {
-            by_cached_blocks: true,
-        };
-        if temperature <= 0.0 || rows.len() == 1 {
-            return Ok(deterministic.lowest(rows));
+        if rows.len() <= 1 {
+            return Ok(0);
+        }
+        if temperature <= 0.0 {
+            return Ok(random_lowest(rows, self.tie_tolerance, rng));
         }
         // Sample over rows in rank order, so a seed gives the same pick whatever the row order.
         let mut order: Vec<usize> = (0..rows.len()).collect();

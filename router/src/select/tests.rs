@@ -69,8 +69,9 @@ fn a_request_goes_to_the_worker_holding_its_prefix() {
     .unwrap();
     assert_eq!(s.worker, WorkerRank::new(3, 0));
     assert_eq!(s.overlap.unwrap().device, 8);
-    assert_eq!(s.cost.total, 2.0 + 10.0);
-    assert_eq!(s.cost.terms["prefill"], 2.0);
+    // prefill_load_scale 64 × (10 request blocks − 8 cached) + 10 decode blocks.
+    assert_eq!(s.cost.total, 64.0 * 2.0 + 10.0);
+    assert_eq!(s.cost.terms["prefill"], 128.0);
     assert_eq!(s.cost.terms["decode"], 10.0);
     assert_eq!(s.policy, "default");
     assert_eq!(s.path, SelectionPath::Policy);
@@ -107,29 +108,68 @@ fn equal_overlap_spreads_by_load() {
     assert_eq!(load, [30, 30, 30]);
 }
 
-#[test]
-fn ties_go_to_fewer_cached_blocks_then_lower_worker_id() {
+/// The worker each of `draws` selections picks, with generator `seed`.
+fn picks(
+    parameters: DefaultPolicyParameters,
+    signals: &SignalSnapshot,
+    seed: u64,
+    draws: usize,
+) -> Vec<u64> {
     let workers = cards(3);
     let host = HostConfig::default();
     let req = request();
-    let mut policy = DefaultPolicyParameters::default().policy();
-    let mut rng = StdRng::seed_from_u64(0);
-    let cached = |n| Overlap {
-        cached_blocks: n,
-        ..Overlap::default()
+    let mut policy = parameters.policy();
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..draws)
+        .map(|_| {
+            select_worker(
+                &input(&req, &workers, signals, &host),
+                &mut policy,
+                open(),
+                &mut rng,
+            )
+            .unwrap()
+            .worker
+            .worker_id
+        })
+        .collect()
+}
+
+#[test]
+fn ties_go_to_a_random_tied_worker_reproducibly() {
+    // Workers 2 and 3 tie at the lowest cost; worker 1 carries decode load.
+    let signals = SignalSnapshot::new().with_load(WorkerRank::new(1, 0), decode(5));
+    let defaults = DefaultPolicyParameters::default();
+    let a = picks(defaults, &signals, 7, 200);
+    assert!(!a.contains(&1), "a costlier worker is never a tie");
+    let twos = a.iter().filter(|w| **w == 2).count();
+    assert!(
+        (60..=140).contains(&twos),
+        "both tied workers are picked: {twos}/200"
+    );
+    assert_eq!(
+        a,
+        picks(defaults, &signals, 7, 200),
+        "same seed, same picks"
+    );
+    assert_ne!(
+        a,
+        picks(defaults, &signals, 8, 200),
+        "another seed, other picks"
+    );
+
+    // Cost 650 against 655 (64 × 10 prefill + 10 decode, + 5 decode): a tie only within a
+    // tolerance above 5 / 650 ≈ 0.77 %.
+    let tolerant = DefaultPolicyParameters {
+        tie_tolerance: 0.01,
+        ..defaults
     };
-    let signals = SignalSnapshot::new()
-        .with_overlap(WorkerRank::new(1, 0), cached(50))
-        .with_overlap(WorkerRank::new(2, 0), cached(10))
-        .with_overlap(WorkerRank::new(3, 0), cached(10));
-    let s = select_worker(
-        &input(&req, &workers, &signals, &host),
-        &mut policy,
-        open(),
-        &mut rng,
-    )
-    .unwrap();
-    assert_eq!(s.worker.worker_id, 2);
+    assert!(picks(tolerant, &signals, 7, 200).contains(&1));
+    let narrow = DefaultPolicyParameters {
+        tie_tolerance: 0.005,
+        ..defaults
+    };
+    assert!(!picks(narrow, &signals, 7, 200).contains(&1));
 }
 
 #[test]
@@ -214,7 +254,7 @@ fn a_pin_takes_the_exact_path_and_bypasses_cost() {
     )
     .unwrap();
     assert_eq!((s.worker.worker_id, s.path), (1, SelectionPath::Exact));
-    assert_eq!(s.cost.total, 20.0);
+    assert_eq!(s.cost.total, 64.0 * 10.0 + 10.0);
 }
 
 #[test]

@@ -116,21 +116,23 @@ impl Router {
                     Some(request_id),
                 )
             })?;
-        let signals = self
-            .signals(request, &prompt, &partition.cards, &slot)
-            .await;
-        let input = SelectInput {
-            request,
-            request_blocks: prompt.blocks(),
-            block_size: partition.block_size,
-            workers: &partition.cards,
-            signals: &signals,
-            host: &self.host,
-        };
-        let selection = {
+        let overlap = self.overlap_signals(request, &prompt, &slot).await;
+        // Reading the load view, selecting and charging the decision to the view happen under
+        // the partition's policy lock: concurrent selections (a burst of requests) each see
+        // the ones before them, instead of all picking the same least-loaded worker.
+        let (selection, decision) = {
             let mut guard = slot.state.lock().await;
             let state = &mut *guard;
-            select(
+            let signals = self.load_signals(overlap, &partition.cards, &slot);
+            let input = SelectInput {
+                request,
+                request_blocks: prompt.blocks(),
+                block_size: partition.block_size,
+                workers: &partition.cards,
+                signals: &signals,
+                host: &self.host,
+            };
+            let selection = select(
                 &input,
                 &mut state.policy,
                 &self.sessions,
@@ -138,22 +140,22 @@ impl Router {
                 &mut state.rng,
             )
             .await
-        }
-        .map_err(fail)?;
-
-        let decision_id = Uuid::new_v4();
-        let decision = reply::decision(
-            request,
-            request_id,
-            decision_id,
-            &selection,
-            &prompt,
-            partition.block_size,
-            &self.router_id,
-        );
-        if self.lock_load().apply_decision(&decision, now_ms()) == Applied::Added {
-            self.metrics.decisions_applied.inc();
-        }
+            .map_err(fail)?;
+            let decision = reply::decision(
+                request,
+                request_id,
+                Uuid::new_v4(),
+                &selection,
+                &prompt,
+                partition.block_size,
+                &self.router_id,
+            );
+            if self.lock_load().apply_decision(&decision, now_ms()) == Applied::Added {
+                self.metrics.decisions_applied.inc();
+            }
+            (selection, decision)
+        };
+        let decision_id = decision.decision_id;
         let m = &self.metrics;
         m.decisions.inc(&selection.worker.to_string());
         m.request_blocks.add(u64::from(prompt.blocks()));
@@ -180,12 +182,11 @@ impl Router {
         Ok((SelectResponse::Ok(reply), decision))
     }
 
-    /// Overlap and load for the partition's ranks, only for the groups the policy reads.
-    async fn signals(
+    /// The prompt's overlap per rank, when the policy reads `CACHE`.
+    async fn overlap_signals(
         &self,
         request: &SelectRequest,
         prompt: &Prompt,
-        cards: &[kvroute_common::messages::WorkerCard],
         slot: &PolicySlot,
     ) -> SignalSnapshot {
         let mut signals = SignalSnapshot::new();
@@ -216,6 +217,17 @@ impl Router {
                 .overlap_latency
                 .observe(started.elapsed().as_secs_f64());
         }
+        signals
+    }
+
+    /// `signals` plus the load view's figures for the partition's ranks, when the policy
+    /// reads `LOAD`.
+    fn load_signals(
+        &self,
+        mut signals: SignalSnapshot,
+        cards: &[kvroute_common::messages::WorkerCard],
+        slot: &PolicySlot,
+    ) -> SignalSnapshot {
         if slot.inputs.contains(WorkerInputs::LOAD) {
             let view = self.lock_load();
             for card in cards {
