@@ -33,6 +33,8 @@ use worker::{WorkerHandle, WorkerSettings};
 
 /// The card label that tells clients (the replay tool) the fleet's time compression.
 pub const SPEEDUP_LABEL: &str = "kvroute.mocker/speedup";
+/// Card label with the engine model's parameters (JSON), for the replay's TTFT floor.
+pub const ENGINE_LABEL: &str = "kvroute.mocker/engine";
 
 /// A running fleet. [`Fleet::shutdown`] deregisters every worker.
 #[derive(Debug)]
@@ -164,7 +166,15 @@ fn card(config: &FleetConfig, worker_id: WorkerId, names: &Names) -> WorkerCard 
         dp_start_rank: 0,
         dp_size: 1,
         taints: Vec::new(),
-        labels: [(SPEEDUP_LABEL.to_owned(), config.speedup.to_string())].into(),
+        labels: [
+            (SPEEDUP_LABEL.to_owned(), config.speedup.to_string()),
+            (
+                ENGINE_LABEL.to_owned(),
+                serde_json::to_string(&config.engine.engine_config())
+                    .expect("an engine config serializes"),
+            ),
+        ]
+        .into(),
         request_subject: names.worker_requests(worker_id),
         software_version: format!("kvroute-mocker {}", env!("CARGO_PKG_VERSION")),
     }

@@ -8,6 +8,7 @@ pub mod cache;
 pub mod engine;
 pub mod fleet;
 pub mod replay;
+pub mod sim;
 
 pub use cache::{Admission, CacheConfig, CacheError, KvCache};
 pub use engine::{

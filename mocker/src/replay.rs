@@ -18,11 +18,14 @@ pub mod table;
 pub mod workers;
 
 pub use chart::{ChartError, DEFAULT_FONT, write_chart};
-pub use config::{Mode, ReplayArgs, SelectorKind};
+pub use config::{Mode, OutputArgs, ReplayArgs, SelectorKind};
 pub use driver::{DriveSettings, Tally, drive};
 pub use local::LocalSelector;
-pub use oracle::{InfiniteOracle, LruOracle, OracleHitRates, oracle_hit_rates};
+pub use oracle::{
+    InfiniteOracle, LruOracle, OracleHitRates, oracle_hit_rates, oracle_with_hits, ttft_floor,
+};
 pub use plan::Plan;
+pub use progress::Progress;
 pub use report::{ModeRecorder, ModeReport, RequestSample, RunReport};
 pub use run::{emit, run};
 pub use selector::{RouterSelector, SelectFailure, Selector};

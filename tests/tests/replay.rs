@@ -110,7 +110,7 @@ async fn kv_selection_beats_round_robin_and_the_report_is_written() {
     }
     let args = args(&env, &trace, &extra);
     let report = replay::run(&args).await.unwrap();
-    replay::emit(&report, &args).unwrap();
+    replay::emit(&report, &args.output).unwrap();
     fleet.shutdown().await;
 
     assert_eq!((report.requests, report.workers), (48, 3));

@@ -22,7 +22,7 @@ fn main() -> ExitCode {
     };
     let result = runtime
         .block_on(run(&args))
-        .and_then(|report| emit(&report, &args));
+        .and_then(|report| emit(&report, &args.output));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -60,6 +60,28 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
+    /// Checks the engine's settings; the error names the flag.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.engine_config().validate().map_err(|e| {
+            ConfigError::new(
+                engine_flag(e.field),
+                format!("{} (got {})", e.reason, self.engine_value(e.field)),
+            )
+        })
+    }
+
+    fn engine_value(&self, field: &str) -> String {
+        let e = self;
+        match field {
+            "block_size" => e.block_size.to_string(),
+            "num_blocks" => e.num_blocks.to_string(),
+            "max_num_seqs" => e.max_num_seqs.to_string(),
+            "max_num_batched_tokens" => e.max_num_batched_tokens.to_string(),
+            "step_overhead_us" => e.step_overhead_us.to_string(),
+            _ => "?".into(),
+        }
+    }
+
     pub fn engine_config(&self) -> EngineConfig {
         EngineConfig {
             block_size: self.block_size,
@@ -169,12 +191,7 @@ impl FleetConfig {
         if self.model.trim().is_empty() {
             return Err(ConfigError::new("model", "must not be empty"));
         }
-        if let Err(e) = self.engine.engine_config().validate() {
-            return Err(ConfigError::new(
-                engine_flag(e.field),
-                format!("{} (got {})", e.reason, self.engine_value(e.field)),
-            ));
-        }
+        self.engine.validate()?;
         if !(self.speedup.is_finite() && self.speedup > 0.0 && self.speedup <= 1e6) {
             return Err(ConfigError::new(
                 "speedup",
@@ -212,18 +229,6 @@ impl FleetConfig {
     pub fn worker_ids(&self) -> impl Iterator<Item = WorkerId> + use<> {
         let start = self.worker_id_start;
         (0..u64::from(self.workers)).map(move |i| start + i)
-    }
-
-    fn engine_value(&self, field: &str) -> String {
-        let e = &self.engine;
-        match field {
-            "block_size" => e.block_size.to_string(),
-            "num_blocks" => e.num_blocks.to_string(),
-            "max_num_seqs" => e.max_num_seqs.to_string(),
-            "max_num_batched_tokens" => e.max_num_batched_tokens.to_string(),
-            "step_overhead_us" => e.step_overhead_us.to_string(),
-            _ => "?".into(),
-        }
     }
 }
 

@@ -207,6 +207,7 @@ mod tests {
             block_size: 64,
             blocks_per_worker: 1024,
             speedup: 1.0,
+            ttft_floor_ms: None,
             oracle: OracleHitRates {
                 block_size: 64,
                 capacity_blocks: 2048,

@@ -133,21 +133,8 @@ pub struct ReplayArgs {
     /// Seed of the local selector's random choices.
     #[arg(long, env = "KVROUTE_REPLAY_SEED", default_value_t = 42)]
     pub seed: u64,
-    /// Write the JSON report here.
-    #[arg(long, env = "KVROUTE_REPLAY_JSON_OUT")]
-    pub json_out: Option<PathBuf>,
-    /// Draw the PNG chart (TTFT percentiles and hit rate per mode) here.
-    #[arg(long, env = "KVROUTE_REPLAY_CHART_OUT")]
-    pub chart_out: Option<PathBuf>,
-    /// TrueType font for the chart's text.
-    #[arg(long, env = "KVROUTE_REPLAY_FONT", default_value = DEFAULT_FONT)]
-    pub font: PathBuf,
-    /// No progress bar; print only the summary.
-    #[arg(long, short)]
-    pub quiet: bool,
-    /// Print only the JSON report on stdout (no progress bar, no table).
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub output: OutputArgs,
     #[command(flatten)]
     pub namespace: NamespaceArgs,
     #[command(flatten)]
@@ -199,15 +186,7 @@ impl ReplayArgs {
         positive("select-timeout-secs", self.select_timeout_secs)?;
         positive("request-timeout-secs", self.request_timeout_secs)?;
         positive("wait-workers-secs", self.wait_workers_secs)?;
-        if self.chart_out.is_some() && !self.font.is_file() {
-            return Err(ConfigError::new(
-                "font",
-                format!(
-                    "file {} does not exist (needed by --chart-out)",
-                    self.font.display()
-                ),
-            ));
-        }
+        self.output.validate()?;
         self.nats.validate()?;
         self.etcd.validate()
     }
@@ -218,6 +197,42 @@ impl ReplayArgs {
 
     pub fn request_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.request_timeout_secs)
+    }
+}
+
+/// Where a run's report goes: the table (or JSON only) on stdout, a JSON file, a PNG chart.
+/// Shared by `kvroute-replay` and `kvroute-sim`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct OutputArgs {
+    /// Write the JSON report here.
+    #[arg(long, env = "KVROUTE_REPLAY_JSON_OUT")]
+    pub json_out: Option<PathBuf>,
+    /// Draw the PNG chart (TTFT percentiles and hit rate per mode) here.
+    #[arg(long, env = "KVROUTE_REPLAY_CHART_OUT")]
+    pub chart_out: Option<PathBuf>,
+    /// TrueType font for the chart's text.
+    #[arg(long, env = "KVROUTE_REPLAY_FONT", default_value = DEFAULT_FONT)]
+    pub font: PathBuf,
+    /// No progress bar; print only the summary.
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// Print only the JSON report on stdout (no progress bar, no table).
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl OutputArgs {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.chart_out.is_some() && !self.font.is_file() {
+            return Err(ConfigError::new(
+                "font",
+                format!(
+                    "file {} does not exist (needed by --chart-out)",
+                    self.font.display()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Whether a progress bar and tables go to the terminal.

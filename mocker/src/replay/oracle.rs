@@ -9,6 +9,9 @@ use kvroute_common::hashing::{BlockHashes, SequenceHash};
 use kvroute_common::trace::TraceRequest;
 use serde::{Deserialize, Serialize};
 
+use super::stats::Summary;
+use crate::engine::{EngineConfig, StepWork};
+
 /// Both oracles for one trace, block size and fleet capacity.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OracleHitRates {
@@ -31,16 +34,28 @@ pub fn oracle_hit_rates(
     block_size: u32,
     capacity_blocks: u64,
 ) -> OracleHitRates {
+    oracle_with_hits(requests, block_size, capacity_blocks).0
+}
+
+/// [`oracle_hit_rates`], plus the finite oracle's hit blocks of each request.
+pub fn oracle_with_hits(
+    requests: &[TraceRequest],
+    block_size: u32,
+    capacity_blocks: u64,
+) -> (OracleHitRates, Vec<u32>) {
     let mut infinite = InfiniteOracle::default();
     let mut finite = LruOracle::new(capacity_blocks);
     let (mut total, mut inf_hits, mut fin_hits) = (0u64, 0u64, 0u64);
+    let mut per_request = Vec::with_capacity(requests.len());
     for req in requests {
         let hashes = BlockHashes::of_tokens(&req.tokens(), block_size as usize, None);
         total += hashes.sequence.len() as u64;
         inf_hits += infinite.observe(&hashes.sequence) as u64;
-        fin_hits += finite.observe(&hashes.sequence) as u64;
+        let hits = finite.observe(&hashes.sequence);
+        fin_hits += hits as u64;
+        per_request.push(hits as u32);
     }
-    OracleHitRates {
+    let rates = OracleHitRates {
         block_size,
         capacity_blocks,
         total_blocks: total,
@@ -48,7 +63,38 @@ pub fn oracle_hit_rates(
         finite_hit_blocks: fin_hits,
         infinite: ratio(inf_hits, total),
         finite: ratio(fin_hits, total),
-    }
+    };
+    (rates, per_request)
+}
+
+/// A floor under TTFT: each request alone on an idle simulated engine (`engine`'s step-time
+/// model and chunking), with the prefix the finite oracle found cached (`hits`, in blocks)
+/// not recomputed. No routing does better on every request; queueing only adds to it.
+pub fn ttft_floor(requests: &[TraceRequest], hits: &[u32], engine: &EngineConfig) -> Summary {
+    let chunk = engine.max_num_batched_tokens.max(1);
+    let floors: Vec<f64> = requests
+        .iter()
+        .zip(hits)
+        .map(|(req, &hit)| {
+            // As the engine: at least the last prompt token is computed.
+            let cached = (hit * engine.block_size).min(req.input_length.saturating_sub(1));
+            let mut left = req.input_length - cached;
+            let mut total = std::time::Duration::ZERO;
+            loop {
+                let step = left.min(chunk);
+                total += engine.step_duration(StepWork {
+                    prefill_tokens: u64::from(step),
+                    ..StepWork::default()
+                });
+                left -= step;
+                if left == 0 {
+                    break;
+                }
+            }
+            total.as_secs_f64() * 1e3
+        })
+        .collect();
+    Summary::of(&floors)
 }
 
 pub(crate) fn ratio(part: u64, whole: u64) -> f64 {

@@ -24,6 +24,11 @@ pub struct RunReport {
     /// Simulated seconds per real second.
     pub speedup: f64,
     pub oracle: OracleHitRates,
+    /// TTFT if every request ran alone on an idle worker with the finite oracle's cached
+    /// prefix (simulated ms; known when the workers' engine model is: `kvroute-sim`, or
+    /// kvroute-mocker workers whose cards carry it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_floor_ms: Option<Summary>,
     pub modes: Vec<ModeReport>,
 }
 
@@ -203,6 +208,7 @@ mod tests {
                 infinite: 0.5,
                 finite: 0.5,
             },
+            ttft_floor_ms: None,
             modes: vec![m],
         };
         let json = report.to_json();

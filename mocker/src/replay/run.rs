@@ -14,16 +14,18 @@ use kvroute_common::Names;
 use kvroute_common::trace::read_trace;
 
 use super::chart::write_chart;
-use super::config::{ReplayArgs, SelectorKind};
+use super::config::{OutputArgs, ReplayArgs, SelectorKind};
 use super::driver::{DriveSettings, drive};
 use super::local::LocalSelector;
-use super::oracle::oracle_hit_rates;
+use super::oracle::{oracle_with_hits, ttft_floor};
 use super::plan::Plan;
 use super::progress::Progress;
 use super::report::{ModeReport, RunReport};
 use super::selector::{RouterSelector, Selector};
 use super::table::render_table;
-use super::workers::{read_cards, reset_workers, speedup_of, wait_for_workers, watch_cards};
+use super::workers::{
+    engine_of, read_cards, reset_workers, speedup_of, wait_for_workers, watch_cards,
+};
 
 /// How long a worker may take to answer a reset.
 const RESET_TIMEOUT: Duration = Duration::from_secs(10);
@@ -62,10 +64,15 @@ pub async fn run(args: &ReplayArgs) -> anyhow::Result<RunReport> {
         last_arrival_s = plan.arrivals.last().map_or(0.0, Duration::as_secs_f64),
         "replay planned"
     );
-    let oracle = {
+    let engine = engine_of(&cards);
+    let (oracle, ttft_floor_ms) = {
         let requests = plan.requests.clone();
-        tokio::task::spawn_blocking(move || oracle_hit_rates(&requests, block_size, capacity))
-            .await?
+        tokio::task::spawn_blocking(move || {
+            let (oracle, hits) = oracle_with_hits(&requests, block_size, capacity);
+            let floor = engine.map(|e| ttft_floor(&requests, &hits, &e));
+            (oracle, floor)
+        })
+        .await?
     };
     let mut modes = Vec::new();
     for &mode in &args.modes {
@@ -121,6 +128,7 @@ pub async fn run(args: &ReplayArgs) -> anyhow::Result<RunReport> {
         blocks_per_worker,
         speedup,
         oracle,
+        ttft_floor_ms,
         modes,
     })
 }
@@ -136,7 +144,7 @@ async fn run_mode<S: Selector>(
     let progress = Progress::new(
         settings.mode.as_str(),
         plan.len() as u64,
-        args.interactive(),
+        args.output.interactive(),
     );
     let report = drive(plan, settings, selector, nats.clone(), names, |t| {
         progress.update(t)
@@ -148,7 +156,7 @@ async fn run_mode<S: Selector>(
 
 /// Prints the report (a table, or only JSON with `--json`) and writes `--json-out` and
 /// `--chart-out`.
-pub fn emit(report: &RunReport, args: &ReplayArgs) -> anyhow::Result<()> {
+pub fn emit(report: &RunReport, args: &OutputArgs) -> anyhow::Result<()> {
     let json = report.to_json();
     if let Some(path) = &args.json_out {
         std::fs::write(path, &json).with_context(|| format!("writing {}", path.display()))?;

@@ -34,11 +34,20 @@ pub fn render_table(report: &RunReport) -> String {
     );
     let _ = writeln!(
         out,
-        "oracle hit rate (blocks): infinite {}, finite (one LRU of {} blocks) {}\n",
+        "oracle hit rate (blocks): infinite {}, finite (one LRU of {} blocks) {}",
         pct(o.infinite),
         o.capacity_blocks,
         pct(o.finite)
     );
+    if let Some(f) = &report.ttft_floor_ms {
+        let _ = writeln!(
+            out,
+            "TTFT floor (each request alone on an idle worker, finite oracle's prefix cached): \
+             p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms",
+            f.p50, f.p90, f.p99
+        );
+    }
+    out.push('\n');
     let header = [
         "mode",
         "done",
@@ -152,6 +161,7 @@ mod tests {
             block_size: 64,
             blocks_per_worker: 100,
             speedup: 10.0,
+            ttft_floor_ms: None,
             oracle: OracleHitRates {
                 block_size: 64,
                 capacity_blocks: 200,

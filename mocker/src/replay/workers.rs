@@ -12,7 +12,8 @@ use kvroute_common::messages::WorkerCard;
 use kvroute_common::{Names, WorkerId};
 use tokio::task::JoinHandle;
 
-use crate::fleet::SPEEDUP_LABEL;
+use crate::engine::EngineConfig;
+use crate::fleet::{ENGINE_LABEL, SPEEDUP_LABEL};
 
 /// The cards of the workers serving `model`, by worker id.
 pub async fn read_cards(
@@ -65,6 +66,16 @@ pub fn speedup_of(cards: &[WorkerCard]) -> Option<f64> {
     cards
         .iter()
         .find_map(|c| c.labels.get(SPEEDUP_LABEL)?.parse().ok())
+}
+
+/// The engine model of kvroute-mocker workers (their `kvroute.mocker/engine` label), when
+/// every card carries the same one.
+pub fn engine_of(cards: &[WorkerCard]) -> Option<EngineConfig> {
+    let mut engines = cards
+        .iter()
+        .map(|c| serde_json::from_str::<EngineConfig>(c.labels.get(ENGINE_LABEL)?).ok());
+    let first = engines.next()??;
+    engines.all(|e| e.as_ref() == Some(&first)).then_some(first)
 }
 
 /// Asks every worker to drop its cache (kvroute-mocker's reset subject), concurrently.

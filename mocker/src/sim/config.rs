@@ -1,0 +1,191 @@
+//! `kvroute-sim`'s settings: the trace and its time scaling, the fleet (the mocker's engine
+//! flags), the router replicas and their policy YAML, the signal delays, and the outputs.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvroute_common::config::ConfigError;
+use kvroute_common::telemetry::TelemetryArgs;
+
+use crate::fleet::EngineArgs;
+use crate::replay::{Mode, OutputArgs};
+
+/// Simulates a Mooncake trace offline — the mocker's engines, the indexer's radix index and
+/// the router's policies and load view, in one process on simulated time, without NATS or
+/// etcd — once per routing mode, and reports what `kvroute-replay` reports.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "kvroute-sim", version)]
+pub struct SimArgs {
+    /// Mooncake JSONL trace (relative paths are from the working directory).
+    #[arg(
+        long,
+        env = "KVROUTE_SIM_TRACE",
+        default_value = "../shared/traces/conversation_trace.jsonl"
+    )]
+    pub trace: PathBuf,
+    /// Simulate only the first N requests of the trace (0 = all).
+    #[arg(long, env = "KVROUTE_SIM_LIMIT", default_value_t = 0)]
+    pub limit: usize,
+    /// Factor on the trace's arrival times (0.5 = twice the request rate).
+    #[arg(long, env = "KVROUTE_SIM_TIME_SCALE", default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Routing modes to simulate, comma-separated, in order.
+    #[arg(
+        long,
+        env = "KVROUTE_SIM_MODES",
+        value_enum,
+        value_delimiter = ',',
+        default_value = "kv,round-robin,random,least-busy"
+    )]
+    pub modes: Vec<Mode>,
+    /// Simulated workers (worker ids 1..=N).
+    #[arg(long, env = "KVROUTE_SIM_WORKERS", default_value_t = 8)]
+    pub workers: u32,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Router replicas, each with its own load view and policy state; arrivals go to them in
+    /// turn.
+    #[arg(long, env = "KVROUTE_SIM_ROUTERS", default_value_t = 1)]
+    pub routers: u32,
+    /// Worker-selection YAML, as `kvroute-router --policy-config` takes it (the `kv` mode
+    /// runs its aggregated selection).
+    #[arg(long = "policy-config", env = "KVROUTE_SIM_POLICY_CONFIG")]
+    pub policy_config: Option<PathBuf>,
+    /// Simulated milliseconds from a worker's KV event to the index.
+    #[arg(long, env = "KVROUTE_SIM_EVENT_DELAY_MS", default_value_t = 5.0)]
+    pub event_delay_ms: f64,
+    /// Simulated milliseconds from a decision, lifecycle event or load report to the router
+    /// replicas.
+    #[arg(long, env = "KVROUTE_SIM_SIGNAL_DELAY_MS", default_value_t = 5.0)]
+    pub signal_delay_ms: f64,
+    /// Simulated milliseconds between two load reports of a worker.
+    #[arg(long, env = "KVROUTE_SIM_LOAD_INTERVAL_MS", default_value_t = 200.0)]
+    pub load_interval_ms: f64,
+    /// The routers' `--load-report-interval-ms`: a newer report drops predictions older than
+    /// this (simulated milliseconds).
+    #[arg(long, env = "KVROUTE_SIM_REPORT_COVERS_MS", default_value_t = 1000.0)]
+    pub report_covers_ms: f64,
+    /// The routers' `--prediction-max-age-secs` (simulated seconds).
+    #[arg(
+        long,
+        env = "KVROUTE_SIM_PREDICTION_MAX_AGE_SECS",
+        default_value_t = 600.0
+    )]
+    pub prediction_max_age_secs: f64,
+    /// Seed of the policies' random choices (each replica derives its own stream).
+    #[arg(long, env = "KVROUTE_SIM_SEED", default_value_t = 42)]
+    pub seed: u64,
+    #[command(flatten)]
+    pub output: OutputArgs,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
+}
+
+impl SimArgs {
+    /// Checks every setting; the error names the flag.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !self.trace.is_file() {
+            return Err(ConfigError::new(
+                "trace",
+                format!("file {} does not exist", self.trace.display()),
+            ));
+        }
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return Err(ConfigError::new(
+                "time-scale",
+                format!("must be a positive number, got {}", self.time_scale),
+            ));
+        }
+        if self.modes.is_empty() {
+            return Err(ConfigError::new("modes", "name at least one mode"));
+        }
+        let mut seen = self.modes.clone();
+        seen.sort();
+        seen.dedup();
+        if seen.len() != self.modes.len() {
+            return Err(ConfigError::new("modes", "a mode is listed twice"));
+        }
+        if self.workers == 0 || self.workers > crate::fleet::MAX_WORKERS {
+            return Err(ConfigError::new(
+                "workers",
+                format!("must be 1..={}", crate::fleet::MAX_WORKERS),
+            ));
+        }
+        if self.routers == 0 || self.routers > 64 {
+            return Err(ConfigError::new("routers", "must be 1..=64"));
+        }
+        self.engine.validate()?;
+        if let Some(path) = &self.policy_config
+            && !path.is_file()
+        {
+            return Err(ConfigError::new(
+                "policy-config",
+                format!("file {} does not exist", path.display()),
+            ));
+        }
+        let times = [
+            ("event-delay-ms", self.event_delay_ms, false),
+            ("signal-delay-ms", self.signal_delay_ms, false),
+            ("load-interval-ms", self.load_interval_ms, true),
+            ("report-covers-ms", self.report_covers_ms, false),
+            (
+                "prediction-max-age-secs",
+                self.prediction_max_age_secs,
+                true,
+            ),
+        ];
+        for (field, value, positive) in times {
+            let ok = (0.0..1e9).contains(&value) && (!positive || value > 0.0);
+            if !ok {
+                let range = if positive { "> 0" } else { "≥ 0" };
+                return Err(ConfigError::new(
+                    field,
+                    format!("must be a finite number {range}, got {value}"),
+                ));
+            }
+        }
+        self.output.validate()
+    }
+
+    pub fn millis(ms: f64) -> Duration {
+        Duration::from_secs_f64(ms / 1e3)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    fn parse(args: &[&str]) -> SimArgs {
+        let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+        let mut all = vec!["kvroute-sim", "--trace", trace];
+        all.extend_from_slice(args);
+        SimArgs::try_parse_from(all).unwrap()
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let a = parse(&[]);
+        a.validate().unwrap();
+        assert_eq!((a.workers, a.routers, a.limit), (8, 1, 0));
+        assert_eq!(a.modes, Mode::ALL.to_vec());
+    }
+
+    #[test]
+    fn validation_names_the_flag() {
+        let field = |args: &[&str]| parse(args).validate().unwrap_err().field;
+        assert_eq!(field(&["--time-scale", "0"]), "time-scale");
+        assert_eq!(field(&["--modes", "kv,kv"]), "modes");
+        assert_eq!(field(&["--workers", "0"]), "workers");
+        assert_eq!(field(&["--routers", "0"]), "routers");
+        assert_eq!(field(&["--num-blocks", "0"]), "num-blocks");
+        assert_eq!(field(&["--load-interval-ms", "0"]), "load-interval-ms");
+        assert_eq!(field(&["--event-delay-ms=-1"]), "event-delay-ms");
+        assert_eq!(
+            field(&["--policy-config", "/nonexistent.yaml"]),
+            "policy-config"
+        );
+    }
+}

@@ -1,0 +1,154 @@
+use std::time::Duration;
+
+use kvroute_common::trace::TraceRequest;
+use kvroute_router::registry::{PolicyOverrides, PolicyRegistry, WorkerSelectionConfig};
+
+use super::*;
+use crate::engine::EngineConfig;
+use crate::replay::{Mode, ModeReport, Plan, oracle_hit_rates};
+
+/// `conversations` conversations of `turns` turns each, one turn every 3 s per conversation
+/// (interleaved), every prompt extending the previous turn's by two 512-token blocks; all
+/// start with the same shared block, as the Mooncake conversation trace does.
+fn conversations(conversations: u64, turns: u64) -> Vec<TraceRequest> {
+    let mut out = Vec::new();
+    let mut next_id = 1;
+    let mut chains: Vec<Vec<u64>> = vec![vec![0]; conversations as usize];
+    for turn in 0..turns {
+        for (c, chain) in chains.iter_mut().enumerate() {
+            chain.extend([next_id, next_id + 1]);
+            next_id += 2;
+            out.push(TraceRequest {
+                timestamp: turn * 3000 + c as u64 * 10,
+                input_length: (chain.len() * 512) as u32,
+                output_length: 20,
+                hash_ids: chain.clone(),
+            });
+        }
+    }
+    out.sort_by_key(|r| r.timestamp);
+    out
+}
+
+fn engine() -> EngineConfig {
+    EngineConfig {
+        num_blocks: 2048,
+        ..EngineConfig::default()
+    }
+}
+
+fn settings(mode: Mode, routers: u32, seed: u64) -> SimSettings {
+    SimSettings {
+        mode,
+        engine: engine(),
+        workers: 4,
+        routers,
+        event_delay: Duration::from_millis(5),
+        signal_delay: Duration::from_millis(5),
+        load_interval: Duration::from_millis(200),
+        report_covers: Duration::from_millis(1000),
+        prediction_max_age: Duration::from_secs(600),
+        seed,
+    }
+}
+
+fn builtins() -> kvroute_router::registry::ResolvedPolicies {
+    PolicyRegistry::with_builtins()
+        .resolve(
+            &WorkerSelectionConfig::default(),
+            &PolicyOverrides::default(),
+        )
+        .unwrap()
+}
+
+fn run(plan: &Plan, mode: Mode, routers: u32, seed: u64) -> ModeReport {
+    simulate(plan, &settings(mode, routers, seed), &builtins(), |_| {}).unwrap()
+}
+
+/// The report without its wall-clock figure (selection latency).
+fn simulated(mut r: ModeReport) -> ModeReport {
+    r.selection_latency_us = Default::default();
+    r
+}
+
+#[test]
+fn kv_routing_keeps_conversations_on_their_prefix_and_beats_round_robin() {
+    // 13 conversations on 4 workers: round-robin sends each turn of a conversation elsewhere.
+    let plan = Plan::new(conversations(13, 6), 0, 1.0, None);
+    let oracle = oracle_hit_rates(&plan.requests, 64, 4 * 2048);
+    let kv = run(&plan, Mode::Kv, 1, 1);
+    let rr = run(&plan, Mode::RoundRobin, 1, 1);
+    for r in [&kv, &rr] {
+        assert_eq!((r.completed, r.errors), (78, 0), "{r:?}");
+        assert!(r.hit_rate <= oracle.infinite + 1e-9);
+    }
+    // Each turn after the first finds its whole previous prompt cached when it goes back to
+    // its worker: 2 new blocks of 2k+1 (k = turn), the infinite oracle's rate.
+    assert!(
+        kv.hit_rate > 0.95 * oracle.infinite,
+        "kv {} vs infinite oracle {}",
+        kv.hit_rate,
+        oracle.infinite
+    );
+    assert!(
+        rr.hit_rate < 0.5 * kv.hit_rate,
+        "round-robin {} vs kv {}",
+        rr.hit_rate,
+        kv.hit_rate
+    );
+    assert!(kv.ttft_ms.p50 < rr.ttft_ms.p50);
+    assert!(kv.load_cv_requests < 0.5, "kv spreads conversations: {kv:?}");
+}
+
+#[test]
+fn a_run_is_a_pure_function_of_its_inputs_and_seed() {
+    let plan = Plan::new(conversations(8, 4), 0, 1.0, None);
+    for mode in [Mode::Kv, Mode::Random] {
+        let a = simulated(run(&plan, mode, 2, 7));
+        let b = simulated(run(&plan, mode, 2, 7));
+        assert_eq!(a, b, "{mode}");
+    }
+    // Random routing differs with the seed.
+    let c = simulated(run(&plan, Mode::Random, 2, 8));
+    assert_ne!(simulated(run(&plan, Mode::Random, 2, 7)), c);
+}
+
+#[test]
+fn several_router_replicas_share_decisions_and_complete() {
+    let plan = Plan::new(conversations(12, 6), 0, 1.0, None);
+    let one = run(&plan, Mode::Kv, 1, 1);
+    let four = run(&plan, Mode::Kv, 4, 1);
+    assert_eq!((four.completed, four.errors), (72, 0));
+    assert!(
+        (four.hit_rate - one.hit_rate).abs() < 0.05,
+        "1 replica {} vs 4 {}",
+        one.hit_rate,
+        four.hit_rate
+    );
+}
+
+#[test]
+fn the_ttft_floor_is_the_engine_alone_with_the_oracle_prefix() {
+    let e = engine();
+    let requests = vec![
+        TraceRequest {
+            timestamp: 0,
+            input_length: 10_000,
+            output_length: 1,
+            hash_ids: vec![],
+        },
+        TraceRequest {
+            timestamp: 0,
+            input_length: 1_000,
+            output_length: 1,
+            hash_ids: vec![],
+        },
+    ];
+    // 10,000 uncached tokens: a step of 8,192 and one of 1,808; 1,000 with 15 of 15 full
+    // blocks cached: 40 tokens in one step.
+    let floor = crate::replay::ttft_floor(&requests, &[0, 15], &e);
+    let step = |tokens: u64| 10.0 + tokens as f64 * 0.04;
+    assert!((floor.max - (step(8192) + step(1808))).abs() < 1e-6, "{floor:?}");
+    let small = step(1000 - 15 * 64);
+    assert!((floor.p50 - (small + (step(8192) + step(1808))) / 2.0).abs() < 1e-6);
+}

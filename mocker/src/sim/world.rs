@@ -1,0 +1,494 @@
+//! One routing mode of an offline simulation: a discrete-event loop over simulated time in
+//! which the real components meet without NATS or etcd.
+//!
+//! - each worker is an [`Engine`] (the mocker's cache and batching model);
+//! - its KV events reach one shared [`RadixIndex`] (the indexer's) after `event_delay`;
+//! - each router replica has its own [`LoadView`] (the router service's) and its own policy
+//!   instance, and calls the router core's [`select_worker`] with the index's overlap and its
+//!   view's load; arrivals go to the replicas in turn;
+//! - a replica applies its own decision at once and the others' after `signal_delay`;
+//!   lifecycle events and load reports (every `load_interval`) reach every replica after
+//!   `signal_delay`.
+//!
+//! Events at the same time run in the order they were scheduled, so a run is a pure function
+//! of its inputs (the seed included); only the reported selection latency is wall time.
+
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, HashMap};
+use std::time::{Duration, Instant};
+
+use kvroute_common::RequestId;
+use kvroute_common::hashing::BlockHashes;
+use kvroute_common::messages::{
+    Decision, KvEventData, RequestLifecycle, SchemaVersion, SelectRequest, WorkerCard, WorkerLoad,
+    WorkerRole,
+};
+use kvroute_indexer::index::{IndexConfig, RadixIndex};
+use kvroute_router::pipeline::WorkerSelectionPolicy;
+use kvroute_router::registry::ResolvedPolicies;
+use kvroute_router::select::{HostConfig, SelectInput, select_worker};
+use kvroute_router::service::load_view::{LoadView, LoadViewConfig};
+use kvroute_router::session::SessionRoute;
+use kvroute_router::signals::{Overlap, SignalSnapshot};
+use kvroute_router::worker::WorkerRank;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use uuid::Uuid;
+
+use crate::engine::{Engine, EngineConfig, EngineOutput, SimRequest};
+use crate::replay::{Mode, ModeRecorder, ModeReport, Plan, RequestSample, Tally};
+
+/// The model every simulated worker serves.
+pub const SIM_MODEL: &str = "mock-model";
+
+/// Everything one mode's simulation needs besides the plan and the policies.
+#[derive(Debug, Clone)]
+pub struct SimSettings {
+    pub mode: Mode,
+    pub engine: EngineConfig,
+    pub workers: u32,
+    /// Router replicas; arrivals go to them in turn.
+    pub routers: u32,
+    /// From a worker's KV event to the index.
+    pub event_delay: Duration,
+    /// From a decision, lifecycle event or load report to the (other) router replicas.
+    pub signal_delay: Duration,
+    /// Between two load reports of a worker.
+    pub load_interval: Duration,
+    /// The load view's reconciliation: a newer report drops predictions older than this.
+    pub report_covers: Duration,
+    /// The load view's cap on a prediction's age.
+    pub prediction_max_age: Duration,
+    pub seed: u64,
+}
+
+/// The cards of a simulated fleet (worker ids 1..=n).
+pub fn sim_cards(engine: &EngineConfig, workers: u32) -> Vec<WorkerCard> {
+    (1..=u64::from(workers))
+        .map(|worker_id| WorkerCard {
+            v: SchemaVersion::CURRENT,
+            worker_id,
+            model: SIM_MODEL.to_owned(),
+            role: WorkerRole::Aggregated,
+            block_size: engine.block_size,
+            total_kv_blocks: engine.num_blocks,
+            max_num_batched_tokens: u64::from(engine.max_num_batched_tokens),
+            dp_start_rank: 0,
+            dp_size: 1,
+            taints: Vec::new(),
+            labels: Default::default(),
+            request_subject: format!("sim.worker.{worker_id}"),
+            software_version: format!("kvroute-sim {}", env!("CARGO_PKG_VERSION")),
+        })
+        .collect()
+}
+
+/// The policy a mode runs: the configured one for `kv`, the named built-in otherwise.
+pub fn mode_policy(
+    policies: &ResolvedPolicies,
+    mode: Mode,
+) -> anyhow::Result<WorkerSelectionPolicy> {
+    Ok(match mode.router_policy() {
+        None => policies.build(WorkerRole::Aggregated, SIM_MODEL)?,
+        Some(name) => policies
+            .build_named(name, WorkerRole::Aggregated, SIM_MODEL)
+            .ok_or_else(|| anyhow::anyhow!("no policy named {name:?} is registered"))??,
+    })
+}
+
+enum Event {
+    Arrival(usize),
+    /// An engine's step may end or start (stale when the engine rescheduled since).
+    Wake(usize),
+    LoadTick(usize),
+    KvEvents(usize, Vec<KvEventData>),
+    /// A decision reaching one replica.
+    Decision(usize, Box<Decision>),
+    Lifecycle(RequestLifecycle),
+    Report(WorkerLoad),
+}
+
+struct Scheduled {
+    at: Duration,
+    seq: u64,
+    event: Event,
+}
+
+impl PartialEq for Scheduled {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at, self.seq) == (other.at, other.seq)
+    }
+}
+impl Eq for Scheduled {}
+impl PartialOrd for Scheduled {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Scheduled {
+    /// Reversed: the heap pops the earliest (then the first scheduled).
+    fn cmp(&self, other: &Self) -> Ordering {
+        (other.at, other.seq).cmp(&(self.at, self.seq))
+    }
+}
+
+struct Replica {
+    policy: WorkerSelectionPolicy,
+    rng: StdRng,
+    view: LoadView,
+}
+
+struct SimWorker {
+    card: WorkerCard,
+    engine: Engine,
+    /// The wake-up currently scheduled (others in the queue are stale).
+    wake: Option<Duration>,
+    report_seq: u64,
+}
+
+struct InFlight {
+    worker: usize,
+    prompt_tokens: u64,
+    /// Prompt tokens the worker found cached (known at prefill done).
+    cached_tokens: u64,
+    selection: Duration,
+}
+
+/// The world of one mode's run.
+struct World<'a> {
+    settings: &'a SimSettings,
+    plan: &'a Plan,
+    queue: BinaryHeap<Scheduled>,
+    seq: u64,
+    workers: Vec<SimWorker>,
+    index: RadixIndex,
+    replicas: Vec<Replica>,
+    in_flight: HashMap<RequestId, InFlight>,
+    recorder: ModeRecorder,
+    tally: Tally,
+    finished_at: Duration,
+}
+
+/// Runs `plan` through a simulated fleet and router replicas under `settings.mode`;
+/// `progress` sees the totals after every finished request.
+pub fn simulate(
+    plan: &Plan,
+    settings: &SimSettings,
+    policies: &ResolvedPolicies,
+    mut progress: impl FnMut(&Tally),
+) -> anyhow::Result<ModeReport> {
+    let cards = sim_cards(&settings.engine, settings.workers);
+    let workers = cards
+        .into_iter()
+        .map(|card| SimWorker {
+            card,
+            engine: Engine::new(settings.engine.clone()).expect("validated by the caller"),
+            wake: None,
+            report_seq: 0,
+        })
+        .collect::<Vec<_>>();
+    let view_config = LoadViewConfig {
+        report_interval_ms: millis(settings.report_covers),
+        prediction_max_age_ms: millis(settings.prediction_max_age),
+    };
+    let replicas = (0..settings.routers.max(1))
+        .map(|r| {
+            Ok(Replica {
+                policy: mode_policy(policies, settings.mode)?,
+                rng: StdRng::seed_from_u64(settings.seed ^ (u64::from(r) << 32)),
+                view: LoadView::new(view_config),
+            })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut world = World {
+        settings,
+        plan,
+        queue: BinaryHeap::new(),
+        seq: 0,
+        recorder: ModeRecorder::new(
+            settings.mode.as_str(),
+            workers.iter().map(|w| w.card.worker_id),
+        ),
+        workers,
+        index: RadixIndex::new(IndexConfig::default()),
+        replicas,
+        in_flight: HashMap::new(),
+        tally: Tally {
+            total: plan.len() as u64,
+            ..Tally::default()
+        },
+        finished_at: Duration::ZERO,
+    };
+    for (i, &at) in plan.arrivals.iter().enumerate() {
+        world.schedule(at, Event::Arrival(i));
+    }
+    for w in 0..world.workers.len() {
+        // Staggered like real workers' timers.
+        let offset = settings
+            .load_interval
+            .mul_f64(w as f64 / world.workers.len() as f64);
+        world.schedule(offset, Event::LoadTick(w));
+    }
+    while let Some(Scheduled { at, event, .. }) = world.queue.pop() {
+        if world.handle(at, event) {
+            progress(&world.tally);
+        }
+        if world.tally.done + world.tally.errors == world.tally.total {
+            break;
+        }
+    }
+    Ok(world.recorder.finish(world.finished_at))
+}
+
+fn millis(d: Duration) -> u64 {
+    d.as_millis() as u64
+}
+
+impl World<'_> {
+    fn schedule(&mut self, at: Duration, event: Event) {
+        self.seq += 1;
+        self.queue.push(Scheduled {
+            at,
+            seq: self.seq,
+            event,
+        });
+    }
+
+    /// Handles one event; true when a request finished or failed.
+    fn handle(&mut self, now: Duration, event: Event) -> bool {
+        match event {
+            Event::Arrival(i) => return self.arrive(now, i),
+            Event::Wake(w) => {
+                if self.workers[w].wake == Some(now) {
+                    self.workers[w].wake = None;
+                    return self.advance(w, now);
+                }
+            }
+            Event::LoadTick(w) => {
+                let done = self.advance(w, now);
+                let worker = &mut self.workers[w];
+                worker.report_seq += 1;
+                let report = worker.engine.load().to_worker_load(
+                    worker.card.worker_id,
+                    0,
+                    worker.report_seq,
+                    millis(now),
+                );
+                self.schedule(now + self.settings.signal_delay, Event::Report(report));
+                self.schedule(now + self.settings.load_interval, Event::LoadTick(w));
+                return done;
+            }
+            Event::KvEvents(w, events) => {
+                let worker_id = self.workers[w].card.worker_id;
+                for event in &events {
+                    // The engine's events are well formed; a refusal would be a bug there,
+                    // and the index stays consistent either way.
+                    let _ = self.index.apply(worker_id, 0, event);
+                }
+            }
+            Event::Decision(r, decision) => {
+                self.replicas[r].view.apply_decision(&decision, millis(now));
+            }
+            Event::Lifecycle(event) => {
+                for replica in &mut self.replicas {
+                    replica.view.apply_lifecycle(&event);
+                }
+            }
+            Event::Report(report) => {
+                for replica in &mut self.replicas {
+                    replica.view.apply_report(&report, millis(now));
+                }
+            }
+        }
+        false
+    }
+
+    /// A request arrives at a router replica, is placed and submitted to its worker.
+    fn arrive(&mut self, now: Duration, i: usize) -> bool {
+        let trace = &self.plan.requests[i];
+        let tokens = trace.tokens();
+        let block_size = self.settings.engine.block_size;
+        let hashes = BlockHashes::of_tokens(&tokens, block_size as usize, None);
+        let request_id = Uuid::from_u128(i as u128 + 1);
+        let request = SelectRequest {
+            request_id: Some(request_id),
+            model: SIM_MODEL.to_owned(),
+            expected_output_tokens: Some(trace.output_length),
+            ..SelectRequest::default()
+        };
+        let r = i % self.replicas.len();
+        let started = Instant::now();
+        let matches = self.index.find_matches(&hashes.local).matches;
+        let mut signals = SignalSnapshot::new();
+        for m in matches {
+            signals = signals.with_overlap(
+                WorkerRank::new(m.worker_id, m.dp_rank),
+                Overlap {
+                    device: m.device,
+                    host: m.host,
+                    disk: m.disk,
+                    cached_blocks: m.total_blocks,
+                },
+            );
+        }
+        let replica = &mut self.replicas[r];
+        for worker in &self.workers {
+            let rank = WorkerRank::new(worker.card.worker_id, 0);
+            if let Some(load) = replica.view.load(rank) {
+                signals = signals.with_load(rank, load);
+            }
+        }
+        let cards: Vec<WorkerCard> = self.workers.iter().map(|w| w.card.clone()).collect();
+        let host = HostConfig::default();
+        let input = SelectInput {
+            request: &request,
+            request_blocks: hashes.sequence.len() as u32,
+            block_size,
+            workers: &cards,
+            signals: &signals,
+            host: &host,
+        };
+        let selected = select_worker(
+            &input,
+            &mut replica.policy,
+            SessionRoute::Open { affinity: None },
+            &mut replica.rng,
+        );
+        let selection_latency = started.elapsed();
+        let selection = match selected {
+            Ok(s) => s,
+            Err(e) => {
+                self.tally.errors += 1;
+                self.recorder.record_error(&format!("select_{e}"));
+                return true;
+            }
+        };
+        let w = self
+            .workers
+            .iter()
+            .position(|w| w.card.worker_id == selection.worker.worker_id)
+            .expect("the core picks a registered worker");
+        let overlap = selection.overlap.map_or(0, |o| o.device);
+        let decision = Decision {
+            v: SchemaVersion::CURRENT,
+            decision_id: Uuid::from_u128((i as u128 + 1) << 64),
+            request_id,
+            router_id: format!("sim-router-{r}"),
+            model: SIM_MODEL.to_owned(),
+            role: WorkerRole::Aggregated,
+            worker_id: selection.worker.worker_id,
+            dp_rank: 0,
+            session_id: None,
+            request_blocks: hashes.sequence.len() as u32,
+            overlap_blocks: overlap,
+            prefill_tokens: (tokens.len() as u64)
+                .saturating_sub(u64::from(overlap) * u64::from(block_size)),
+            expected_output_tokens: Some(trace.output_length),
+            cost: selection.cost.clone(),
+            policy: selection.policy.clone(),
+            binding: None,
+            ts: millis(now),
+        };
+        for other in 0..self.replicas.len() {
+            if other == r {
+                self.replicas[r].view.apply_decision(&decision, millis(now));
+            } else {
+                let at = now + self.settings.signal_delay;
+                self.schedule(at, Event::Decision(other, Box::new(decision.clone())));
+            }
+        }
+        let sim = SimRequest {
+            request_id,
+            prompt_tokens: tokens.len() as u32,
+            output_tokens: trace.output_length,
+            hashes,
+        };
+        if let Err(e) = self.workers[w].engine.submit(sim, now) {
+            tracing::debug!(error = %e, "the simulated worker refused a request");
+            self.tally.errors += 1;
+            self.recorder.record_error("worker_refused");
+            return true;
+        }
+        self.in_flight.insert(
+            request_id,
+            InFlight {
+                worker: w,
+                prompt_tokens: tokens.len() as u64,
+                cached_tokens: 0,
+                selection: selection_latency,
+            },
+        );
+        self.advance(w, now)
+    }
+
+    /// Runs engine `w` up to `now`, forwards what it produced and schedules its next wake-up.
+    fn advance(&mut self, w: usize, now: Duration) -> bool {
+        let ready = self.workers[w].engine.advance_to(now);
+        if !ready.kv_events.is_empty() {
+            self.schedule(
+                now + self.settings.event_delay,
+                Event::KvEvents(w, ready.kv_events),
+            );
+        }
+        let worker_id = self.workers[w].card.worker_id;
+        let mut finished = false;
+        for output in ready.outputs {
+            let lifecycle = RequestLifecycle {
+                v: SchemaVersion::CURRENT,
+                request_id: output.request_id(),
+                worker_id,
+                dp_rank: 0,
+                kind: output.lifecycle_kind(),
+                ts: millis(output.at()),
+            };
+            self.schedule(
+                output.at() + self.settings.signal_delay,
+                Event::Lifecycle(lifecycle),
+            );
+            if let EngineOutput::PrefillDone {
+                request_id,
+                cached_tokens,
+                ..
+            } = output
+                && let Some(flight) = self.in_flight.get_mut(&request_id)
+            {
+                flight.cached_tokens = cached_tokens;
+            }
+            if let EngineOutput::Finished {
+                request_id,
+                at,
+                output_tokens,
+                ttft,
+                latency,
+            } = output
+                && let Some(done) = self.in_flight.remove(&request_id)
+            {
+                debug_assert_eq!(done.worker, w);
+                finished = true;
+                let cached = done.cached_tokens;
+                self.tally.done += 1;
+                self.tally.prompt_tokens += done.prompt_tokens;
+                self.tally.cached_tokens += cached;
+                self.finished_at = self.finished_at.max(at);
+                self.recorder.record(RequestSample {
+                    worker_id,
+                    prompt_tokens: done.prompt_tokens,
+                    cached_tokens: cached,
+                    output_tokens,
+                    ttft,
+                    latency,
+                    selection_latency: Some(done.selection),
+                });
+            }
+        }
+        let worker = &mut self.workers[w];
+        let next = worker.engine.next_wakeup();
+        if next != worker.wake
+            && let Some(at) = next
+        {
+            worker.wake = Some(at);
+            self.schedule(at, Event::Wake(w));
+        }
+        finished
+    }
+}
