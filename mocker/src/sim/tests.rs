@@ -97,7 +97,10 @@ fn kv_routing_keeps_conversations_on_their_prefix_and_beats_round_robin() {
         kv.hit_rate
     );
     assert!(kv.ttft_ms.p50 < rr.ttft_ms.p50);
-    assert!(kv.load_cv_requests < 0.5, "kv spreads conversations: {kv:?}");
+    assert!(
+        kv.load_cv_requests < 0.5,
+        "kv spreads conversations: {kv:?}"
+    );
 }
 
 #[test]
@@ -148,7 +151,10 @@ fn the_ttft_floor_is_the_engine_alone_with_the_oracle_prefix() {
     // blocks cached: 40 tokens in one step.
     let floor = crate::replay::ttft_floor(&requests, &[0, 15], &e);
     let step = |tokens: u64| 10.0 + tokens as f64 * 0.04;
-    assert!((floor.max - (step(8192) + step(1808))).abs() < 1e-6, "{floor:?}");
+    assert!(
+        (floor.max - (step(8192) + step(1808))).abs() < 1e-6,
+        "{floor:?}"
+    );
     let small = step(1000 - 15 * 64);
     assert!((floor.p50 - (small + (step(8192) + step(1808))) / 2.0).abs() < 1e-6);
 }
