@@ -2,7 +2,7 @@
 //! where selections come from, and the outputs. Parsed by `kvroute-replay`, checked once by
 //! [`ReplayArgs::validate`].
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use kvroute_common::config::{ConfigError, EtcdArgs, NamespaceArgs, NatsArgs};
@@ -145,6 +145,28 @@ pub struct ReplayArgs {
     pub telemetry: TelemetryArgs,
 }
 
+/// The checks `kvroute-replay` and `kvroute-sim` share: the trace file exists, the time scale
+/// is a positive number, and the modes are a non-empty list without repeats.
+pub fn validate_run(trace: &Path, time_scale: f64, modes: &[Mode]) -> Result<(), ConfigError> {
+    if !trace.is_file() {
+        return Err(ConfigError::new(
+            "trace",
+            format!("file {} does not exist", trace.display()),
+        ));
+    }
+    positive("time-scale", time_scale)?;
+    if modes.is_empty() {
+        return Err(ConfigError::new("modes", "name at least one mode"));
+    }
+    let mut seen = modes.to_vec();
+    seen.sort();
+    seen.dedup();
+    if seen.len() != modes.len() {
+        return Err(ConfigError::new("modes", "a mode is listed twice"));
+    }
+    Ok(())
+}
+
 fn positive(field: &'static str, value: f64) -> Result<(), ConfigError> {
     if value.is_finite() && value > 0.0 {
         Ok(())
@@ -158,24 +180,9 @@ fn positive(field: &'static str, value: f64) -> Result<(), ConfigError> {
 
 impl ReplayArgs {
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if !self.trace.is_file() {
-            return Err(ConfigError::new(
-                "trace",
-                format!("file {} does not exist", self.trace.display()),
-            ));
-        }
-        positive("time-scale", self.time_scale)?;
+        validate_run(&self.trace, self.time_scale, &self.modes)?;
         if let Some(d) = self.target_duration_secs {
             positive("target-duration-secs", d)?;
-        }
-        if self.modes.is_empty() {
-            return Err(ConfigError::new("modes", "name at least one mode"));
-        }
-        let mut seen = self.modes.clone();
-        seen.sort();
-        seen.dedup();
-        if seen.len() != self.modes.len() {
-            return Err(ConfigError::new("modes", "a mode is listed twice"));
         }
         if self.model.trim().is_empty() {
             return Err(ConfigError::new("model", "must not be empty"));

@@ -7,7 +7,8 @@ use std::time::Duration;
 use kvroute_common::config::ConfigError;
 use kvroute_common::telemetry::TelemetryArgs;
 
-use crate::fleet::EngineArgs;
+use crate::fleet::{EngineArgs, MAX_WORKERS};
+use crate::replay::config::validate_run;
 use crate::replay::{Mode, OutputArgs};
 
 /// Simulates a Mooncake trace offline — the mocker's engines, the indexer's radix index and
@@ -84,31 +85,11 @@ pub struct SimArgs {
 impl SimArgs {
     /// Checks every setting; the error names the flag.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if !self.trace.is_file() {
-            return Err(ConfigError::new(
-                "trace",
-                format!("file {} does not exist", self.trace.display()),
-            ));
-        }
-        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
-            return Err(ConfigError::new(
-                "time-scale",
-                format!("must be a positive number, got {}", self.time_scale),
-            ));
-        }
-        if self.modes.is_empty() {
-            return Err(ConfigError::new("modes", "name at least one mode"));
-        }
-        let mut seen = self.modes.clone();
-        seen.sort();
-        seen.dedup();
-        if seen.len() != self.modes.len() {
-            return Err(ConfigError::new("modes", "a mode is listed twice"));
-        }
-        if self.workers == 0 || self.workers > crate::fleet::MAX_WORKERS {
+        validate_run(&self.trace, self.time_scale, &self.modes)?;
+        if self.workers == 0 || self.workers > MAX_WORKERS {
             return Err(ConfigError::new(
                 "workers",
-                format!("must be 1..={}", crate::fleet::MAX_WORKERS),
+                format!("must be 1..={MAX_WORKERS}"),
             ));
         }
         if self.routers == 0 || self.routers > 64 {
