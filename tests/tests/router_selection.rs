@@ -164,6 +164,26 @@ async fn equal_overlap_spreads_by_load_through_one_replica_or_two() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_concurrent_selections_does_not_herd() {
+    let env = TestEnv::start().unwrap();
+    let names = Names::new(&env.namespace);
+    let _fleet = workers(&env, &[1, 2, 3, 4]).await;
+    let nats = env.nats.connect().await.unwrap();
+    let router = RouterProcess::start(&env, "burst", &[]).unwrap();
+    let before = router.metric("kvroute_router_decisions_applied_total");
+    // 16 selections in flight at once: each must see the load the earlier ones charged.
+    let requests: Vec<SelectRequest> = (0..16).map(|i| request("m", prompt(2000 + i, 4))).collect();
+    let replies =
+        futures::future::join_all(requests.iter().map(|r| select(&nats, &names, r))).await;
+    let mut counts = BTreeMap::new();
+    for reply in replies {
+        *counts.entry(ok(reply.unwrap()).worker_id).or_default() += 1;
+    }
+    assert!(imbalance(&counts, 4) <= 1, "{counts:?}");
+    assert!(router.metric("kvroute_router_decisions_applied_total") >= before + 16.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eligibility_rules_apply_through_nats() {
     let env = TestEnv::start().unwrap();
     let names = Names::new(&env.namespace);
