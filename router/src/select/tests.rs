@@ -69,9 +69,9 @@ fn a_request_goes_to_the_worker_holding_its_prefix() {
     .unwrap();
     assert_eq!(s.worker, WorkerRank::new(3, 0));
     assert_eq!(s.overlap.unwrap().device, 8);
-    // prefill_load_scale 64 × (10 request blocks − 8 cached) + 10 decode blocks.
-    assert_eq!(s.cost.total, 64.0 * 2.0 + 10.0);
-    assert_eq!(s.cost.terms["prefill"], 128.0);
+    // prefill_load_scale 64 × max(10 request blocks − 3 × 8 cached, 0) + 10 decode blocks.
+    assert_eq!(s.cost.total, 10.0);
+    assert_eq!(s.cost.terms["prefill"], 0.0);
     assert_eq!(s.cost.terms["decode"], 10.0);
     assert_eq!(s.policy, "default");
     assert_eq!(s.path, SelectionPath::Policy);
@@ -177,12 +177,13 @@ fn temperature_samples_in_proportion_to_the_softmax() {
     let workers = cards(3);
     let host = HostConfig::default();
     let req = request();
-    // Costs 10, 5, 0 (no load): normalized 1, 0.5, 0.
+    // Credit 1: costs 650, 330, 10 (no load): normalized 1, 0.5, 0.
     let signals = SignalSnapshot::new()
         .with_overlap(WorkerRank::new(2, 0), device(5))
         .with_overlap(WorkerRank::new(3, 0), device(10));
     let parameters = DefaultPolicyParameters {
         temperature: 0.5,
+        overlap_score_credit: 1.0,
         ..DefaultPolicyParameters::default()
     };
     let mut policy = parameters.policy();
