@@ -113,15 +113,26 @@ async fn local_overlap_follows_the_log_without_an_indexer() {
     );
 }
 
-async fn spread(nats: &async_nats::Client, names: &Names, n: u32) -> BTreeMap<u64, u32> {
+/// Selections per worker.
+fn tally(replies: impl IntoIterator<Item = SelectResponse>) -> BTreeMap<u64, u32> {
     let mut counts = BTreeMap::new();
-    for i in 0..n {
-        let reply = ok(select(nats, names, &request("m", prompt(1000 + i, 4)))
-            .await
-            .unwrap());
-        *counts.entry(reply.worker_id).or_default() += 1;
+    for reply in replies {
+        *counts.entry(ok(reply).worker_id).or_default() += 1;
     }
     counts
+}
+
+/// `n` selections of distinct 4-block prompts, one after another.
+async fn spread(nats: &async_nats::Client, names: &Names, n: u32) -> BTreeMap<u64, u32> {
+    let mut replies = Vec::new();
+    for i in 0..n {
+        replies.push(
+            select(nats, names, &request("m", prompt(1000 + i, 4)))
+                .await
+                .unwrap(),
+        );
+    }
+    tally(replies)
 }
 
 fn imbalance(counts: &BTreeMap<u64, u32>, workers: usize) -> u32 {
@@ -175,10 +186,7 @@ async fn a_burst_of_concurrent_selections_does_not_herd() {
     let requests: Vec<SelectRequest> = (0..16).map(|i| request("m", prompt(2000 + i, 4))).collect();
     let replies =
         futures::future::join_all(requests.iter().map(|r| select(&nats, &names, r))).await;
-    let mut counts = BTreeMap::new();
-    for reply in replies {
-        *counts.entry(ok(reply.unwrap()).worker_id).or_default() += 1;
-    }
+    let counts = tally(replies.into_iter().map(Result::unwrap));
     assert!(imbalance(&counts, 4) <= 1, "{counts:?}");
     assert!(router.metric("kvroute_router_decisions_applied_total") >= before + 16.0);
 }
