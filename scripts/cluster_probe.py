@@ -10,17 +10,24 @@ object on stdout.
   indexers  --status URL,URL       poll the replicas' /status until they report the same
                                    applied_seq; compare the digests there
   replay    --report F             selection success from kvroute-replay's JSON report
+  steady    --seconds S --rate R   selections at a steady rate through the retrying client
+                                   (examples/python): success, retries, latency
+  metric    --url U --name N       sum of a Prometheus series (all label sets) at a /metrics URL
+
+Selections go through examples/python/kvroute_client.py's SelectClient: the same request id
+on every attempt, per-attempt deadlines, a retry to the router that answered last.
 """
 import argparse
 import asyncio
 import json
+import os
 import sys
 import threading
 import time
 import urllib.request
-import uuid
 
-SELECT_TIMEOUT = 3.0
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "python"))
+import kvroute_client  # noqa: E402
 
 
 def nats_servers(urls):
@@ -34,42 +41,29 @@ async def connect(urls):
                               max_reconnect_attempts=-1, reconnect_time_wait=0.2)
 
 
-async def select(nc, ns, request):
-    import msgpack
-
-    request = {"v": 1, "request_id": str(uuid.uuid4()), **request}
-    msg = await nc.request("kvroute.%s.select" % ns, msgpack.packb(request, use_bin_type=True),
-                           timeout=SELECT_TIMEOUT)
-    return msgpack.unpackb(msg.data, raw=False)
-
-
 def session_prompt(i):
     # A prompt of its own per session (2 blocks of 64 tokens and a bit).
     return [(i + 1) * 1_000_003 % 4_000_000 + t for t in range(150)]
 
 
-async def select_retrying(nc, ns, request, attempts=5):
-    """A selection, retried on transport errors (a router or NATS node may be down)."""
-    import nats.errors
-
-    last = None
-    for _ in range(attempts):
-        try:
-            return await select(nc, ns, request)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
-            last = repr(e)
-            await asyncio.sleep(0.3)
-    return {"status": "error", "code": "transport", "message": last}
+async def select_retrying(client, request):
+    """One selection through the retrying client; no answer at all becomes an error reply."""
+    try:
+        reply, _attempts = await client.select({"v": 1, **request})
+        return reply
+    except kvroute_client.NoAnswer as e:
+        return {"status": "error", "code": "no_answer", "message": str(e)}
 
 
 async def sessions(args):
     nc = await connect(args.nats)
+    client = kvroute_client.SelectClient(nc, args.namespace)
     expected = json.load(open(args.expect)) if args.expect else None
     bound, errors, kept, moved = {}, {}, 0, {}
     routers = set()
     for i in range(args.count):
         sid = "%s-%d" % (args.prefix, i)
-        reply = await select_retrying(nc, args.namespace, {
+        reply = await select_retrying(client, {
             "model": args.model, "token_ids": session_prompt(i),
             "session": {"id": sid, "final": False, "trigger": "user_message"}})
         if reply.get("status") != "ok":
@@ -97,12 +91,13 @@ async def sessions(args):
 
 async def departure(args):
     nc = await connect(args.nats)
+    client = kvroute_client.SelectClient(nc, args.namespace)
     pending = {int(w) for w in args.workers.split(",") if w}
     gone, last = {}, {}
     deadline = args.since + args.timeout
     while pending and time.time() < deadline:
         for w in sorted(pending):
-            reply = await select_retrying(nc, args.namespace, {
+            reply = await select_retrying(client, {
                 "model": args.model, "token_ids": session_prompt(w % 1000),
                 "pin": {"worker_id": w}})
             last[w] = reply.get("code") or reply.get("status")
@@ -198,6 +193,61 @@ def replay(args):
     return 0
 
 
+async def steady(args):
+    """args.rate selections a second for args.seconds, each on its own task; one JSON line."""
+    nc = await connect(args.nats)
+    client = kvroute_client.SelectClient(nc, args.namespace)
+    outcomes = []
+
+    async def one(i):
+        started = time.time()
+        try:
+            reply, attempts = await client.select({"v": 1, "model": args.model,
+                                                   "token_ids": session_prompt(i % 500)})
+            kind = "ok" if reply.get("status") == "ok" else reply.get("code")
+        except kvroute_client.NoAnswer:
+            kind, attempts = "no_answer", client.attempts
+        outcomes.append((kind, attempts, time.time() - started))
+
+    tasks = []
+    start = time.time()
+    for i in range(int(args.seconds * args.rate)):
+        delay = start + i / args.rate - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    await nc.close()
+    ok = [o for o in outcomes if o[0] == "ok"]
+    latencies = sorted(o[2] * 1000 for o in outcomes)
+    failures = {}
+    for kind, _, _ in outcomes:
+        if kind != "ok":
+            failures[kind] = failures.get(kind, 0) + 1
+    pct = lambda q: round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 1) if latencies else None
+    print(json.dumps({"sent": len(outcomes), "ok": len(ok),
+                      "success": len(ok) / len(outcomes) if outcomes else 0.0,
+                      "retried": sum(1 for o in outcomes if o[1] > 1),
+                      "failures": failures, "p50_ms": pct(0.5), "p99_ms": pct(0.99),
+                      "max_ms": round(latencies[-1], 1) if latencies else None}))
+    return 0
+
+
+def metric(args):
+    """The sum of every sample of series args.name at args.url (0 when absent)."""
+    with urllib.request.urlopen(args.url, timeout=5) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{")[0].split(" ")[0]
+        if name == args.name:
+            total += float(line.rsplit(" ", 1)[1])
+    print(json.dumps({"name": args.name, "value": total}))
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nats", default="nats://127.0.0.1:4222")
@@ -219,6 +269,12 @@ def main():
     i.add_argument("--interval", type=float, default=0.02)
     r = sub.add_parser("replay")
     r.add_argument("--report", required=True)
+    st = sub.add_parser("steady")
+    st.add_argument("--seconds", type=float, required=True)
+    st.add_argument("--rate", type=float, default=10)
+    m = sub.add_parser("metric")
+    m.add_argument("--url", required=True)
+    m.add_argument("--name", required=True)
     args = p.parse_args()
     if args.cmd == "sessions":
         return asyncio.run(sessions(args))
@@ -226,6 +282,10 @@ def main():
         return asyncio.run(departure(args))
     if args.cmd == "indexers":
         return indexers(args)
+    if args.cmd == "steady":
+        return asyncio.run(steady(args))
+    if args.cmd == "metric":
+        return metric(args)
     return replay(args)
 
 

@@ -111,7 +111,21 @@ pub struct NatsArgs {
         default_value_t = 5000
     )]
     pub connect_timeout_ms: u64,
+    /// How often to ping the server, in milliseconds; after 2 unanswered pings the client
+    /// reconnects (elsewhere, with several URLs). Match the servers' `ping_interval`.
+    #[arg(
+        id = "nats-ping-interval-ms",
+        long = "nats-ping-interval-ms",
+        env = "KVROUTE_NATS_PING_INTERVAL_MS",
+        default_value_t = DEFAULT_PING_INTERVAL_MS
+    )]
+    pub ping_interval_ms: u64,
 }
+
+/// The client ping interval kvroute's processes use by default: the same as the NATS servers
+/// of compose.yaml and the test harness (`ping_interval: 2s`, `ping_max: 2`), so a dead peer
+/// is noticed within seconds on both sides.
+pub const DEFAULT_PING_INTERVAL_MS: u64 = 2000;
 
 impl NatsArgs {
     /// Settings for a server at `url` with no authentication.
@@ -126,6 +140,7 @@ impl NatsArgs {
             tls_cert: None,
             tls_key: None,
             connect_timeout_ms: 5000,
+            ping_interval_ms: DEFAULT_PING_INTERVAL_MS,
         }
     }
 
@@ -168,16 +183,61 @@ impl NatsArgs {
                 "must be positive",
             ));
         }
+        if self.ping_interval_ms == 0 {
+            return Err(ConfigError::new(
+                "nats-ping-interval-ms",
+                "must be positive",
+            ));
+        }
         Ok(())
     }
 
-    /// Connects; `name` identifies the process to the server. Reconnects forever afterwards.
+    /// Connects; `name` identifies the process to the server. Reconnects forever afterwards;
+    /// connection events are logged.
     pub async fn connect(&self, name: &str) -> anyhow::Result<async_nats::Client> {
+        self.connect_with(name, None).await
+    }
+
+    /// [`NatsArgs::connect`], also sending every connection event (`Disconnected`,
+    /// `Connected`, ...) on the returned channel: for state that must be reconciled after a
+    /// gap in what the connection delivered.
+    pub async fn connect_observed(
+        &self,
+        name: &str,
+    ) -> anyhow::Result<(
+        async_nats::Client,
+        tokio::sync::mpsc::UnboundedReceiver<async_nats::Event>,
+    )> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        Ok((self.connect_with(name, Some(tx)).await?, rx))
+    }
+
+    async fn connect_with(
+        &self,
+        name: &str,
+        events: Option<tokio::sync::mpsc::UnboundedSender<async_nats::Event>>,
+    ) -> anyhow::Result<async_nats::Client> {
         self.validate()?;
         let mut opts = async_nats::ConnectOptions::new()
             .name(name)
             .connection_timeout(Duration::from_millis(self.connect_timeout_ms))
-            .max_reconnects(None);
+            .ping_interval(Duration::from_millis(self.ping_interval_ms))
+            .max_reconnects(None)
+            .event_callback(move |event| {
+                match &event {
+                    async_nats::Event::Connected => {
+                        tracing::info!("NATS connection (re)established")
+                    }
+                    async_nats::Event::Disconnected => {
+                        tracing::warn!("NATS connection lost; reconnecting")
+                    }
+                    other => tracing::warn!(event = %other, "NATS connection event"),
+                }
+                if let Some(tx) = &events {
+                    let _ = tx.send(event);
+                }
+                async {}
+            });
         if let (Some(user), Some(password)) = (&self.user, &self.password) {
             opts = opts.user_and_password(user.clone(), password.clone());
         }

@@ -40,12 +40,7 @@ impl Namespace {
 
     pub fn new(value: impl Into<String>) -> Result<Self, InvalidNamespace> {
         let value = value.into();
-        let ok = !value.is_empty()
-            && value.len() <= Self::MAX_LEN
-            && value
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-        if ok {
+        if is_subject_token(&value, Self::MAX_LEN) {
             Ok(Self(value))
         } else {
             Err(InvalidNamespace { value })
@@ -89,9 +84,27 @@ impl From<Namespace> for String {
     }
 }
 
+/// Whether `value` is 1 to `max_len` characters of `[A-Za-z0-9_-]`: a safe NATS subject
+/// token (router and indexer replica ids appear in their direct subjects).
+pub fn is_subject_token(value: &str, max_len: usize) -> bool {
+    !value.is_empty()
+        && value.len() <= max_len
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn subject_tokens_are_plain_names() {
+        assert!(is_subject_token("router-1a_b", 16));
+        for bad in ["", "a.b", "a b", "a*", "a>", "ü", "toolongtoolongxx1"] {
+            assert!(!is_subject_token(bad, 16), "{bad:?} should be refused");
+        }
+    }
 
     #[test]
     fn namespace_accepts_subject_safe_names_only() {

@@ -6,8 +6,10 @@
 //! - [`codec`]: MessagePack with named fields, a schema version and size limits;
 //! - [`names`]: every NATS subject, JetStream stream, bucket and etcd key;
 //! - [`config`]: NATS / etcd connection settings shared by all binaries;
+//! - [`client`]: clients of the router and indexer groups (deadlines, retries);
 //! - [`telemetry`]: logging setup.
 
+pub mod client;
 pub mod codec;
 pub mod config;
 pub mod discovery;

@@ -89,6 +89,12 @@ impl Names {
         format!("{}.select", self.subject_root)
     }
 
+    /// Request/reply: worker selection by one router replica only (its `router_id`), for a
+    /// client's retry to a replica that answered it recently.
+    pub fn router_select(&self, router_id: &str) -> String {
+        format!("{}.router.{router_id}.select", self.subject_root)
+    }
+
     /// Every routing decision, from every router replica.
     pub fn decisions(&self) -> String {
         format!("{}.decisions", self.subject_root)
@@ -97,6 +103,12 @@ impl Names {
     /// Request/reply: overlap queries (indexer queue group [`Names::indexer_queue_group`]).
     pub fn index_query(&self) -> String {
         format!("{}.index.query", self.subject_root)
+    }
+
+    /// Request/reply: an overlap query to one indexer replica only (its `replica_id`), for a
+    /// router's retry to a replica that answered it recently.
+    pub fn indexer_query(&self, replica_id: &str) -> String {
+        format!("{}.indexer.{replica_id}.query", self.subject_root)
     }
 
     /// Request/reply, every replica answers: (applied sequence, digest) for consistency checks.
@@ -175,6 +187,8 @@ mod tests {
         assert_eq!(n.kv_events(7), "kvroute.prod-1.kv.events.7");
         assert_eq!(n.kv_events_all(), "kvroute.prod-1.kv.events.*");
         assert_eq!(n.select(), "kvroute.prod-1.select");
+        assert_eq!(n.router_select("r-1"), "kvroute.prod-1.router.r-1.select");
+        assert_eq!(n.indexer_query("ix_2"), "kvroute.prod-1.indexer.ix_2.query");
         assert_eq!(n.worker_resync(7), "kvroute.prod-1.worker.7.resync");
         assert_eq!(n.worker_reset(7), "kvroute.prod-1.worker.7.reset");
         assert_eq!(n.events_stream(), "KVROUTE_prod-1_EVENTS");

@@ -91,6 +91,8 @@ fn select_request() -> SelectRequest {
         priority: Some(-1),
         temperature: Some(0.5),
         policy: Some("round-robin".into()),
+        deadline_ms: Some(1_700_000_000_250),
+        attempt: 2,
         ..Default::default()
     }
 }
@@ -144,6 +146,7 @@ fn decision() -> Decision {
         policy: "default".into(),
         binding: Some(BindingState::New),
         ts: 5,
+        attempt: 1,
     }
 }
 
@@ -182,6 +185,7 @@ fn index_query() -> IndexQuery {
         block_hashes: Some(vec![1, 2, 3]),
         block_size: Some(64),
         lora_name: None,
+        deadline_ms: Some(1_700_000_000_050),
     }
 }
 

@@ -70,6 +70,15 @@ pub struct IndexerConfig {
         default_value_t = 1000
     )]
     pub ready_max_lag: u64,
+    /// Falling behind on queries, in milliseconds: when the runtime's timers fire this late,
+    /// or a query has been in flight this long, the replica leaves the query queue group until
+    /// both stay under half of it for as long again.
+    #[arg(
+        long = "max-lag-ms",
+        env = "KVROUTE_MAX_LAG_MS",
+        default_value_t = 1000
+    )]
+    pub max_lag_ms: u64,
     /// TTL of the snapshot leader's lease, in seconds (minimum 2): a new leader takes over within it.
     #[arg(
         long = "leader-ttl-secs",
@@ -120,9 +129,15 @@ impl IndexerConfig {
             ));
         }
         if let Some(id) = &self.replica_id
-            && (id.is_empty() || id.len() > 64)
+            && !kvroute_common::ids::is_subject_token(id, 64)
         {
-            return Err(ConfigError::new("replica-id", "must be 1 to 64 characters"));
+            return Err(ConfigError::new(
+                "replica-id",
+                "must be 1 to 64 characters of [A-Za-z0-9_-] (it is a NATS subject token)",
+            ));
+        }
+        if self.max_lag_ms == 0 {
+            return Err(ConfigError::new("max-lag-ms", "must be above 0"));
         }
         if self.snapshot_keep == 0 {
             return Err(ConfigError::new("snapshot-keep", "must be at least 1"));
@@ -153,6 +168,11 @@ impl IndexerConfig {
             max_entries: self.max_entries,
             ..IndexConfig::default()
         }
+    }
+
+    /// When this replica counts as falling behind on queries (and leaves the query group).
+    pub fn watchdog(&self) -> kvroute_common::ops::WatchdogConfig {
+        kvroute_common::ops::WatchdogConfig::new(Duration::from_millis(self.max_lag_ms))
     }
 
     pub fn leader_ttl(&self) -> Duration {

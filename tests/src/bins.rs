@@ -156,6 +156,11 @@ impl IndexerProcess {
         }
     }
 
+    /// Sends `signal` to the indexer process (SIGSTOP freezes it like a hung machine).
+    pub fn signal(&self, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
+        self.child.as_ref().context("not running")?.signal(signal)
+    }
+
     pub fn stop(&mut self) -> anyhow::Result<()> {
         match self.child.take() {
             Some(c) => c.stop(),

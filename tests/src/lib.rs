@@ -6,6 +6,7 @@
 
 mod bins;
 mod http;
+mod load;
 mod ports;
 mod process;
 mod router;
@@ -14,10 +15,12 @@ mod sim_worker;
 
 pub use bins::{IndexerProcess, kvroute_bin};
 pub use http::http_get;
+pub use load::{LoadPlan, LoadReport, Sent, steady_load};
 pub use ports::free_port;
 pub use process::{ChildGuard, Supervised};
 pub use router::{
-    PromptWorker, RouterProcess, request, router_exit, select, select_raw, worker_card,
+    PromptWorker, RouterProcess, prompt_workers, request, router_exit, select, select_raw,
+    select_until_overlap, worker_card,
 };
 pub use servers::{EtcdServer, NatsServer, TestEnv, find_binary, workspace_root};
 pub use sim_worker::{SimWorker, expected_index, sim_card, stored};

@@ -38,8 +38,25 @@ impl RouterProcess {
         Self::start_bin(env, "kvroute-router", router_id, extra)
     }
 
-    /// Starts binary `bin` (`kvroute-router` or `kvroute-router-custom`).
+    /// Starts binary `bin` (`kvroute-router` or `kvroute-router-custom`) and waits until it
+    /// serves.
     pub fn start_bin(
+        env: &TestEnv,
+        bin: &str,
+        router_id: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
+        let p = Self::spawn_bin(env, bin, router_id, extra)?;
+        p.wait_ready()?;
+        Ok(p)
+    }
+
+    /// Starts `kvroute-router` without waiting for it to be ready.
+    pub fn spawn(env: &TestEnv, router_id: &str, extra: &[&str]) -> anyhow::Result<Self> {
+        Self::spawn_bin(env, "kvroute-router", router_id, extra)
+    }
+
+    fn spawn_bin(
         env: &TestEnv,
         bin: &str,
         router_id: &str,
@@ -61,14 +78,12 @@ impl RouterProcess {
         let mut spec = Supervised::new(program, args, log);
         spec.env.push(("RUST_LOG".into(), "info".into()));
         let child = Some(spec.spawn()?);
-        let p = Self {
+        Ok(Self {
             router_id: router_id.into(),
             http_port,
             spec,
             child,
-        };
-        p.wait_ready()?;
-        Ok(p)
+        })
     }
 
     fn wait_ready(&self) -> anyhow::Result<()> {
@@ -110,6 +125,11 @@ impl RouterProcess {
             Some(c) => c.stop(),
             None => Ok(()),
         }
+    }
+
+    /// Sends `signal` to the router process (SIGSTOP freezes it like a hung machine).
+    pub fn signal(&self, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
+        self.child.as_ref().context("not running")?.signal(signal)
     }
 }
 
@@ -310,6 +330,47 @@ pub async fn select_raw(
     .await
     .context("select timed out")??;
     Ok(decode(&reply.payload)?)
+}
+
+/// Workers `ids` serving model `m` (block size 16, lease TTL 10 s), registered.
+pub async fn prompt_workers(env: &TestEnv, ids: &[WorkerId]) -> Vec<PromptWorker> {
+    let names = Names::new(&env.namespace);
+    let mut out = Vec::new();
+    for id in ids {
+        let card = worker_card(&names, *id, "m");
+        out.push(
+            PromptWorker::start(env, card, 10)
+                .await
+                .expect("worker starts"),
+        );
+    }
+    out
+}
+
+/// Selects until the reply shows `blocks` device blocks of overlap (the index caught up), for
+/// at most `limit`.
+pub async fn select_until_overlap(
+    nats: &async_nats::Client,
+    names: &Names,
+    req: &SelectRequest,
+    blocks: u32,
+    limit: Duration,
+) -> kvroute_common::messages::SelectReply {
+    let start = Instant::now();
+    loop {
+        let reply = match select(nats, names, req).await.expect("select") {
+            SelectResponse::Ok(r) => r,
+            SelectResponse::Error(e) => panic!("selection failed: {e:?}"),
+        };
+        if reply.overlap_blocks.get(&StorageTier::Device) == Some(&blocks) {
+            return reply;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "overlap never reached {blocks}: {reply:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// A request for `model` with prompt `tokens`.

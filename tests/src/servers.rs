@@ -71,9 +71,13 @@ impl NatsServer {
         let port = free_port();
         let monitor_port = free_port();
         // A larger max_payload than the 1 MiB default, so tests can send kvroute messages above
-        // kvroute's own size limits and check they are refused by kvroute, not by NATS.
+        // kvroute's own size limits and check they are refused by kvroute, not by NATS. The
+        // rest is compose.yaml's server configuration (docker/nats.conf: a client that stops
+        // answering pings is dropped within 4-6 s).
+        let deployed = std::fs::read_to_string(workspace_root().join("docker/nats.conf"))
+            .context("reading docker/nats.conf")?;
         let conf = dir.path().join("nats.conf");
-        std::fs::write(&conf, "max_payload: 8388608\n")?;
+        std::fs::write(&conf, format!("{deployed}\nmax_payload: 8388608\n"))?;
         let args = vec![
             "--config".into(),
             conf.display().to_string(),

@@ -56,3 +56,45 @@ fn rust_decodes_the_python_select_request() {
     assert_eq!(session.id, "s-1");
     assert_eq!(session.trigger, SessionTrigger::UserMessage);
 }
+
+/// The Python client retries as PROTOCOL.md says: with one of two routers stopped, its
+/// selections still succeed (a retry reaches the router that answered last).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_selections_get_past_a_stopped_router() {
+    use kvroute_common::Names;
+    use kvroute_tests::{PromptWorker, RouterProcess, TestEnv, worker_card};
+
+    let env = TestEnv::start().unwrap();
+    let names = Names::new(&env.namespace);
+    let _worker = PromptWorker::start(&env, worker_card(&names, 1, "m"), 10)
+        .await
+        .unwrap();
+    let _r1 = RouterProcess::start(&env, "r1", &[]).unwrap();
+    let r2 = RouterProcess::start(&env, "r2", &[]).unwrap();
+    r2.signal(nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let (url, ns) = (env.nats.url(), env.namespace.to_string());
+    let out = tokio::task::spawn_blocking(move || {
+        let script = workspace_root().join("examples/python/kvroute_client.py");
+        Command::new("python3")
+            .arg(script)
+            .args(["--nats-url", &url, "--namespace", &ns, "--model", "m"])
+            .args(["--count", "20", "--json"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    r2.signal(nix::sys::signal::Signal::SIGCONT).unwrap();
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    eprintln!("python client with a stopped router: {summary}");
+    let attempts: Vec<u64> = serde_json::from_value(summary["attempts"].clone()).unwrap();
+    // Until a router has answered this process, a selection can only guess (each of its 4
+    // attempts finds the stopped router with probability 1/2, so it fails with 1/16); after
+    // that a retry goes to the router that answered. Without retries about 10 would fail.
+    assert!(summary["ok"].as_u64().unwrap() >= 18, "{summary}");
+    assert!(
+        attempts.iter().any(|a| *a > 1),
+        "no selection met the stopped router: {summary}"
+    );
+}

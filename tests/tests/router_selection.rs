@@ -8,10 +8,11 @@ use std::time::Duration;
 use kvroute_common::Names;
 use kvroute_common::codec::encode;
 use kvroute_common::messages::{
-    ErrorCode, Pin, SelectReply, SelectRequest, SelectResponse, StorageTier, WorkerRole,
+    ErrorCode, Pin, SelectReply, SelectRequest, SelectResponse, WorkerRole,
 };
 use kvroute_tests::{
-    IndexerProcess, PromptWorker, RouterProcess, TestEnv, request, select, select_raw, worker_card,
+    IndexerProcess, PromptWorker, RouterProcess, TestEnv, prompt_workers, request, select,
+    select_raw, worker_card,
 };
 
 fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
@@ -33,16 +34,7 @@ fn err(response: SelectResponse) -> ErrorCode {
 }
 
 async fn workers(env: &TestEnv, ids: &[u64]) -> Vec<PromptWorker> {
-    let names = Names::new(&env.namespace);
-    let mut out = Vec::new();
-    for id in ids {
-        out.push(
-            PromptWorker::start(env, worker_card(&names, *id, "m"), 10)
-                .await
-                .unwrap(),
-        );
-    }
-    out
+    prompt_workers(env, ids).await
 }
 
 /// Selects until the reply shows `blocks` device blocks of overlap (the index caught up).
@@ -52,18 +44,7 @@ async fn select_until_overlap(
     req: &SelectRequest,
     blocks: u32,
 ) -> SelectReply {
-    let start = std::time::Instant::now();
-    loop {
-        let reply = ok(select(nats, names, req).await.unwrap());
-        if reply.overlap_blocks.get(&StorageTier::Device) == Some(&blocks) {
-            return reply;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "overlap never reached {blocks}: {reply:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    kvroute_tests::select_until_overlap(nats, names, req, blocks, Duration::from_secs(30)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -39,6 +39,11 @@ pub struct Decision {
     pub binding: Option<BindingState>,
     #[serde(default)]
     pub ts: TimestampMs,
+    /// The request's attempt that this decision answered. When two replicas decided the same
+    /// request (a retry raced a late answer), every replica keeps the decision of the later
+    /// attempt — the one the client waited for — and charges only it.
+    #[serde(default)]
+    pub attempt: u32,
 }
 
 impl WireMessage for Decision {

@@ -25,6 +25,10 @@ pub struct IndexQuery {
     pub block_size: Option<u32>,
     #[serde(default)]
     pub lora_name: Option<String>,
+    /// When the asker stops waiting (milliseconds since the Unix epoch): a replica that picks
+    /// the query up later drops it unanswered. Absent: no deadline.
+    #[serde(default)]
+    pub deadline_ms: Option<u64>,
 }
 
 impl WireMessage for IndexQuery {
@@ -102,8 +106,20 @@ pub enum IndexErrorCode {
     BadRequest,
     TooLarge,
     UnsupportedVersion,
-    /// The replica has not caught up with the log yet.
+    /// The replica is not ready (bootstrapping, resyncing, or behind the log): ask another.
     NotReady,
+}
+
+impl IndexErrorCode {
+    /// The code as on the wire (also the metrics label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IndexErrorCode::BadRequest => "bad_request",
+            IndexErrorCode::TooLarge => "too_large",
+            IndexErrorCode::UnsupportedVersion => "unsupported_version",
+            IndexErrorCode::NotReady => "not_ready",
+        }
+    }
 }
 
 /// A replica's position and state digest: the answer on `kvroute.<ns>.index.digest` (every

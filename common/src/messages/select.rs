@@ -63,6 +63,15 @@ pub struct SelectRequest {
     /// Absent: the role's policy. A router that knows no such policy answers `bad_request`.
     #[serde(default)]
     pub policy: Option<String>,
+    /// When the client stops waiting for this attempt (milliseconds since the Unix epoch). A
+    /// router that picks the request up later drops it (no reply, no decision, no load
+    /// charged): the client has retried elsewhere. Absent: no deadline.
+    #[serde(default)]
+    pub deadline_ms: Option<u64>,
+    /// Which attempt of the request this is (0 = the first). Every attempt carries the same
+    /// `request_id`, so routers answer a retry with the decision already made.
+    #[serde(default)]
+    pub attempt: u32,
 }
 
 impl WireMessage for SelectRequest {
@@ -179,6 +188,18 @@ pub enum BindingState {
     Released,
 }
 
+impl BindingState {
+    /// The state as on the wire (also the metrics label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BindingState::New => "new",
+            BindingState::Kept => "kept",
+            BindingState::Rebound => "rebound",
+            BindingState::Released => "released",
+        }
+    }
+}
+
 /// A selection that failed, with a machine-readable code.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SelectError {
@@ -215,4 +236,45 @@ pub enum ErrorCode {
     PolicyError,
     /// The router is not ready or failed internally.
     Unavailable,
+}
+
+impl ErrorCode {
+    pub const ALL: [ErrorCode; 9] = [
+        ErrorCode::BadRequest,
+        ErrorCode::TooLarge,
+        ErrorCode::UnsupportedVersion,
+        ErrorCode::NoWorkers,
+        ErrorCode::AllFiltered,
+        ErrorCode::AllOverloaded,
+        ErrorCode::PinnedUnavailable,
+        ErrorCode::PolicyError,
+        ErrorCode::Unavailable,
+    ];
+
+    /// The code as on the wire (also the metrics label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::BadRequest => "bad_request",
+            ErrorCode::TooLarge => "too_large",
+            ErrorCode::UnsupportedVersion => "unsupported_version",
+            ErrorCode::NoWorkers => "no_workers",
+            ErrorCode::AllFiltered => "all_filtered",
+            ErrorCode::AllOverloaded => "all_overloaded",
+            ErrorCode::PinnedUnavailable => "pinned_unavailable",
+            ErrorCode::PolicyError => "policy_error",
+            ErrorCode::Unavailable => "unavailable",
+        }
+    }
+
+    /// Whether another router replica may answer differently: only `unavailable` (this
+    /// replica is not ready, or failed internally). Every other code is the answer.
+    pub fn is_retryable(self) -> bool {
+        self == ErrorCode::Unavailable
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }

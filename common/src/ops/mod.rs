@@ -1,11 +1,18 @@
 //! Operations endpoints shared by every process: a small Prometheus registry and the HTTP
-//! server for `/metrics`, `/healthz`, `/readyz` (and process-specific JSON pages).
+//! server for `/metrics`, `/healthz`, `/readyz` (and process-specific JSON pages), and the
+//! watchdog that takes a lagging process out of its queue group.
 
 mod http;
+mod membership;
 mod metrics;
+pub mod watchdog;
 
 pub use http::{HttpHandler, HttpResponse, serve_http};
+pub use membership::{Membership, serve_membership};
 pub use metrics::{Counter, CounterVec, Gauge, Histogram, Registry};
+pub use watchdog::{
+    InFlight, InFlightGuard, WatchdogConfig, WatchdogMetrics, spawn_watchdog, watchdog_observer,
+};
 
 /// Resolves on SIGTERM or Ctrl-C (SIGINT): what every binary's `run` waits on.
 pub async fn shutdown_signal() {

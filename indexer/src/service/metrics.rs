@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kvroute_common::ops::{Counter, CounterVec, Gauge, Histogram, Registry};
+use kvroute_common::ops::{Counter, CounterVec, Gauge, Histogram, Registry, WatchdogMetrics};
 
 #[derive(Debug)]
 pub struct IndexerMetrics {
@@ -29,6 +29,12 @@ pub struct IndexerMetrics {
     pub stream_mismatches: Arc<Gauge>,
     pub leader: Arc<Gauge>,
     pub ready: Arc<Gauge>,
+    /// 1 while the replica is in the query queue group.
+    pub serving: Arc<Gauge>,
+    /// The watchdog: its last measure, whether behind, and leaves of the group by reason.
+    pub lag_ms: Arc<Gauge>,
+    pub lagging: Arc<Gauge>,
+    pub group_leaves: Arc<CounterVec>,
 }
 
 impl IndexerMetrics {
@@ -119,7 +125,35 @@ impl IndexerMetrics {
                 "1 if this replica is the snapshot leader.",
             ),
             ready: r.gauge("kvroute_indexer_ready", "1 if this replica has caught up."),
+            serving: r.gauge(
+                "kvroute_indexer_serving",
+                "1 while the replica is in the query queue group (ready and keeping up).",
+            ),
+            lag_ms: r.gauge(
+                "kvroute_indexer_lag_milliseconds",
+                "The watchdog's last measure: timer lateness or the oldest query in flight.",
+            ),
+            lagging: r.gauge(
+                "kvroute_indexer_lagging",
+                "1 while the watchdog finds the replica behind on queries.",
+            ),
+            group_leaves: r.counter_vec(
+                "kvroute_indexer_queue_group_leaves_total",
+                "Times the replica left the query queue group, per reason.",
+                "reason",
+            ),
             registry: r,
+        }
+    }
+}
+
+impl IndexerMetrics {
+    /// The watchdog's series.
+    pub fn watchdog(&self) -> WatchdogMetrics {
+        WatchdogMetrics {
+            lag_ms: self.lag_ms.clone(),
+            lagging: self.lagging.clone(),
+            leaves: self.group_leaves.clone(),
         }
     }
 }

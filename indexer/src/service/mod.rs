@@ -26,12 +26,13 @@ use kvroute_common::events_stream::ensure_events_stream;
 use kvroute_common::ids::WorkerId;
 use kvroute_common::messages::{ControlAction, ControlRecord, ReplicaStatus, SchemaVersion};
 use kvroute_common::names::Names;
+use kvroute_common::ops::{InFlight, spawn_watchdog, watchdog_observer};
 use tokio::sync::{mpsc, oneshot, watch};
 
 pub use self::follower::{LocalReplica, LocalReplicaConfig};
 use self::ingest::LogMessage;
 pub use self::metrics::IndexerMetrics;
-pub use self::serve::{Shared, answer};
+pub use self::serve::{Answer, Readiness, Shared, answer};
 pub use self::snapshots::SnapshotStore;
 use crate::config::IndexerConfig;
 use crate::replica::{ApplyReport, ReplicaState};
@@ -80,6 +81,7 @@ pub async fn run(
         cards: Default::default(),
         applied_seq: Default::default(),
         ready: Default::default(),
+        serving: Default::default(),
         leader: Default::default(),
         metrics,
         status_requests: status_tx,
@@ -105,6 +107,18 @@ pub async fn run(
         .set(mismatched.len() as i64);
     let store = SnapshotStore::open(&js, &names, config.stream.replicas).await?;
     serve::serve_digest(nats.clone(), shared.clone()).await?;
+    // Overlap queries: in the queue group only while ready and keeping up.
+    let in_flight = InFlight::new();
+    let (serve, _watchdog) = spawn_watchdog(
+        config.watchdog(),
+        in_flight.clone(),
+        {
+            let shared = shared.clone();
+            move || shared.ready.is_ready()
+        },
+        watchdog_observer("query", shared.metrics.watchdog()),
+    );
+    let _queries = serve::serve_queries(nats.clone(), shared.clone(), serve, in_flight);
 
     // Everything that feeds the main loop.
     let (input_tx, mut inputs) = mpsc::channel::<Input>(4096);
@@ -159,7 +173,6 @@ pub async fn run(
         input_tx,
         leader: false,
         ready: false,
-        serving: false,
         cards_loaded: false,
         awaiting_resync_until: None,
         stream_last_seq: 0,
@@ -237,7 +250,6 @@ struct Replica {
     input_tx: mpsc::Sender<Input>,
     leader: bool,
     ready: bool,
-    serving: bool,
     cards_loaded: bool,
     /// Set while a bootstrap without usable snapshot waits for every worker's resync to land:
     /// not ready until the applied sequence reaches it.
@@ -473,27 +485,27 @@ impl Replica {
             self.awaiting_resync_until = None;
         }
         self.set_ready(resync_done && lag <= self.config.ready_max_lag);
-        if self.ready && !self.serving {
-            match serve::serve_queries(self.nats.clone(), self.shared.clone()).await {
-                Ok(()) => {
-                    self.serving = true;
-                    tracing::info!(
-                        applied_seq = self.state.applied_seq(),
-                        "caught up; serving queries"
-                    );
-                }
-                Err(e) => tracing::warn!(error = %e, "subscribing to queries failed"),
-            }
-        }
         if self.leader && self.ready {
             self.maybe_snapshot();
             self.reconcile_unregistered();
         }
     }
 
+    /// Readiness (`/readyz`); a replica that is not ready answers queries `not_ready` and
+    /// leaves the query group.
     fn set_ready(&mut self, ready: bool) {
         self.ready = ready;
-        self.shared.ready.store(ready, Ordering::Release);
+        if self.shared.ready.set(ready) {
+            let applied_seq = self.state.applied_seq();
+            if ready {
+                tracing::info!(applied_seq, "ready: caught up with the log");
+            } else {
+                tracing::warn!(
+                    applied_seq,
+                    "not ready: answering overlap queries not_ready"
+                );
+            }
+        }
         self.shared.metrics.ready.set(i64::from(ready));
     }
 

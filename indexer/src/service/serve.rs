@@ -1,4 +1,6 @@
-//! What the indexer answers: overlap queries (queue group, once ready), the digest subject
+//! What the indexer answers: overlap queries (the queue group and this replica's direct
+//! subject, held only while the replica is ready and keeping up; a query that reaches it
+//! otherwise is answered `not_ready`, one past its deadline is dropped), the digest subject
 //! (every replica answers), and the HTTP endpoints.
 
 use std::collections::HashMap;
@@ -11,13 +13,14 @@ use futures::future::BoxFuture;
 use kvroute_common::codec::{DecodeError, decode, encode};
 use kvroute_common::hashing::{local_block_hashes, seed_for_lora};
 use kvroute_common::ids::WorkerId;
+use kvroute_common::messages::now_ms;
 use kvroute_common::messages::{
     IndexError, IndexErrorCode, IndexQuery, IndexQueryResponse, IndexReply, ReplicaStatus,
     SchemaVersion, WorkerCard,
 };
 use kvroute_common::names::Names;
-use kvroute_common::ops::{HttpHandler, HttpResponse};
-use tokio::sync::{mpsc, oneshot};
+use kvroute_common::ops::{HttpHandler, HttpResponse, InFlight, Membership, serve_membership};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use super::metrics::IndexerMetrics;
 use crate::index::SharedIndex;
@@ -30,7 +33,9 @@ pub struct Shared {
     pub index: RwLock<SharedIndex>,
     pub cards: RwLock<HashMap<WorkerId, WorkerCard>>,
     pub applied_seq: AtomicU64,
-    pub ready: AtomicBool,
+    pub ready: Readiness,
+    /// In the query queue group (ready and keeping up).
+    pub serving: AtomicBool,
     pub leader: AtomicBool,
     pub metrics: IndexerMetrics,
     /// Asks the main loop for a consistent (sequence, digest) pair.
@@ -45,6 +50,43 @@ impl Shared {
     }
 }
 
+/// Whether the replica is ready (`/readyz`), with a generation that changes on every
+/// transition, so a query can tell that readiness held for the whole of its answer (a
+/// bootstrap swaps the state only after readiness went false).
+#[derive(Debug, Default)]
+pub struct Readiness(AtomicU64);
+
+impl Readiness {
+    /// Sets readiness; returns whether it changed.
+    pub fn set(&self, ready: bool) -> bool {
+        let current = self.0.load(Ordering::Acquire);
+        if (current & 1 == 1) == ready {
+            return false;
+        }
+        let next = ((current >> 1) + 1) << 1 | u64::from(ready);
+        self.0.store(next, Ordering::Release);
+        true
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.token() & 1 == 1
+    }
+
+    /// Generation and readiness in one value: equal tokens before and after an answer mean
+    /// readiness did not change in between.
+    fn token(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// What becomes of one query.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Answer {
+    Reply(IndexQueryResponse),
+    /// Past its deadline: nobody waits for the answer.
+    Expired,
+}
+
 fn error(code: IndexErrorCode, message: impl Into<String>) -> IndexQueryResponse {
     IndexQueryResponse::Error(IndexError {
         v: SchemaVersion::CURRENT,
@@ -53,8 +95,9 @@ fn error(code: IndexErrorCode, message: impl Into<String>) -> IndexQueryResponse
     })
 }
 
-/// Answers one overlap query.
-pub fn answer(shared: &Shared, payload: &[u8]) -> IndexQueryResponse {
+/// Answers one overlap query: `not_ready` unless the replica was ready from before reading
+/// its state until after (a cold or rebuilding state is never reported as the truth).
+pub fn answer(shared: &Shared, payload: &[u8]) -> Answer {
     let query: IndexQuery = match decode(payload) {
         Ok(q) => q,
         Err(e) => {
@@ -63,9 +106,30 @@ pub fn answer(shared: &Shared, payload: &[u8]) -> IndexQueryResponse {
                 DecodeError::UnsupportedVersion { .. } => IndexErrorCode::UnsupportedVersion,
                 _ => IndexErrorCode::BadRequest,
             };
-            return error(code, e.to_string());
+            return Answer::Reply(error(code, e.to_string()));
         }
     };
+    if query.deadline_ms.is_some_and(|d| now_ms() > d) {
+        return Answer::Expired;
+    }
+    let not_ready = || {
+        Answer::Reply(error(
+            IndexErrorCode::NotReady,
+            format!("indexer replica {} is not ready", shared.replica_id),
+        ))
+    };
+    let before = shared.ready.token();
+    if before & 1 == 0 {
+        return not_ready();
+    }
+    let response = match_query(shared, &query);
+    if shared.ready.token() != before {
+        return not_ready();
+    }
+    Answer::Reply(response)
+}
+
+fn match_query(shared: &Shared, query: &IndexQuery) -> IndexQueryResponse {
     let cards = shared.cards.read().expect("cards lock");
     let hashes = match (&query.block_hashes, &query.token_ids) {
         (Some(h), _) => h.clone(),
@@ -116,38 +180,57 @@ pub fn answer(shared: &Shared, payload: &[u8]) -> IndexQueryResponse {
     })
 }
 
-/// Serves overlap queries in the indexers' queue group until the subscription ends.
-pub async fn serve_queries(nats: async_nats::Client, shared: Arc<Shared>) -> anyhow::Result<()> {
-    let mut sub = nats
-        .queue_subscribe(
-            shared.names.index_query(),
-            shared.names.indexer_queue_group(),
-        )
-        .await?;
-    tokio::spawn(async move {
-        while let Some(msg) = sub.next().await {
-            let started = Instant::now();
-            let response = answer(&shared, &msg.payload);
-            let label = match &response {
-                IndexQueryResponse::Ok(_) => "ok",
-                IndexQueryResponse::Error(e) => match e.code {
-                    IndexErrorCode::BadRequest => "bad_request",
-                    IndexErrorCode::TooLarge => "too_large",
-                    IndexErrorCode::UnsupportedVersion => "unsupported_version",
-                    IndexErrorCode::NotReady => "not_ready",
-                },
-            };
-            shared.metrics.queries.inc(label);
+/// Answers one query message and counts it by result.
+async fn handle_query(
+    nats: &async_nats::Client,
+    shared: &Shared,
+    in_flight: &Arc<InFlight>,
+    msg: async_nats::Message,
+) {
+    let started = Instant::now();
+    let _in_flight = in_flight.enter();
+    let label = match answer(shared, &msg.payload) {
+        Answer::Expired => "expired",
+        Answer::Reply(response) => {
             if let (Some(reply), Ok(bytes)) = (msg.reply, encode(&response)) {
                 let _ = nats.publish(reply, bytes).await;
             }
-            shared
-                .metrics
-                .query_latency
-                .observe(started.elapsed().as_secs_f64());
+            match &response {
+                IndexQueryResponse::Ok(_) => "ok",
+                IndexQueryResponse::Error(e) => e.code.as_str(),
+            }
         }
-    });
-    Ok(())
+    };
+    shared.metrics.queries.inc(label);
+    shared
+        .metrics
+        .query_latency
+        .observe(started.elapsed().as_secs_f64());
+}
+
+/// Serves overlap queries whenever `serve` is true (ready and not lagging): in the indexers'
+/// queue group and on this replica's direct subject. When `serve` turns false it leaves both
+/// and answers what was already delivered (`not_ready` when no longer ready).
+pub fn serve_queries(
+    nats: async_nats::Client,
+    shared: Arc<Shared>,
+    serve: watch::Receiver<bool>,
+    in_flight: Arc<InFlight>,
+) -> tokio::task::JoinHandle<()> {
+    let membership = Membership {
+        subject: shared.names.index_query(),
+        queue_group: shared.names.indexer_queue_group(),
+        direct_subject: shared.names.indexer_query(&shared.replica_id),
+        what: "query",
+    };
+    tokio::spawn(async move {
+        let on_state = |serving: bool| {
+            shared.serving.store(serving, Ordering::Release);
+            shared.metrics.serving.set(i64::from(serving));
+        };
+        let handle = |msg| handle_query(&nats, &shared, &in_flight, msg);
+        serve_membership(&nats, &membership, serve, on_state, handle).await;
+    })
 }
 
 /// Every replica answers `kvroute.<ns>.index.digest` with its [`ReplicaStatus`].
@@ -178,10 +261,15 @@ impl HttpHandler for Http {
                 "/metrics" => HttpResponse::prometheus(shared.metrics.registry.render()),
                 "/healthz" => HttpResponse::text(200, "ok\n"),
                 "/readyz" => {
-                    if shared.ready.load(Ordering::Acquire) {
-                        HttpResponse::text(200, "ready\n")
-                    } else {
+                    if !shared.ready.is_ready() {
                         HttpResponse::text(503, "catching up\n")
+                    } else if !shared.serving.load(Ordering::Acquire) {
+                        HttpResponse::text(
+                            503,
+                            "caught up, not in the query queue group yet (or behind)\n",
+                        )
+                    } else {
+                        HttpResponse::text(200, "ready\n")
                     }
                 }
                 "/status" => match shared.status().await {

@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use kvroute_common::client::SelectRetryArgs;
 use kvroute_common::config::{ConfigError, EtcdArgs, NamespaceArgs, NatsArgs};
 use kvroute_common::telemetry::TelemetryArgs;
 
@@ -106,13 +107,8 @@ pub struct ReplayArgs {
     /// `kvroute.mocker/speedup`, else 1.
     #[arg(long, env = "KVROUTE_REPLAY_SPEEDUP")]
     pub speedup: Option<f64>,
-    /// Wall-clock seconds to wait for a router's answer.
-    #[arg(
-        long,
-        env = "KVROUTE_REPLAY_SELECT_TIMEOUT_SECS",
-        default_value_t = 5.0
-    )]
-    pub select_timeout_secs: f64,
+    #[command(flatten)]
+    pub select: SelectRetryArgs,
     /// Wall-clock seconds to wait for a worker to finish a request.
     #[arg(
         long,
@@ -190,16 +186,12 @@ impl ReplayArgs {
         if let Some(s) = self.speedup {
             positive("speedup", s)?;
         }
-        positive("select-timeout-secs", self.select_timeout_secs)?;
+        self.select.validate()?;
         positive("request-timeout-secs", self.request_timeout_secs)?;
         positive("wait-workers-secs", self.wait_workers_secs)?;
         self.output.validate()?;
         self.nats.validate()?;
         self.etcd.validate()
-    }
-
-    pub fn select_timeout(&self) -> Duration {
-        Duration::from_secs_f64(self.select_timeout_secs)
     }
 
     pub fn request_timeout(&self) -> Duration {

@@ -59,6 +59,8 @@ enum Outcome {
         sample: RequestSample,
         /// Simulated time from the run's start to the last token.
         finished_at: Duration,
+        /// Selection attempts beyond the first.
+        retries: u32,
     },
     Failed {
         kind: String,
@@ -105,7 +107,9 @@ pub async fn drive<S: Selector>(
             Outcome::Done {
                 sample,
                 finished_at,
+                retries,
             } => {
+                recorder.record_selection_retries(retries);
                 tally.done += 1;
                 tally.prompt_tokens += sample.prompt_tokens;
                 tally.cached_tokens += sample.cached_tokens;
@@ -154,8 +158,9 @@ impl<S: Selector> RequestTask<S> {
             ..SelectRequest::default()
         };
         let asked = Instant::now();
-        let reply = self.selector.select(select).await.map_err(|e| e.kind())?;
+        let selected = self.selector.select(select).await.map_err(|e| e.kind())?;
         let selection_latency = asked.elapsed();
+        let reply = selected.reply;
         let subject = if reply.request_subject.is_empty() {
             self.names.worker_requests(reply.worker_id)
         } else {
@@ -207,6 +212,7 @@ impl<S: Selector> RequestTask<S> {
                         selection_latency: Some(selection_latency),
                     },
                     finished_at: sent_sim + latency,
+                    retries: selected.attempts.saturating_sub(1),
                 })
             }
             Ok(GenerateResponse::Error(e)) => Err(format!("worker_{}", e.code.as_str())),

@@ -10,7 +10,8 @@ use std::sync::Mutex;
 
 use kvroute_common::hashing::BlockHashes;
 use kvroute_common::messages::{
-    CostBreakdown, SchemaVersion, SelectReply, SelectRequest, StorageTier, WorkerCard,
+    CostBreakdown, ErrorCode, SchemaVersion, SelectError, SelectReply, SelectRequest, StorageTier,
+    WorkerCard,
 };
 use kvroute_common::{RequestId, WorkerId};
 use rand::rngs::StdRng;
@@ -18,7 +19,7 @@ use rand::{Rng, SeedableRng};
 
 use super::config::Mode;
 use super::oracle::LruOracle;
-use super::selector::{SelectFailure, Selector};
+use super::selector::{SelectFailure, Selected, Selector};
 
 /// The in-process selector of one mode.
 #[derive(Debug)]
@@ -78,9 +79,14 @@ impl LocalSelector {
     /// The choice, synchronously (the trait's future just wraps it).
     pub fn choose(&self, request: &SelectRequest) -> Result<SelectReply, SelectFailure> {
         let mut state = self.lock();
-        let refused = |code: &str, message: &str| SelectFailure::Refused {
-            code: code.into(),
-            message: message.into(),
+        let refused = |code: ErrorCode, message: &str| {
+            SelectFailure::Refused(SelectError {
+                v: SchemaVersion::CURRENT,
+                request_id: request.request_id,
+                code,
+                message: message.into(),
+                reasons: Default::default(),
+            })
         };
         let candidates: Vec<WorkerId> = state
             .workers
@@ -90,7 +96,7 @@ impl LocalSelector {
             .collect();
         if candidates.is_empty() {
             return Err(refused(
-                "no_workers",
+                ErrorCode::NoWorkers,
                 "no registered worker serves this model",
             ));
         }
@@ -98,7 +104,7 @@ impl LocalSelector {
         let tokens = request
             .token_ids
             .as_deref()
-            .ok_or_else(|| refused("bad_request", "the local selector needs token_ids"))?;
+            .ok_or_else(|| refused(ErrorCode::BadRequest, "the local selector needs token_ids"))?;
         let hashes = BlockHashes::of_tokens(tokens, block_size, request.lora_name.as_deref());
         let blocks = hashes.sequence.len() as u64;
         let overlap = |state: &State, w: WorkerId| state.workers[&w].cache.peek(&hashes.sequence);
@@ -162,8 +168,9 @@ fn lowest(candidates: &[WorkerId], costs: &[u64], rng: &mut StdRng) -> WorkerId 
 }
 
 impl Selector for LocalSelector {
-    async fn select(&self, request: SelectRequest) -> Result<SelectReply, SelectFailure> {
+    async fn select(&self, request: SelectRequest) -> Result<Selected, SelectFailure> {
         self.choose(&request)
+            .map(|reply| Selected { reply, attempts: 1 })
     }
 
     fn finished(&self, reply: &SelectReply) {

@@ -54,8 +54,13 @@ pub struct ModeReport {
     pub hit_rate: f64,
     pub ttft_ms: Summary,
     pub e2e_latency_ms: Summary,
-    /// Time the router took to answer a selection (real time, not simulated).
+    /// Time the router took to answer a selection (real time, not simulated), retries
+    /// included.
     pub selection_latency_us: Summary,
+    /// Selection attempts beyond the first (a router did not answer in time, or was not
+    /// ready), over the completed requests.
+    #[serde(default)]
+    pub selection_retries: u64,
     /// Simulated seconds from the first arrival to the last completion.
     pub duration_s: f64,
     pub requests_per_s: f64,
@@ -95,6 +100,7 @@ pub struct ModeRecorder {
     /// one counts in the spread.
     per_worker: BTreeMap<WorkerId, (u64, u64)>,
     errors: BTreeMap<String, u64>,
+    selection_retries: u64,
 }
 
 impl ModeRecorder {
@@ -109,6 +115,7 @@ impl ModeRecorder {
             output_tokens: 0,
             per_worker: workers.into_iter().map(|w| (w, (0, 0))).collect(),
             errors: BTreeMap::new(),
+            selection_retries: 0,
         }
     }
 
@@ -124,6 +131,11 @@ impl ModeRecorder {
         let w = self.per_worker.entry(s.worker_id).or_default();
         w.0 += 1;
         w.1 += s.prompt_tokens.saturating_sub(s.cached_tokens);
+    }
+
+    /// Counts selection attempts beyond the first.
+    pub fn record_selection_retries(&mut self, retries: u32) {
+        self.selection_retries += u64::from(retries);
     }
 
     /// Counts a request that failed (selection error, rejected by the worker, timed out...).
@@ -150,6 +162,7 @@ impl ModeRecorder {
             ttft_ms: Summary::of(&self.ttft_ms),
             e2e_latency_ms: Summary::of(&self.e2e_ms),
             selection_latency_us: Summary::of(&self.selection_us),
+            selection_retries: self.selection_retries,
             duration_s: secs,
             requests_per_s: per_s(completed),
             output_tokens_per_s: per_s(self.output_tokens),

@@ -96,7 +96,7 @@ pub async fn run(args: &ReplayArgs) -> anyhow::Result<RunReport> {
         };
         let report = match args.selector {
             SelectorKind::Router => {
-                let selector = RouterSelector::new(nats.clone(), &names, args.select_timeout());
+                let selector = RouterSelector::new(nats.clone(), &names, args.select.policy());
                 run_mode(&plan, &settings, Arc::new(selector), &nats, &names, args).await
             }
             SelectorKind::Local => {

@@ -291,7 +291,7 @@ impl World<'_> {
             }
             Event::Lifecycle(event) => {
                 for replica in &mut self.replicas {
-                    replica.view.apply_lifecycle(&event);
+                    replica.view.apply_lifecycle(&event, millis(now));
                 }
             }
             Event::Report(report) => {
@@ -388,6 +388,7 @@ impl World<'_> {
             policy: selection.policy.clone(),
             binding: None,
             ts: millis(now),
+            attempt: 0,
         };
         for other in 0..self.replicas.len() {
             if other == r {

@@ -84,13 +84,22 @@ pub struct RouterConfig {
     /// Where overlap comes from: remote (indexer queries) or local (embedded replica).
     #[arg(long = "overlap-mode", env = "KVROUTE_OVERLAP_MODE", value_enum, default_value_t = OverlapMode::Remote)]
     pub overlap_mode: OverlapMode,
-    /// Deadline of one remote index query, in milliseconds; past it, score on load alone.
+    /// Deadline of a remote overlap query, in milliseconds, shared by its attempts; past it,
+    /// score on load alone.
     #[arg(
         long = "index-query-timeout-ms",
         env = "KVROUTE_INDEX_QUERY_TIMEOUT_MS",
         default_value_t = 50
     )]
     pub index_query_timeout_ms: u64,
+    /// Attempts of a remote overlap query within its deadline (each waits an equal share); a
+    /// retry goes to the indexer replica that answered last.
+    #[arg(
+        long = "index-query-attempts",
+        env = "KVROUTE_INDEX_QUERY_ATTEMPTS",
+        default_value_t = 2
+    )]
+    pub index_query_attempts: u32,
     /// Local mode: ready only when at most this many log messages are not yet applied.
     #[arg(
         long = "ready-max-lag",
@@ -157,6 +166,15 @@ pub struct RouterConfig {
         default_value_t = 1024
     )]
     pub max_in_flight: usize,
+    /// Falling behind, in milliseconds: when the runtime's timers fire this late, or a
+    /// selection has been in flight this long, the replica leaves the select queue group
+    /// until both stay under half of it for as long again.
+    #[arg(
+        long = "max-lag-ms",
+        env = "KVROUTE_MAX_LAG_MS",
+        default_value_t = 1000
+    )]
+    pub max_lag_ms: u64,
 }
 
 impl RouterConfig {
@@ -165,9 +183,12 @@ impl RouterConfig {
         self.nats.validate()?;
         self.etcd.validate()?;
         if let Some(id) = &self.router_id
-            && (id.is_empty() || id.len() > 128)
+            && !kvroute_common::ids::is_subject_token(id, 128)
         {
-            return Err(ConfigError::new("router-id", "must be 1-128 characters"));
+            return Err(ConfigError::new(
+                "router-id",
+                "must be 1-128 characters of [A-Za-z0-9_-] (it is a NATS subject token)",
+            ));
         }
         if let Some(path) = &self.policy_config
             && !path.is_file()
@@ -179,6 +200,8 @@ impl RouterConfig {
         }
         let positive = [
             ("index-query-timeout-ms", self.index_query_timeout_ms),
+            ("index-query-attempts", u64::from(self.index_query_attempts)),
+            ("max-lag-ms", self.max_lag_ms),
             ("session-idle-ttl-secs", self.session_idle_ttl_secs),
             ("load-report-interval-ms", self.load_report_interval_ms),
             ("prediction-max-age-secs", self.prediction_max_age_secs),
@@ -192,6 +215,12 @@ impl RouterConfig {
             if value == 0 {
                 return Err(ConfigError::new(field, "must be above 0"));
             }
+        }
+        if u64::from(self.index_query_attempts) > self.index_query_timeout_ms {
+            return Err(ConfigError::new(
+                "index-query-attempts",
+                "must be at most --index-query-timeout-ms (each attempt waits at least 1 ms)",
+            ));
         }
         if self.busy_prefill_tokens == Some(0) {
             return Err(ConfigError::new("busy-prefill-tokens", "must be above 0"));
@@ -214,6 +243,19 @@ impl RouterConfig {
             let id = uuid::Uuid::new_v4().simple().to_string();
             format!("router-{}", &id[..8])
         })
+    }
+
+    /// How a remote overlap query is attempted within its deadline.
+    pub fn index_query_policy(&self) -> kvroute_common::client::RetryPolicy {
+        kvroute_common::client::RetryPolicy::split(
+            std::time::Duration::from_millis(self.index_query_timeout_ms),
+            self.index_query_attempts,
+        )
+    }
+
+    /// When this replica counts as falling behind (and leaves the select queue group).
+    pub fn watchdog(&self) -> kvroute_common::ops::WatchdogConfig {
+        kvroute_common::ops::WatchdogConfig::new(std::time::Duration::from_millis(self.max_lag_ms))
     }
 
     /// Eligibility thresholds and the preferred-taint multiplier.
@@ -269,6 +311,14 @@ mod tests {
             .validate()
             .unwrap_err();
         assert_eq!(err.field, "preferred-taint-multiplier");
+        let err = parse(&["--router-id", "a.b"]).validate().unwrap_err();
+        assert_eq!(err.field, "router-id");
+        let err = parse(&["--index-query-attempts", "0"])
+            .validate()
+            .unwrap_err();
+        assert_eq!(err.field, "index-query-attempts");
+        let err = parse(&["--max-lag-ms", "0"]).validate().unwrap_err();
+        assert_eq!(err.field, "max-lag-ms");
         let err = parse(&["--policy-config", "/nonexistent.yaml"])
             .validate()
             .unwrap_err();

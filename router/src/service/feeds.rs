@@ -1,6 +1,8 @@
 //! The loops that keep the router's inputs current: the worker watch (etcd → candidates) and
 //! the load feed, one loop over one closed [`Feed`] enum: every replica's decisions, worker
-//! load reports, lifecycle events, and a tick that expires old predictions.
+//! load reports, lifecycle events, the NATS connection's events (after a lost connection the
+//! predictions made before it are dropped: the gap's lifecycle events are missing), and a tick
+//! that expires old predictions.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -22,6 +24,7 @@ enum Feed {
     Decision(async_nats::Message),
     Load(async_nats::Message),
     Lifecycle(async_nats::Message),
+    Nats(async_nats::Event),
     Tick,
 }
 
@@ -56,6 +59,7 @@ pub async fn watch_workers(router: Arc<Router>, mut events: mpsc::Receiver<Worke
 pub async fn run_load_feed(
     router: Arc<Router>,
     nats: async_nats::Client,
+    mut connection: mpsc::UnboundedReceiver<async_nats::Event>,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     let names = &router.names;
     let mut decisions = nats.subscribe(names.decisions()).await?;
@@ -63,14 +67,19 @@ pub async fn run_load_feed(
     let mut lifecycle = nats.subscribe(names.lifecycle_all()).await?;
     Ok(tokio::spawn(async move {
         let mut tick = tokio::time::interval(TICK);
+        let mut disconnected_at = None;
         loop {
+            // Biased: of what is already waiting (a backlog after a stall), decisions go before
+            // the lifecycle events that end their requests.
             let feed = tokio::select! {
+                biased;
                 Some(m) = decisions.next() => Feed::Decision(m),
                 Some(m) = loads.next() => Feed::Load(m),
                 Some(m) = lifecycle.next() => Feed::Lifecycle(m),
+                Some(e) = connection.recv() => Feed::Nats(e),
                 _ = tick.tick() => Feed::Tick,
             };
-            router.on_feed(feed);
+            router.on_feed(feed, &mut disconnected_at);
         }
     }))
 }
@@ -82,16 +91,34 @@ impl Router {
             .inc(&format!("{input}_{}", e.reason()));
     }
 
-    fn on_feed(&self, feed: Feed) {
+    /// `disconnected_at`: when the NATS connection was last lost (until it is back).
+    fn on_feed(&self, feed: Feed, disconnected_at: &mut Option<u64>) {
         let m = &self.metrics;
         match feed {
             Feed::Decision(msg) => match decode::<Decision>(&msg.payload) {
                 Ok(d) => match self.lock_load().apply_decision(&d, now_ms()) {
-                    Applied::Added => m.decisions_applied.inc(),
-                    Applied::Duplicate => m.decisions_duplicate.inc(),
+                    Applied::Added | Applied::Replaced | Applied::AlreadyFinished => {
+                        m.decisions_applied.inc()
+                    }
+                    Applied::Duplicate | Applied::Superseded => m.decisions_duplicate.inc(),
                 },
                 Err(e) => self.bad("decision", &e),
             },
+            Feed::Nats(async_nats::Event::Disconnected) => {
+                disconnected_at.get_or_insert_with(now_ms);
+            }
+            Feed::Nats(async_nats::Event::Connected) => {
+                if let Some(at) = disconnected_at.take() {
+                    let dropped = self.lock_load().forget_predictions_before(at);
+                    m.nats_reconnects.inc();
+                    m.predictions_forgotten.add(dropped as u64);
+                    tracing::warn!(
+                        dropped,
+                        "reconnected to NATS; dropped the predictions made before the connection was lost (their lifecycle events may be missing)"
+                    );
+                }
+            }
+            Feed::Nats(_) => {}
             Feed::Load(msg) => match decode::<WorkerLoad>(&msg.payload) {
                 Ok(report) => {
                     if self.lock_load().apply_report(&report, now_ms()) {
@@ -104,7 +131,7 @@ impl Router {
             },
             Feed::Lifecycle(msg) => match decode::<RequestLifecycle>(&msg.payload) {
                 Ok(event) => {
-                    self.lock_load().apply_lifecycle(&event);
+                    self.lock_load().apply_lifecycle(&event, now_ms());
                     m.lifecycle_events.inc();
                 }
                 Err(e) => self.bad("lifecycle", &e),

@@ -1,4 +1,5 @@
-//! `/metrics`, `/healthz`, `/readyz` and `/status` (JSON: id, readiness, workers, policies).
+//! `/metrics`, `/healthz`, `/readyz` (200 while in the select queue group: ready and keeping
+//! up) and `/status` (JSON: id, readiness, membership, workers, policies).
 
 use std::sync::Arc;
 
@@ -20,7 +21,10 @@ impl HttpHandler for Http {
                 HttpResponse::prometheus(router.metrics.registry.render())
             }
             "/healthz" => HttpResponse::text(200, "ok\n"),
-            "/readyz" if router.is_ready() => HttpResponse::text(200, "ready\n"),
+            "/readyz" if router.is_serving() => HttpResponse::text(200, "ready\n"),
+            "/readyz" if router.is_ready() => {
+                HttpResponse::text(503, "ready, but out of the select queue group (behind)\n")
+            }
             "/readyz" => HttpResponse::text(503, "not ready\n"),
             "/status" => HttpResponse::json(200, status(router).to_string()),
             _ => HttpResponse::text(404, "not found\n"),
@@ -48,6 +52,7 @@ fn status(router: &Router) -> serde_json::Value {
     serde_json::json!({
         "router_id": router.router_id,
         "ready": router.is_ready(),
+        "serving": router.is_serving(),
         "workers": workers,
         "policies": policies,
     })

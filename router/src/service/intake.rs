@@ -1,14 +1,17 @@
-//! The edge where requests come in: the queue-group subscription on `kvroute.<ns>.select`
-//! (one task per request, at most `--max-in-flight` at once), decoding with typed error
-//! codes, and the checks and prompt hashing that need the model's block size.
+//! The edge where requests come in: the queue-group subscription on `kvroute.<ns>.select` and
+//! this replica's direct subject `kvroute.<ns>.router.<id>.select` (one task per request, at
+//! most `--max-in-flight` at once), held only while the replica is ready and keeping up (the
+//! watchdog decides; out of the group, what was already delivered is still answered);
+//! decoding with typed error codes, and the checks and prompt hashing that need the model's
+//! block size.
 
 use std::sync::Arc;
 
-use futures::StreamExt;
 use kvroute_common::codec::{DecodeError, decode};
 use kvroute_common::hashing::{LocalBlockHash, local_block_hashes, seed_for_lora};
 use kvroute_common::messages::{ErrorCode, SelectRequest};
-use tokio::sync::Semaphore;
+use kvroute_common::ops::{InFlight, Membership, serve_membership};
+use tokio::sync::{Semaphore, watch};
 
 use super::Router;
 use super::candidates::Partition;
@@ -99,19 +102,40 @@ pub fn prompt(request: &SelectRequest, partition: &Partition) -> Result<Prompt, 
     Ok(Prompt { hashes, tokens })
 }
 
-/// Serves the queue group until the subscription ends; each request runs in its own task.
-pub async fn serve(router: Arc<Router>, mut requests: async_nats::Subscriber) {
+/// Serves selections whenever `serve` is true: joins the queue group (and subscribes to the
+/// direct subject), and leaves both when `serve` turns false, answering (or dropping, when
+/// expired) what was delivered before. Each request runs in its own task, tracked in
+/// `in_flight` from the moment it is taken.
+pub async fn serve(router: Arc<Router>, serve: watch::Receiver<bool>, in_flight: Arc<InFlight>) {
     let slots = Arc::new(Semaphore::new(router.max_in_flight));
-    while let Some(msg) = requests.next().await {
-        let Ok(permit) = slots.clone().acquire_owned().await else {
-            return;
-        };
+    let names = &router.names;
+    let membership = Membership {
+        subject: names.select(),
+        queue_group: names.router_queue_group(),
+        direct_subject: names.router_select(&router.router_id),
+        what: "select",
+    };
+    let on_state = |serving: bool| {
+        router
+            .serving
+            .store(serving, std::sync::atomic::Ordering::Release);
+        router.metrics.serving.set(i64::from(serving));
+    };
+    let take = |msg: async_nats::Message| {
         let router = router.clone();
-        tokio::spawn(async move {
-            router.handle(msg).await;
-            drop(permit);
-        });
-    }
+        let slots = slots.clone();
+        let started = in_flight.enter();
+        async move {
+            let Ok(permit) = slots.acquire_owned().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                router.handle(msg).await;
+                drop((permit, started));
+            });
+        }
+    };
+    serve_membership(&router.nats, &membership, serve, on_state, take).await;
 }
 
 #[cfg(test)]

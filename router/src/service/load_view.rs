@@ -3,26 +3,41 @@
 //! lifecycle events remove them, and a newer report drops predictions older than one report
 //! interval (the report already counts them), so a lost `finished` leaves phantom load for at
 //! most one interval. Pure: time comes in as `now_ms`.
+//!
+//! One request is charged once, however many decisions it got: decisions are remembered by
+//! request id, so a retry is answered with the decision already made ([`LoadView::decided`]),
+//! and when two replicas decided the same request (a retry raced a late answer) every replica
+//! keeps the same one — the later attempt's, which the client waited for; on a tie the lower
+//! decision id — and moves the charge to it. A lifecycle event from another rank than the
+//! charged one moves the charge to where the request actually runs, and a `finished` that
+//! arrives before its request's decision (they come from different publishers, which NATS does
+//! not order) keeps that decision from being charged.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 use kvroute_common::messages::{Decision, LifecycleKind, RequestLifecycle, WorkerLoad};
-use kvroute_common::{DecisionId, RequestId, WorkerId};
+use kvroute_common::{RequestId, WorkerId};
 
 use crate::signals::ObservedLoad;
 use crate::worker::WorkerRank;
 
-/// Decision ids remembered for de-duplication (own decisions come back from NATS).
+/// Decisions remembered per request id (de-duplication, retries).
 const RECENT_DECISIONS: usize = 65_536;
 /// Predictions kept per rank; the oldest go first beyond it.
 const MAX_PREDICTIONS_PER_RANK: usize = 16_384;
+/// `finished` events remembered for requests with no decision yet.
+const FINISHED_EARLY: usize = 16_384;
+/// How long such an event is remembered.
+const FINISHED_EARLY_MS: u64 = 60_000;
 
 /// Settings of a [`LoadView`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LoadViewConfig {
     /// Workers' report interval: a newer report drops predictions older than this.
     pub report_interval_ms: u64,
-    /// A prediction with no lifecycle event and no newer report goes after this long.
+    /// A prediction with no lifecycle event and no newer report goes after this long (and a
+    /// decision is remembered for at most this long).
     pub prediction_max_age_ms: u64,
 }
 
@@ -32,6 +47,13 @@ pub enum Applied {
     Added,
     /// Seen before (this replica's own decision, or a redelivery).
     Duplicate,
+    /// Another decision of the same request wins; this one is not charged.
+    Superseded,
+    /// This decision wins over the one known for its request; the charge moved to it.
+    Replaced,
+    /// The request's `finished` came first (decisions and lifecycle events come from
+    /// different publishers, which NATS does not order): remembered, not charged.
+    AlreadyFinished,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -40,6 +62,17 @@ struct Prediction {
     blocks: u64,
     added_ms: u64,
     prefilled: bool,
+}
+
+impl Prediction {
+    fn of(d: &Decision, added_ms: u64) -> Self {
+        Self {
+            prefill_tokens: d.prefill_tokens,
+            blocks: u64::from(d.request_blocks),
+            added_ms,
+            prefilled: false,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -66,11 +99,41 @@ impl RankLoad {
         Some(load)
     }
 
-    fn retain_newer_than(&mut self, cutoff_ms: u64) {
-        self.predictions.retain(|_, p| p.added_ms > cutoff_ms);
+    fn insert(&mut self, request_id: RequestId, prediction: Prediction) {
+        if self.predictions.insert(request_id, prediction).is_none() {
+            self.order.push_back(request_id);
+        }
+        while self.predictions.len() > MAX_PREDICTIONS_PER_RANK {
+            match self.order.pop_front() {
+                Some(old) => {
+                    self.predictions.remove(&old);
+                }
+                None => break,
+            }
+        }
+    }
+
+    fn retain(&mut self, keep: impl Fn(&Prediction) -> bool) {
+        self.predictions.retain(|_, p| keep(p));
         let predictions = &self.predictions;
         self.order.retain(|id| predictions.contains_key(id));
     }
+}
+
+/// The decision a request got, and where it is charged.
+#[derive(Debug, Clone)]
+struct Decided {
+    decision: Arc<Decision>,
+    /// The rank holding its prediction (the decision's, unless a lifecycle event moved it).
+    rank: WorkerRank,
+    added_ms: u64,
+}
+
+/// Whether decision `new` wins over `old` (same request): the later attempt, then the lower
+/// decision id. Every replica applies the same rule, so all keep the same decision.
+fn supersedes(new: &Decision, old: &Decision) -> bool {
+    (new.attempt, std::cmp::Reverse(new.decision_id))
+        > (old.attempt, std::cmp::Reverse(old.decision_id))
 }
 
 /// Reports and predictions per rank.
@@ -78,8 +141,12 @@ impl RankLoad {
 pub struct LoadView {
     config: LoadViewConfig,
     ranks: HashMap<WorkerRank, RankLoad>,
-    seen: HashSet<DecisionId>,
-    seen_order: VecDeque<DecisionId>,
+    decided: HashMap<RequestId, Decided>,
+    /// Insertion order of `decided`, for the cap and the age limit.
+    decided_order: VecDeque<RequestId>,
+    /// Requests whose `finished` arrived before any decision of theirs, and when.
+    finished_early: HashMap<RequestId, u64>,
+    finished_early_order: VecDeque<RequestId>,
 }
 
 impl LoadView {
@@ -87,8 +154,10 @@ impl LoadView {
         Self {
             config,
             ranks: HashMap::new(),
-            seen: HashSet::new(),
-            seen_order: VecDeque::new(),
+            decided: HashMap::new(),
+            decided_order: VecDeque::new(),
+            finished_early: HashMap::new(),
+            finished_early_order: VecDeque::new(),
         }
     }
 
@@ -102,47 +171,110 @@ impl LoadView {
         self.ranks.values().map(|r| r.predictions.len()).sum()
     }
 
-    /// Adds a decision's request to its rank, once per decision id.
+    /// The decision already made for `request_id` (by any replica), if remembered.
+    pub fn decided(&self, request_id: &RequestId) -> Option<&Decision> {
+        self.decided.get(request_id).map(|d| &*d.decision)
+    }
+
+    /// Adds a decision's request to its rank, once per request (see the module docs).
     pub fn apply_decision(&mut self, d: &Decision, now_ms: u64) -> Applied {
-        if !self.seen.insert(d.decision_id) {
+        let rank = WorkerRank::new(d.worker_id, d.dp_rank);
+        let Some(known) = self.decided.get(&d.request_id) else {
+            self.decided.insert(
+                d.request_id,
+                Decided {
+                    decision: Arc::new(d.clone()),
+                    rank,
+                    added_ms: now_ms,
+                },
+            );
+            self.decided_order.push_back(d.request_id);
+            self.trim_decided();
+            if self.finished_early.remove(&d.request_id).is_some() {
+                return Applied::AlreadyFinished;
+            }
+            self.ranks
+                .entry(rank)
+                .or_default()
+                .insert(d.request_id, Prediction::of(d, now_ms));
+            return Applied::Added;
+        };
+        if known.decision.decision_id == d.decision_id {
             return Applied::Duplicate;
         }
-        self.seen_order.push_back(d.decision_id);
-        if self.seen_order.len() > RECENT_DECISIONS
-            && let Some(old) = self.seen_order.pop_front()
-        {
-            self.seen.remove(&old);
+        if !supersedes(d, &known.decision) {
+            return Applied::Superseded;
         }
-        let rank = self
+        // The charge (if the request still has one) moves to the winning decision's rank.
+        let old_rank = known.rank;
+        let moved = self
             .ranks
-            .entry(WorkerRank::new(d.worker_id, d.dp_rank))
-            .or_default();
-        let prediction = Prediction {
-            prefill_tokens: d.prefill_tokens,
-            blocks: u64::from(d.request_blocks),
-            added_ms: now_ms,
-            prefilled: false,
-        };
-        if rank.predictions.insert(d.request_id, prediction).is_none() {
-            rank.order.push_back(d.request_id);
+            .get_mut(&old_rank)
+            .and_then(|r| r.predictions.remove(&d.request_id));
+        if let Some(old) = moved {
+            let prediction = Prediction {
+                prefilled: old.prefilled,
+                ..Prediction::of(d, old.added_ms)
+            };
+            self.ranks
+                .entry(rank)
+                .or_default()
+                .insert(d.request_id, prediction);
         }
-        while rank.predictions.len() > MAX_PREDICTIONS_PER_RANK {
-            match rank.order.pop_front() {
-                Some(old) => {
-                    rank.predictions.remove(&old);
-                }
-                None => break,
+        let known = self
+            .decided
+            .get_mut(&d.request_id)
+            .expect("looked up above");
+        known.decision = Arc::new(d.clone());
+        known.rank = rank;
+        Applied::Replaced
+    }
+
+    fn trim_decided(&mut self) {
+        while self.decided_order.len() > RECENT_DECISIONS {
+            if let Some(old) = self.decided_order.pop_front() {
+                self.decided.remove(&old);
             }
         }
-        Applied::Added
     }
 
     /// Prefill done: the prompt no longer counts as prefill. Finished: the request is gone.
-    pub fn apply_lifecycle(&mut self, event: &RequestLifecycle) {
-        let Some(rank) = self
-            .ranks
-            .get_mut(&WorkerRank::new(event.worker_id, event.dp_rank))
-        else {
+    /// From another rank than the one charged, the event moves the charge there first; for a
+    /// request with no decision yet, `finished` is remembered so its decision is not charged.
+    pub fn apply_lifecycle(&mut self, event: &RequestLifecycle, now_ms: u64) {
+        let at = WorkerRank::new(event.worker_id, event.dp_rank);
+        let known = self.decided.get_mut(&event.request_id);
+        if known.is_none() && matches!(event.kind, LifecycleKind::Finished { .. }) {
+            if self
+                .finished_early
+                .insert(event.request_id, now_ms)
+                .is_none()
+            {
+                self.finished_early_order.push_back(event.request_id);
+            }
+            while self.finished_early_order.len() > FINISHED_EARLY {
+                if let Some(old) = self.finished_early_order.pop_front() {
+                    self.finished_early.remove(&old);
+                }
+            }
+            return;
+        }
+        if let Some(known) = known
+            && known.rank != at
+        {
+            let from = std::mem::replace(&mut known.rank, at);
+            let moved = self
+                .ranks
+                .get_mut(&from)
+                .and_then(|r| r.predictions.remove(&event.request_id));
+            if let Some(p) = moved {
+                self.ranks
+                    .entry(at)
+                    .or_default()
+                    .insert(event.request_id, p);
+            }
+        }
+        let Some(rank) = self.ranks.get_mut(&at) else {
             return;
         };
         match event.kind {
@@ -172,7 +304,8 @@ impl LoadView {
             return false;
         }
         rank.report = Some((report.seq, ObservedLoad::from(report)));
-        rank.retain_newer_than(now_ms.saturating_sub(self.config.report_interval_ms));
+        let cutoff = now_ms.saturating_sub(self.config.report_interval_ms);
+        rank.retain(|p| p.added_ms > cutoff);
         true
     }
 
@@ -181,14 +314,47 @@ impl LoadView {
         self.ranks.retain(|rank, _| rank.worker_id != worker_id);
     }
 
-    /// Drops predictions past the maximum age, and ranks with nothing left.
+    /// Drops every prediction added before `cutoff_ms`: after this replica lost its NATS
+    /// connection, lifecycle events (and other replicas' decisions) of that time may have been
+    /// missed, so its older predictions cannot be trusted; the next reports carry that load.
+    pub fn forget_predictions_before(&mut self, cutoff_ms: u64) -> usize {
+        let before = self.predictions();
+        for rank in self.ranks.values_mut() {
+            rank.retain(|p| p.added_ms >= cutoff_ms);
+        }
+        before - self.predictions()
+    }
+
+    /// Drops predictions and remembered decisions past the maximum age, and ranks with
+    /// nothing left.
     pub fn expire(&mut self, now_ms: u64) {
         let cutoff = now_ms.saturating_sub(self.config.prediction_max_age_ms);
         for rank in self.ranks.values_mut() {
-            rank.retain_newer_than(cutoff);
+            rank.retain(|p| p.added_ms > cutoff);
         }
         self.ranks
             .retain(|_, r| r.report.is_some() || !r.predictions.is_empty());
+        while let Some(id) = self.decided_order.front() {
+            match self.decided.get(id) {
+                Some(d) if d.added_ms > cutoff => break,
+                _ => {
+                    let id = *id;
+                    self.decided_order.pop_front();
+                    self.decided.remove(&id);
+                }
+            }
+        }
+        let early_cutoff = now_ms.saturating_sub(FINISHED_EARLY_MS);
+        while let Some(id) = self.finished_early_order.front() {
+            match self.finished_early.get(id) {
+                Some(at) if *at > early_cutoff => break,
+                _ => {
+                    let id = *id;
+                    self.finished_early_order.pop_front();
+                    self.finished_early.remove(&id);
+                }
+            }
+        }
     }
 }
 
@@ -225,6 +391,7 @@ mod tests {
             policy: "default".into(),
             binding: None,
             ts: 0,
+            attempt: 0,
         }
     }
 
@@ -277,18 +444,16 @@ mod tests {
             ),
             (160, 10, 1)
         );
-        v.apply_lifecycle(&lifecycle(
-            1,
-            r,
-            LifecycleKind::PrefillDone { cached_tokens: 0 },
-        ));
+        v.apply_lifecycle(
+            &lifecycle(1, r, LifecycleKind::PrefillDone { cached_tokens: 0 }),
+            0,
+        );
         let l = v.load(W).unwrap();
         assert_eq!((l.active_prefill_tokens, l.active_decode_blocks), (0, 10));
-        v.apply_lifecycle(&lifecycle(
-            1,
-            r,
-            LifecycleKind::Finished { output_tokens: 5 },
-        ));
+        v.apply_lifecycle(
+            &lifecycle(1, r, LifecycleKind::Finished { output_tokens: 5 }),
+            0,
+        );
         // Nothing predicted and no report: nothing known.
         assert_eq!(v.load(W), None);
     }
@@ -308,6 +473,140 @@ mod tests {
         // A lost `finished`: gone with the next report after one interval.
         assert!(v.apply_report(&report(1, 6, 0), 3_600));
         assert_eq!(v.load(W).unwrap().active_requests, 0);
+    }
+
+    fn requests(v: &LoadView, worker_id: u64) -> Option<u64> {
+        v.load(WorkerRank::new(worker_id, 0))
+            .map(|l| l.active_requests)
+    }
+
+    #[test]
+    fn a_retried_request_is_charged_once_to_its_later_attempt_in_any_order() {
+        let r = Uuid::new_v4();
+        let first = decision(1, r, 4, 64);
+        let retry = Decision {
+            attempt: 1,
+            ..decision(2, r, 4, 64)
+        };
+        let mut a = view();
+        assert_eq!(a.apply_decision(&first, 0), Applied::Added);
+        assert_eq!(a.apply_decision(&retry, 5), Applied::Replaced);
+        assert_eq!(a.apply_decision(&first, 6), Applied::Superseded);
+        assert_eq!(a.apply_decision(&retry, 7), Applied::Duplicate);
+        let mut b = view();
+        assert_eq!(b.apply_decision(&retry, 0), Applied::Added);
+        assert_eq!(b.apply_decision(&first, 1), Applied::Superseded);
+        for v in [&a, &b] {
+            assert_eq!((requests(v, 1), requests(v, 2)), (None, Some(1)));
+            assert_eq!(v.predictions(), 1);
+            assert_eq!(
+                v.decided(&r).map(|d| d.decision_id),
+                Some(retry.decision_id)
+            );
+        }
+    }
+
+    #[test]
+    fn two_decisions_of_one_attempt_keep_the_lower_decision_id() {
+        let r = Uuid::new_v4();
+        let mut x = decision(1, r, 4, 64);
+        let mut y = decision(2, r, 4, 64);
+        if x.decision_id > y.decision_id {
+            std::mem::swap(&mut x.decision_id, &mut y.decision_id);
+        }
+        let mut a = view();
+        a.apply_decision(&x, 0);
+        assert_eq!(a.apply_decision(&y, 0), Applied::Superseded);
+        let mut b = view();
+        b.apply_decision(&y, 0);
+        assert_eq!(b.apply_decision(&x, 0), Applied::Replaced);
+        for v in [&a, &b] {
+            assert_eq!((requests(v, 1), requests(v, 2)), (Some(1), None));
+        }
+    }
+
+    #[test]
+    fn a_finished_request_is_not_charged_again_by_a_late_winning_decision() {
+        let r = Uuid::new_v4();
+        let mut v = view();
+        v.apply_decision(&decision(1, r, 4, 64), 0);
+        v.apply_lifecycle(
+            &lifecycle(1, r, LifecycleKind::Finished { output_tokens: 1 }),
+            0,
+        );
+        let late = Decision {
+            attempt: 1,
+            ..decision(2, r, 4, 64)
+        };
+        assert_eq!(v.apply_decision(&late, 10), Applied::Replaced);
+        assert_eq!(v.predictions(), 0);
+    }
+
+    #[test]
+    fn a_lifecycle_event_from_another_rank_moves_the_charge_there() {
+        let r = Uuid::new_v4();
+        let mut v = view();
+        v.apply_decision(&decision(1, r, 4, 64), 0);
+        v.apply_lifecycle(
+            &lifecycle(2, r, LifecycleKind::PrefillDone { cached_tokens: 0 }),
+            0,
+        );
+        assert_eq!(requests(&v, 1), None);
+        let l = v.load(WorkerRank::new(2, 0)).unwrap();
+        assert_eq!((l.active_requests, l.active_prefill_tokens), (1, 0));
+        v.apply_lifecycle(
+            &lifecycle(2, r, LifecycleKind::Finished { output_tokens: 1 }),
+            0,
+        );
+        assert_eq!(v.predictions(), 0);
+    }
+
+    #[test]
+    fn a_finished_event_before_its_decision_keeps_the_decision_uncharged() {
+        let r = Uuid::new_v4();
+        let mut v = view();
+        v.apply_lifecycle(
+            &lifecycle(1, r, LifecycleKind::Finished { output_tokens: 1 }),
+            0,
+        );
+        assert_eq!(
+            v.apply_decision(&decision(1, r, 4, 64), 10),
+            Applied::AlreadyFinished
+        );
+        assert_eq!(v.predictions(), 0);
+        assert!(v.decided(&r).is_some(), "a retry still gets the decision");
+        // Remembered for a minute only.
+        let late = Uuid::new_v4();
+        v.apply_lifecycle(
+            &lifecycle(1, late, LifecycleKind::Finished { output_tokens: 1 }),
+            0,
+        );
+        v.expire(60_001);
+        assert_eq!(
+            v.apply_decision(&decision(1, late, 4, 64), 60_001),
+            Applied::Added
+        );
+    }
+
+    #[test]
+    fn predictions_from_before_a_disconnection_can_be_dropped() {
+        let mut v = view();
+        v.apply_decision(&decision(1, Uuid::new_v4(), 4, 64), 1_000);
+        v.apply_decision(&decision(1, Uuid::new_v4(), 4, 64), 3_000);
+        assert_eq!(v.forget_predictions_before(2_000), 1);
+        assert_eq!(requests(&v, 1), Some(1));
+    }
+
+    #[test]
+    fn remembered_decisions_expire_with_the_prediction_age() {
+        let mut v = view();
+        let r = Uuid::new_v4();
+        v.apply_decision(&decision(1, r, 4, 64), 1_000);
+        v.expire(60_000);
+        assert!(v.decided(&r).is_some());
+        v.expire(61_001);
+        assert!(v.decided(&r).is_none());
+        assert_eq!(v.predictions(), 0);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kvroute_common::ops::{Counter, CounterVec, Gauge, Histogram, Registry};
+use kvroute_common::ops::{Counter, CounterVec, Gauge, Histogram, Registry, WatchdogMetrics};
 
 /// Every series the router exports.
 #[derive(Debug)]
@@ -33,6 +33,27 @@ pub struct RouterMetrics {
     /// Undecodable messages on the inputs, by `<input>_<reason>`.
     pub bad_messages: Arc<CounterVec>,
     pub predicted_requests: Arc<Gauge>,
+    /// Requests dropped past their deadline, by stage (`intake`, `queued`).
+    pub expired: Arc<CounterVec>,
+    /// Requests received with `attempt` > 0 (client retries).
+    pub retries_received: Arc<Counter>,
+    /// Requests answered with the decision their id already had.
+    pub repeated: Arc<Counter>,
+    /// Own decisions that lost to another replica's decision of the same request.
+    pub decisions_superseded: Arc<Counter>,
+    /// Remote overlap query attempts beyond the first.
+    pub overlap_retries: Arc<Counter>,
+    /// 1 while the replica is in the select queue group.
+    pub serving: Arc<Gauge>,
+    /// 1 while the watchdog finds the replica behind.
+    pub lagging: Arc<Gauge>,
+    /// The watchdog's last measure: timer lateness or oldest selection in flight.
+    pub lag_ms: Arc<Gauge>,
+    /// Times the replica left the select queue group, by reason (`lagging`, `not_ready`).
+    pub group_leaves: Arc<CounterVec>,
+    /// NATS reconnections, and the predictions dropped after them.
+    pub nats_reconnects: Arc<Counter>,
+    pub predictions_forgotten: Arc<Counter>,
     pub workers: Arc<Gauge>,
     pub ready: Arc<Gauge>,
     /// Local mode: the embedded replica's applied log sequence.
@@ -108,6 +129,52 @@ impl RouterMetrics {
                 "kvroute_router_predicted_requests",
                 "Requests in the predicted load view, not yet finished.",
             ),
+            expired: r.counter_vec(
+                "kvroute_router_expired_requests_total",
+                "Requests dropped unanswered because their deadline had passed, per stage.",
+                "stage",
+            ),
+            retries_received: r.counter(
+                "kvroute_router_retries_received_total",
+                "Requests received as a retry (attempt above 0).",
+            ),
+            repeated: r.counter(
+                "kvroute_router_repeated_requests_total",
+                "Requests answered with the decision their request id already had.",
+            ),
+            decisions_superseded: r.counter(
+                "kvroute_router_decisions_superseded_total",
+                "Own decisions that lost to another replica's decision of the same request.",
+            ),
+            overlap_retries: r.counter(
+                "kvroute_router_overlap_retries_total",
+                "Remote overlap query attempts beyond the first.",
+            ),
+            serving: r.gauge(
+                "kvroute_router_serving",
+                "1 while the replica is in the select queue group.",
+            ),
+            lagging: r.gauge(
+                "kvroute_router_lagging",
+                "1 while the watchdog finds the replica behind (out of the queue group).",
+            ),
+            lag_ms: r.gauge(
+                "kvroute_router_lag_milliseconds",
+                "The watchdog's last measure: timer lateness or the oldest selection in flight.",
+            ),
+            group_leaves: r.counter_vec(
+                "kvroute_router_queue_group_leaves_total",
+                "Times the replica left the select queue group, per reason.",
+                "reason",
+            ),
+            nats_reconnects: r.counter(
+                "kvroute_router_nats_reconnects_total",
+                "Reconnections to NATS after a lost connection.",
+            ),
+            predictions_forgotten: r.counter(
+                "kvroute_router_predictions_forgotten_total",
+                "Predictions dropped after a reconnection (events of the gap may be missing).",
+            ),
             workers: r.gauge("kvroute_router_workers", "Registered workers."),
             ready: r.gauge("kvroute_router_ready", "1 when the replica answers selections."),
             local_applied_seq: r.gauge(
@@ -115,6 +182,17 @@ impl RouterMetrics {
                 "Local overlap mode: the embedded replica's applied log sequence.",
             ),
             registry: r,
+        }
+    }
+}
+
+impl RouterMetrics {
+    /// The watchdog's series.
+    pub fn watchdog(&self) -> WatchdogMetrics {
+        WatchdogMetrics {
+            lag_ms: self.lag_ms.clone(),
+            lagging: self.lagging.clone(),
+            leaves: self.group_leaves.clone(),
         }
     }
 }

@@ -25,6 +25,7 @@ use anyhow::Context as _;
 use async_nats::jetstream;
 use kvroute_common::discovery::watch_workers;
 use kvroute_common::names::Names;
+use kvroute_common::ops::{InFlight, spawn_watchdog, watchdog_observer};
 use kvroute_indexer::service::{LocalReplica, LocalReplicaConfig};
 
 use self::candidates::Candidates;
@@ -90,6 +91,8 @@ pub struct Router {
     candidates: RwLock<Candidates>,
     /// The worker watch delivered its first snapshot.
     loaded: AtomicBool,
+    /// In the select queue group (subscribed, and the server has the subscription).
+    serving: AtomicBool,
     load: Mutex<LoadView>,
     overlap: OverlapSource,
     sessions: SessionTable<KvSessionStore>,
@@ -113,6 +116,11 @@ impl Router {
         self.loaded.load(Ordering::Acquire) && self.overlap.is_ready()
     }
 
+    /// In the select queue group: ready and keeping up (what `/readyz` reports).
+    pub fn is_serving(&self) -> bool {
+        self.is_ready() && self.serving.load(Ordering::Acquire)
+    }
+
     fn lock_load(&self) -> MutexGuard<'_, LoadView> {
         self.load.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -127,7 +135,7 @@ pub async fn run(
     let Prepared { config, policies } = prepared;
     let router_id = config.router_id();
     let names = Names::new(&config.namespace.namespace);
-    let nats = config.nats.connect(&router_id).await?;
+    let (nats, connection_events) = config.nats.connect_observed(&router_id).await?;
     let etcd = config.etcd.connect().await?;
     let js = jetstream::new(nats.clone());
     let sessions_config = config.sessions();
@@ -143,11 +151,7 @@ pub async fn run(
     .context("opening the sessions bucket")?;
     let (overlap, replica_task) = match config.overlap_mode {
         OverlapMode::Remote => (
-            OverlapSource::remote(
-                nats.clone(),
-                &names,
-                Duration::from_millis(config.index_query_timeout_ms),
-            ),
+            OverlapSource::remote(nats.clone(), &names, config.index_query_policy()),
             None,
         ),
         OverlapMode::Local => {
@@ -174,6 +178,7 @@ pub async fn run(
         nats: nats.clone(),
         candidates: RwLock::new(Candidates::new()),
         loaded: AtomicBool::new(false),
+        serving: AtomicBool::new(false),
         load: Mutex::new(LoadView::new(LoadViewConfig {
             report_interval_ms: config.load_report_interval_ms,
             prediction_max_age_ms: config.prediction_max_age_secs.saturating_mul(1000),
@@ -194,16 +199,25 @@ pub async fn run(
         router.clone(),
         watch_workers(etcd, &names),
     ));
-    let feed_task = feeds::run_load_feed(router.clone(), nats.clone()).await?;
-    let requests = nats
-        .queue_subscribe(names.select(), names.router_queue_group())
-        .await?;
-    let intake_task = tokio::spawn(intake::serve(router.clone(), requests));
-    tracing::info!(router_id, subject = names.select(), overlap = ?config.overlap_mode, "router serving");
+    let feed_task = feeds::run_load_feed(router.clone(), nats.clone(), connection_events).await?;
+    // In the select queue group only while ready and keeping up.
+    let in_flight = InFlight::new();
+    let (serve, watchdog_task) = spawn_watchdog(
+        config.watchdog(),
+        in_flight.clone(),
+        {
+            let router = router.clone();
+            move || router.is_ready()
+        },
+        watchdog_observer("select", router.metrics.watchdog()),
+    );
+    let intake_task = tokio::spawn(intake::serve(router.clone(), serve, in_flight));
+    tracing::info!(router_id, subject = names.select(), overlap = ?config.overlap_mode, "router started; serving once ready");
 
     shutdown.await;
     tracing::info!(router_id, "shutting down");
     intake_task.abort();
+    watchdog_task.abort();
     watch_task.abort();
     feed_task.abort();
     http_task.abort();

@@ -1,14 +1,15 @@
-//! Where a prompt's prefix overlap comes from: the indexer replicas (`remote`: one query on
-//! `kvroute.<ns>.index.query` with a deadline) or an embedded follower replica (`local`).
-//! A remote query that times out, finds no responder or gets an error yields no overlap and a
-//! fallback reason: the request is scored on load alone.
+//! Where a prompt's prefix overlap comes from: the indexer replicas (`remote`: a query on
+//! `kvroute.<ns>.index.query` with a deadline shared by its attempts — a retry goes to the
+//! replica that answered last, and a replica that is not ready is asked no further) or an
+//! embedded follower replica (`local`). A remote query that gets no usable answer in time
+//! yields no overlap and a fallback reason: the request is scored on load alone.
 
-use std::time::Duration;
-
-use async_nats::RequestErrorKind;
+use kvroute_common::client::{GroupClient, GroupError, RetryPolicy, Verdict};
 use kvroute_common::codec::{decode, encode};
 use kvroute_common::hashing::LocalBlockHash;
-use kvroute_common::messages::{IndexQuery, IndexQueryResponse, SchemaVersion, WorkerMatch};
+use kvroute_common::messages::{
+    IndexErrorCode, IndexQuery, IndexQueryResponse, SchemaVersion, WorkerMatch,
+};
 use kvroute_common::names::Names;
 use kvroute_indexer::service::LocalReplica;
 
@@ -17,7 +18,9 @@ use kvroute_indexer::service::LocalReplica;
 pub enum Fallback {
     Timeout,
     NoResponders,
-    /// The indexer answered with an error (e.g. not ready).
+    /// Every replica asked answered `not_ready`.
+    NotReady,
+    /// The indexer answered with another error.
     IndexerError,
     /// The request or the reply could not be encoded / decoded, or NATS failed.
     Failed,
@@ -28,36 +31,43 @@ impl Fallback {
         match self {
             Fallback::Timeout => "timeout",
             Fallback::NoResponders => "no_responders",
+            Fallback::NotReady => "not_ready",
             Fallback::IndexerError => "indexer_error",
             Fallback::Failed => "failed",
         }
     }
 }
 
+/// The overlap of a prompt and how many attempts it took.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Overlaps {
+    pub matches: Vec<WorkerMatch>,
+    /// Remote queries sent (1 = no retry; local lookups count 1).
+    pub attempts: u32,
+}
+
 /// The overlap source chosen by `--overlap-mode`.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub enum OverlapSource {
-    Remote {
-        nats: async_nats::Client,
-        subject: String,
-        timeout: Duration,
-    },
+    Remote(Box<GroupClient>),
     Local(LocalReplica),
 }
 
 impl OverlapSource {
-    pub fn remote(nats: async_nats::Client, names: &Names, timeout: Duration) -> Self {
-        OverlapSource::Remote {
+    pub fn remote(nats: async_nats::Client, names: &Names, policy: RetryPolicy) -> Self {
+        OverlapSource::Remote(Box::new(GroupClient::new(
             nats,
-            subject: names.index_query(),
-            timeout,
-        }
+            names,
+            names.index_query(),
+            Names::indexer_query,
+            policy,
+        )))
     }
 
     /// Ready to answer: always for remote (failures fall back), caught up for local.
     pub fn is_ready(&self) -> bool {
         match self {
-            OverlapSource::Remote { .. } => true,
+            OverlapSource::Remote(_) => true,
             OverlapSource::Local(replica) => replica.is_ready(),
         }
     }
@@ -67,40 +77,50 @@ impl OverlapSource {
         &self,
         model: &str,
         hashes: &[LocalBlockHash],
-    ) -> Result<Vec<WorkerMatch>, Fallback> {
-        match self {
-            OverlapSource::Local(replica) => Ok(replica.find_matches(hashes).matches),
-            OverlapSource::Remote {
-                nats,
-                subject,
-                timeout,
-            } => {
-                let query = IndexQuery {
-                    v: SchemaVersion::CURRENT,
-                    model: model.to_owned(),
-                    token_ids: None,
-                    block_hashes: Some(hashes.to_vec()),
-                    block_size: None,
-                    lora_name: None,
-                };
-                let payload = encode(&query).map_err(|_| Fallback::Failed)?;
-                let request = async_nats::Request::new()
-                    .payload(payload)
-                    .timeout(Some(*timeout));
-                let reply =
-                    nats.send_request(subject.clone(), request)
-                        .await
-                        .map_err(|e| match e.kind() {
-                            RequestErrorKind::TimedOut => Fallback::Timeout,
-                            RequestErrorKind::NoResponders => Fallback::NoResponders,
-                            _ => Fallback::Failed,
-                        })?;
-                match decode::<IndexQueryResponse>(&reply.payload) {
-                    Ok(IndexQueryResponse::Ok(r)) => Ok(r.matches),
-                    Ok(IndexQueryResponse::Error(_)) => Err(Fallback::IndexerError),
-                    Err(_) => Err(Fallback::Failed),
-                }
+    ) -> Result<Overlaps, Fallback> {
+        let group = match self {
+            OverlapSource::Local(replica) => {
+                return Ok(Overlaps {
+                    matches: replica.find_matches(hashes).matches,
+                    attempts: 1,
+                });
             }
+            OverlapSource::Remote(group) => group,
+        };
+        let mut query = IndexQuery {
+            v: SchemaVersion::CURRENT,
+            model: model.to_owned(),
+            token_ids: None,
+            block_hashes: Some(hashes.to_vec()),
+            block_size: None,
+            lora_name: None,
+            deadline_ms: None,
+        };
+        let payload = |_attempt: u32, deadline_ms: u64| {
+            query.deadline_ms = Some(deadline_ms);
+            encode(&query).map_err(|e| e.to_string())
+        };
+        let judge = |bytes: &[u8]| match decode::<IndexQueryResponse>(bytes) {
+            Ok(IndexQueryResponse::Ok(r)) => {
+                let replica = (!r.replica_id.is_empty()).then(|| r.replica_id.clone());
+                (Verdict::Answer(Ok(r.matches)), replica)
+            }
+            Ok(IndexQueryResponse::Error(e)) if e.code == IndexErrorCode::NotReady => {
+                (Verdict::Retry(Err(Fallback::NotReady)), None)
+            }
+            Ok(IndexQueryResponse::Error(_)) => {
+                (Verdict::Answer(Err(Fallback::IndexerError)), None)
+            }
+            Err(_) => (Verdict::Answer(Err(Fallback::Failed)), None),
+        };
+        match group.request(payload, judge).await {
+            Ok(answered) => answered.value.map(|matches| Overlaps {
+                matches,
+                attempts: answered.attempts,
+            }),
+            Err(GroupError::NoResponders { .. }) => Err(Fallback::NoResponders),
+            Err(GroupError::TimedOut { .. }) => Err(Fallback::Timeout),
+            Err(GroupError::Transport(_)) => Err(Fallback::Failed),
         }
     }
 }

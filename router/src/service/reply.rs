@@ -5,7 +5,8 @@ use kvroute_common::DecisionId;
 use kvroute_common::RequestId;
 use kvroute_common::codec::encode;
 use kvroute_common::messages::{
-    Decision, ErrorCode, SchemaVersion, SelectError, SelectRequest, SelectResponse, now_ms,
+    Decision, ErrorCode, SchemaVersion, SelectError, SelectReply, SelectRequest, SelectResponse,
+    StorageTier, now_ms,
 };
 
 use super::intake::Prompt;
@@ -71,6 +72,30 @@ pub fn decision(
         policy: selection.policy.clone(),
         binding: selection.binding,
         ts: now_ms(),
+        attempt: request.attempt,
+    }
+}
+
+/// The reply that announces decision `d` (this replica's or another's): what a retry of its
+/// request gets, so every attempt of one request is answered with one decision.
+pub fn from_decision(d: &Decision, request_subject: String) -> SelectReply {
+    let mut overlap_blocks = std::collections::BTreeMap::new();
+    if d.overlap_blocks > 0 {
+        overlap_blocks.insert(StorageTier::Device, d.overlap_blocks);
+    }
+    SelectReply {
+        v: SchemaVersion::CURRENT,
+        request_id: d.request_id,
+        decision_id: d.decision_id,
+        worker_id: d.worker_id,
+        dp_rank: d.dp_rank,
+        request_subject,
+        overlap_blocks,
+        request_blocks: d.request_blocks,
+        cost: d.cost.clone(),
+        policy: d.policy.clone(),
+        binding: d.binding,
+        router_id: d.router_id.clone(),
     }
 }
 

@@ -2,6 +2,10 @@
 //! overlap and load signals (only the groups the policy declared) → the core's `select`
 //! (session lookup, eligibility, policy, binding commit) → reply, then the decision is
 //! applied locally and published.
+//!
+//! A request past its deadline is dropped (no reply, no decision, no load): its client has
+//! retried. A request whose id already has a decision (a retry, answered by this replica or
+//! by another) gets that decision again.
 
 use std::time::Instant;
 
@@ -18,33 +22,39 @@ use crate::select::{SelectFailure, SelectInput, select};
 use crate::signals::{Overlap, SignalSnapshot};
 use crate::worker::WorkerRank;
 
-/// The stable label of an error code (as on the wire).
-pub fn code_label(code: ErrorCode) -> &'static str {
-    match code {
-        ErrorCode::BadRequest => "bad_request",
-        ErrorCode::TooLarge => "too_large",
-        ErrorCode::UnsupportedVersion => "unsupported_version",
-        ErrorCode::NoWorkers => "no_workers",
-        ErrorCode::AllFiltered => "all_filtered",
-        ErrorCode::AllOverloaded => "all_overloaded",
-        ErrorCode::PinnedUnavailable => "pinned_unavailable",
-        ErrorCode::PolicyError => "policy_error",
-        ErrorCode::Unavailable => "unavailable",
-    }
+/// What became of one request message (lives for one request: not worth a box).
+#[allow(clippy::large_enum_variant)]
+enum Outcome {
+    /// Answer with this, and publish the decision if one was made.
+    Answer(SelectResponse, Option<Decision>),
+    /// Past its deadline when picked up (`intake`), when its turn on the policy came
+    /// (`queued`) or once selected (`selected`, before any charge): dropped unanswered.
+    Expired(&'static str),
+}
+
+fn expired(request: &SelectRequest) -> bool {
+    request.deadline_ms.is_some_and(|d| now_ms() > d)
 }
 
 impl Router {
-    /// Answers one request message; every request gets a reply (ok or error with a code).
+    /// Answers one request message: every request gets a reply (ok or error with a code),
+    /// except one past its deadline, which nobody waits for any more.
     pub(super) async fn handle(&self, msg: async_nats::Message) {
         let started = Instant::now();
         let Some(inbox) = msg.reply.clone() else {
             self.metrics.bad_messages.inc("select_no_reply_subject");
             return;
         };
-        let (response, decision) = self.respond(&msg.payload).await;
+        let (response, decision) = match self.respond(&msg.payload).await {
+            Outcome::Answer(response, decision) => (response, decision),
+            Outcome::Expired(stage) => {
+                self.metrics.expired.inc(stage);
+                return;
+            }
+        };
         if let SelectResponse::Error(e) = &response {
-            self.metrics.errors.inc(code_label(e.code));
-            tracing::debug!(request_id = ?e.request_id, code = code_label(e.code), message = e.message, "selection failed");
+            self.metrics.errors.inc(e.code.as_str());
+            tracing::debug!(request_id = ?e.request_id, code = e.code.as_str(), message = e.message, "selection failed");
         }
         // The decision goes out first: a client's next request, answered by another replica,
         // then finds it already on that replica's connection.
@@ -57,15 +67,24 @@ impl Router {
             .observe(started.elapsed().as_secs_f64());
     }
 
-    async fn respond(&self, payload: &[u8]) -> (SelectResponse, Option<Decision>) {
+    async fn respond(&self, payload: &[u8]) -> Outcome {
         let request = match intake::parse(payload) {
             Ok(r) => r,
-            Err(Rejected { code, message }) => return (reply::error(code, message, None), None),
+            Err(Rejected { code, message }) => {
+                return Outcome::Answer(reply::error(code, message, None), None);
+            }
         };
+        if request.attempt > 0 {
+            self.metrics.retries_received.inc();
+        }
+        if expired(&request) {
+            tracing::debug!(request_id = ?request.request_id, attempt = request.attempt, "dropped a request past its deadline");
+            return Outcome::Expired("intake");
+        }
         let request_id = request.request_id.unwrap_or_else(Uuid::new_v4);
         match self.choose(&request, request_id).await {
-            Ok((response, decision)) => (response, Some(decision)),
-            Err(response) => (response, None),
+            Ok(outcome) => outcome,
+            Err(response) => Outcome::Answer(response, None),
         }
     }
 
@@ -73,7 +92,7 @@ impl Router {
         &self,
         request: &SelectRequest,
         request_id: Uuid,
-    ) -> Result<(SelectResponse, Decision), SelectResponse> {
+    ) -> Result<Outcome, SelectResponse> {
         let fail = |f: SelectFailure| SelectResponse::Error(f.to_select_error(Some(request_id)));
         let reject = |r: Rejected| reply::error(r.code, r.message, Some(request_id));
         if !self.is_ready() {
@@ -117,12 +136,30 @@ impl Router {
                 )
             })?;
         let overlap = self.overlap_signals(request, &prompt, &slot).await;
+        let subject_of = |d: &Decision| {
+            partition
+                .cards
+                .iter()
+                .find(|c| c.worker_id == d.worker_id)
+                .map_or_else(
+                    || self.names.worker_requests(d.worker_id),
+                    |c| c.request_subject.clone(),
+                )
+        };
         // Reading the load view, selecting and charging the decision to the view happen under
         // the partition's policy lock: concurrent selections (a burst of requests) each see
         // the ones before them, instead of all picking the same least-loaded worker.
         let (selection, decision) = {
             let mut guard = slot.state.lock().await;
             let state = &mut *guard;
+            if let Some(known) = self.lock_load().decided(&request_id).cloned() {
+                self.metrics.repeated.inc();
+                let reply = reply::from_decision(&known, subject_of(&known));
+                return Ok(Outcome::Answer(SelectResponse::Ok(reply), None));
+            }
+            if expired(request) {
+                return Ok(Outcome::Expired("queued"));
+            }
             let signals = self.load_signals(overlap, &partition.cards, &slot);
             let input = SelectInput {
                 request,
@@ -141,6 +178,11 @@ impl Router {
             )
             .await
             .map_err(fail)?;
+            // The session round trips may have taken the rest of the deadline (or the process
+            // was stopped mid-selection): nobody would use this decision.
+            if expired(request) {
+                return Ok(Outcome::Expired("selected"));
+            }
             let decision = reply::decision(
                 request,
                 request_id,
@@ -150,8 +192,22 @@ impl Router {
                 partition.block_size,
                 &self.router_id,
             );
-            if self.lock_load().apply_decision(&decision, now_ms()) == Applied::Added {
-                self.metrics.decisions_applied.inc();
+            let mut view = self.lock_load();
+            match view.apply_decision(&decision, now_ms()) {
+                Applied::Added | Applied::Replaced | Applied::AlreadyFinished => {
+                    self.metrics.decisions_applied.inc()
+                }
+                Applied::Duplicate => {}
+                Applied::Superseded => {
+                    // Another replica's decision for this request arrived meanwhile and wins
+                    // (a later attempt): answer with it, so the client uses the charged one.
+                    self.metrics.decisions_superseded.inc();
+                    if let Some(winner) = view.decided(&request_id).cloned() {
+                        drop(view);
+                        let reply = reply::from_decision(&winner, subject_of(&winner));
+                        return Ok(Outcome::Answer(SelectResponse::Ok(reply), None));
+                    }
+                }
             }
             (selection, decision)
         };
@@ -161,12 +217,7 @@ impl Router {
         m.request_blocks.add(u64::from(prompt.blocks()));
         m.overlap_blocks.add(u64::from(decision.overlap_blocks));
         if let Some(binding) = selection.binding {
-            m.sessions.inc(match binding {
-                kvroute_common::messages::BindingState::New => "new",
-                kvroute_common::messages::BindingState::Kept => "kept",
-                kvroute_common::messages::BindingState::Rebound => "rebound",
-                kvroute_common::messages::BindingState::Released => "released",
-            });
+            m.sessions.inc(binding.as_str());
         }
         tracing::debug!(
             %request_id,
@@ -176,10 +227,11 @@ impl Router {
             cost = selection.cost.total,
             policy = selection.policy,
             binding = ?selection.binding,
+            attempt = request.attempt,
             "selected"
         );
         let reply = selection.to_reply(request_id, decision_id, prompt.blocks(), &self.router_id);
-        Ok((SelectResponse::Ok(reply), decision))
+        Ok(Outcome::Answer(SelectResponse::Ok(reply), Some(decision)))
     }
 
     /// The prompt's overlap per rank, when the policy reads `CACHE`.
@@ -193,8 +245,13 @@ impl Router {
         if slot.inputs.contains(WorkerInputs::CACHE) && !prompt.hashes.is_empty() {
             let started = Instant::now();
             match self.overlap.matches(&request.model, &prompt.hashes).await {
-                Ok(matches) => {
-                    for m in matches {
+                Ok(found) => {
+                    if found.attempts > 1 {
+                        self.metrics
+                            .overlap_retries
+                            .add(u64::from(found.attempts - 1));
+                    }
+                    for m in found.matches {
                         let overlap = Overlap {
                             device: m.device,
                             host: m.host,
