@@ -201,22 +201,13 @@ async fn a_worker_dying_mid_run_is_counted_and_routing_moves_on() {
     assert!(m.errors < 20, "routing moved on: {:?}", m.errors_by_kind);
 }
 
-/// A workspace binary, or `None` if the workspace has no such binary yet.
-fn workspace_binary(package: &str, bin: &str) -> Option<PathBuf> {
-    kvroute_tests::kvroute_bin(package, bin).ok()
-}
-
-/// The same comparison through two `kvroute-router` replicas (the replay asks for each mode's
-/// policy with `SelectRequest.policy`). Switch on once the router binary answers on
-/// `kvroute.<ns>.select` and honours `policy` (its flags are assumed to be the common
-/// `--namespace`, `--nats-url`, `--etcd-endpoints`).
-#[tokio::test]
-
+/// The same comparison through two `kvroute-router` replicas with remote overlap from an
+/// indexer (the replay asks for each mode's policy with `SelectRequest.policy`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn through_the_router_every_mode_runs_and_kv_beats_round_robin() {
-    let router = workspace_binary("kvroute-router", "kvroute-router")
-        .expect("the kvroute-router binary builds");
     let env = TestEnv::start().unwrap();
     let names = Names::new(&env.namespace);
+    let _indexer = kvroute_tests::IndexerProcess::start(&env, "ix-1", &[]).unwrap();
     let fleet = Fleet::start(
         &fleet_config(3, 50.0),
         env.nats.connect().await.unwrap(),
@@ -226,25 +217,9 @@ async fn through_the_router_every_mode_runs_and_kv_beats_round_robin() {
     .await
     .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let routers: Vec<_> = (0..2)
-        .map(|i| {
-            kvroute_tests::Supervised::new(
-                &router,
-                [
-                    "--namespace",
-                    env.namespace.as_str(),
-                    "--nats-url",
-                    &env.nats.url(),
-                    "--etcd-endpoints",
-                    &env.etcd.endpoint(),
-                ]
-                .map(str::to_owned)
-                .to_vec(),
-                dir.path().join(format!("router-{i}.log")),
-            )
-            .spawn()
-            .unwrap()
-        })
+    let routers: Vec<_> = ["r1", "r2"]
+        .iter()
+        .map(|id| kvroute_tests::RouterProcess::start(&env, id, &[]).unwrap())
         .collect();
     let trace = write_trace(dir.path(), 48, 8, 200);
     let args = args(&env, &trace, &["--settle-ms", "1000"]);
