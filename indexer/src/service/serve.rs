@@ -283,3 +283,100 @@ impl HttpHandler for Http {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kvroute_common::Namespace;
+    use kvroute_common::messages::{KvEventData, StorageTier, StoredBlock};
+
+    use super::*;
+    use crate::index::IndexConfig;
+
+    fn shared() -> Shared {
+        let (status_requests, _) = mpsc::channel(1);
+        let index = SharedIndex::new(IndexConfig::default());
+        index.with_write(|ix| {
+            let stored = KvEventData::Stored {
+                parent_hash: None,
+                blocks: vec![StoredBlock {
+                    block_hash: 7,
+                    tokens_hash: 7,
+                }],
+                tier: StorageTier::Device,
+            };
+            ix.apply(1, 0, &stored).unwrap();
+        });
+        Shared {
+            replica_id: "ix-1".into(),
+            names: Names::new(&Namespace::default()),
+            index: RwLock::new(index),
+            cards: Default::default(),
+            applied_seq: AtomicU64::new(1),
+            ready: Readiness::default(),
+            serving: AtomicBool::new(false),
+            leader: AtomicBool::new(false),
+            metrics: IndexerMetrics::new(),
+            status_requests,
+        }
+    }
+
+    fn query(deadline_ms: Option<u64>) -> Vec<u8> {
+        encode(&IndexQuery {
+            block_hashes: Some(vec![7]),
+            deadline_ms,
+            ..Default::default()
+        })
+        .unwrap()
+        .to_vec()
+    }
+
+    fn code(answer: Answer) -> Option<IndexErrorCode> {
+        match answer {
+            Answer::Reply(IndexQueryResponse::Error(e)) => Some(e.code),
+            Answer::Reply(IndexQueryResponse::Ok(_)) => None,
+            Answer::Expired => panic!("expired"),
+        }
+    }
+
+    #[test]
+    fn readiness_changes_its_token_on_every_transition_only() {
+        let r = Readiness::default();
+        assert!(!r.is_ready());
+        let t0 = r.token();
+        assert!(!r.set(false));
+        assert_eq!(r.token(), t0);
+        assert!(r.set(true));
+        let t1 = r.token();
+        assert!(r.is_ready() && t1 != t0);
+        assert!(!r.set(true));
+        assert!(r.set(false) && r.set(true));
+        assert!(
+            r.is_ready() && r.token() != t1,
+            "ready again is a new generation"
+        );
+    }
+
+    #[test]
+    fn a_replica_that_is_not_ready_answers_not_ready_and_a_late_query_is_dropped() {
+        let s = shared();
+        assert_eq!(
+            code(answer(&s, &query(None))),
+            Some(IndexErrorCode::NotReady)
+        );
+        s.ready.set(true);
+        match answer(&s, &query(None)) {
+            Answer::Reply(IndexQueryResponse::Ok(r)) => {
+                assert_eq!(r.matches.len(), 1);
+                assert_eq!(r.replica_id, "ix-1");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(answer(&s, &query(Some(now_ms() - 1))), Answer::Expired);
+        assert_eq!(code(answer(&s, &query(Some(now_ms() + 60_000)))), None);
+        s.ready.set(false);
+        assert_eq!(
+            code(answer(&s, &query(None))),
+            Some(IndexErrorCode::NotReady)
+        );
+    }
+}
