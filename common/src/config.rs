@@ -231,6 +231,7 @@ impl NatsArgs {
                     async_nats::Event::Disconnected => {
                         tracing::warn!("NATS connection lost; reconnecting")
                     }
+                    async_nats::Event::Closed => tracing::info!("NATS connection closed"),
                     other => tracing::warn!(event = %other, "NATS connection event"),
                 }
                 if let Some(tx) = &events {
