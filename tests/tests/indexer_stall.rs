@@ -160,7 +160,7 @@ async fn a_stopped_indexer_costs_only_the_ping_deadline_of_fallbacks() {
     .await;
     let leaves = ix2
         .metric("kvroute_indexer_queue_group_leaves_total")
-        .unwrap_or(0.0);
+        .expect("ix-2 never left its queue group");
     assert!(leaves >= 1.0, "ix-2's watchdog never stepped it out");
 }
 
@@ -256,7 +256,7 @@ async fn an_indexer_bootstrapping_again_answers_nothing_until_it_is_ready() {
     .await;
     let ok_before = ix
         .metric("kvroute_indexer_queries_total{result=\"ok\"}")
-        .unwrap_or(0.0);
+        .expect("the router's queries were answered before");
     let query = IndexQuery {
         model: "m".into(),
         block_hashes: Some(kvroute_common::hashing::local_block_hashes(
@@ -309,7 +309,7 @@ async fn an_indexer_bootstrapping_again_answers_nothing_until_it_is_ready() {
     }
     let ok_after = ix
         .metric("kvroute_indexer_queries_total{result=\"ok\"}")
-        .unwrap_or(0.0);
+        .expect("the router's queries were answered before");
     eprintln!(
         "while bootstrapping again: {checked} rounds of queries, {fallbacks} router fallbacks, {} ok answers",
         ok_after - ok_before
