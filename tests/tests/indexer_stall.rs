@@ -54,7 +54,7 @@ async fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
     }
 }
 
-fn fallbacks(router: &RouterProcess) -> f64 {
+fn fallbacks_total(router: &RouterProcess) -> f64 {
     [
         "timeout",
         "no_responders",
@@ -118,7 +118,7 @@ async fn a_stopped_indexer_costs_only_the_ping_deadline_of_fallbacks() {
     )
     .await;
     let calm_hits = hit_rate(&calm, &fleet);
-    let before = fallbacks(&router);
+    let before = fallbacks_total(&router);
     let stall = tokio::spawn(steady_load(
         client.clone(),
         fleet.clone(),
@@ -132,7 +132,7 @@ async fn a_stopped_indexer_costs_only_the_ping_deadline_of_fallbacks() {
     ix2.signal(Signal::SIGCONT).unwrap();
     let run = stall.await.unwrap();
     let stalled_hits = hit_rate(&run, &fleet);
-    let fell_back = fallbacks(&router) - before;
+    let fell_back = fallbacks_total(&router) - before;
     let retries = router.metric("kvroute_router_overlap_retries_total");
     eprintln!(
         "hit rate {:.1} % unstalled, {:.1} % with one of two indexers stopped 30 s; {fell_back} of {} selections fell back to load only, {retries} overlap retries; selection success {:.2} %",
@@ -319,10 +319,12 @@ async fn an_indexer_bootstrapping_again_answers_nothing_until_it_is_ready() {
         "the not-ready window was too short to test ({checked})"
     );
     assert!(fallbacks >= checked - 1);
+    // Every load-only selection was counted as a fallback (no responders once the replica
+    // left its group; timeouts or not_ready in the moments before it did).
     assert!(
-        router.metric("kvroute_router_overlap_fallbacks_total{reason=\"no_responders\"}")
-            + router.metric("kvroute_router_overlap_fallbacks_total{reason=\"not_ready\"}")
-            >= f64::from(fallbacks)
+        fallbacks_total(&router) >= f64::from(fallbacks),
+        "{} fallbacks counted for {fallbacks} load-only selections",
+        fallbacks_total(&router)
     );
     // Ready again with the workers' resynced state: overlap comes back.
     select_until_overlap(&nats, &names, &req, BLOCKS, Duration::from_secs(20)).await;
