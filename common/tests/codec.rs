@@ -174,6 +174,7 @@ fn load() -> WorkerLoad {
         kv_used_blocks: 900,
         total_kv_blocks: 1000,
         ts: 1,
+        new_requests: Some(vec![uuid::Uuid::from_u128(7)]),
     }
 }
 

@@ -61,6 +61,7 @@ pub fn run(args: &SimArgs) -> anyhow::Result<RunReport> {
             signal_delay: SimArgs::millis(args.signal_delay_ms),
             load_interval: SimArgs::millis(args.load_interval_ms),
             report_covers: SimArgs::millis(args.report_covers_ms),
+            prediction_confirm: SimArgs::millis(args.prediction_confirm_ms),
             prediction_max_age: SimArgs::millis(args.prediction_max_age_secs * 1e3),
             seed: args.seed,
         };

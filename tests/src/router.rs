@@ -294,6 +294,7 @@ impl PromptWorker {
             kv_used_blocks: 0,
             total_kv_blocks: 100_000,
             ts: 0,
+            new_requests: None,
         };
         self.agent.publish_load(&load).await.expect("load report");
     }

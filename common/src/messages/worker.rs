@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{SchemaVersion, TimestampMs};
 use crate::codec::WireMessage;
-use crate::ids::{DpRank, WorkerId};
+use crate::ids::{DpRank, RequestId, WorkerId};
 
 /// The role a worker plays in (dis)aggregated serving.
 #[derive(
@@ -133,8 +133,21 @@ pub struct WorkerLoad {
     pub kv_used_blocks: u64,
     #[serde(default)]
     pub total_kv_blocks: u64,
+    /// When the worker took the report (its clock); readers learn the report interval from
+    /// consecutive reports' `ts`.
     #[serde(default)]
     pub ts: TimestampMs,
+    /// The requests this report counts for the first time: those the rank took since its
+    /// previous report (at most [`WorkerLoad::MAX_NEW_REQUESTS`]). `None` when the worker does
+    /// not name them (or took more): readers then assume the report counts every request decided
+    /// more than one report interval ago.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new_requests: Option<Vec<RequestId>>,
+}
+
+impl WorkerLoad {
+    /// The most request ids one report names (38 bytes each in MessagePack: uuid strings).
+    pub const MAX_NEW_REQUESTS: usize = 256;
 }
 
 impl WireMessage for WorkerLoad {

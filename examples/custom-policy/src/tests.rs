@@ -17,16 +17,8 @@ use kvroute_router::worker::WorkerRank;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-const YAML: &str = "
-worker_selection:
-  aggregated: sticky
-  instances:
-    - name: sticky
-      type: sticky-until-busy
-      parameters:
-        busy_threshold: 3
-        max_active_requests: 8
-";
+/// The walkthrough's configuration file, as the README runs it.
+const YAML: &str = include_str!("../sticky.yaml");
 
 fn registry() -> PolicyRegistry {
     let mut registry = PolicyRegistry::with_builtins();

@@ -117,6 +117,7 @@ impl EngineLoad {
         dp_rank: DpRank,
         seq: u64,
         ts: u64,
+        new_requests: Vec<RequestId>,
     ) -> WorkerLoad {
         WorkerLoad {
             v: Default::default(),
@@ -130,6 +131,9 @@ impl EngineLoad {
             kv_used_blocks: self.kv_used_blocks,
             total_kv_blocks: self.total_kv_blocks,
             ts,
+            // More than one report may name: left to the readers' interval rule.
+            new_requests: (new_requests.len() <= WorkerLoad::MAX_NEW_REQUESTS)
+                .then_some(new_requests),
         }
     }
 }

@@ -135,6 +135,7 @@ pub(crate) async fn spawn(
         registered: registered.clone(),
         load_seq: 0,
         last_counts: None,
+        new_requests: Vec::new(),
     };
     let task = tokio::spawn(worker.run(requests, resets, stop_rx));
     Ok(WorkerHandle {
@@ -157,6 +158,8 @@ struct Worker {
     load_seq: u64,
     /// Request counts (running, waiting) of the last load report.
     last_counts: Option<(u64, u64)>,
+    /// Requests taken since the last load report, which the next one names.
+    new_requests: Vec<RequestId>,
 }
 
 /// A message to send once the engine's lock is released.
@@ -230,6 +233,7 @@ impl Worker {
                         match core.engine.submit(sim, now) {
                             Err(e) => Some(submit_error(&e)),
                             Ok(()) => {
+                                self.new_requests.push(req.request_id);
                                 core.pending.insert(
                                     req.request_id,
                                     Pending {
@@ -387,7 +391,13 @@ impl Worker {
             core.engine.load()
         };
         self.load_seq += 1;
-        let report = load.to_worker_load(self.worker_id, DP_RANK, self.load_seq, now_ms());
+        let report = load.to_worker_load(
+            self.worker_id,
+            DP_RANK,
+            self.load_seq,
+            now_ms(),
+            std::mem::take(&mut self.new_requests),
+        );
         self.metrics.load_reports.inc();
         if let Err(e) = self.agent.publish_load(&report).await {
             tracing::warn!(worker_id = self.worker_id, error = %e, "publishing load failed");

@@ -62,10 +62,17 @@ pub struct SimArgs {
     /// Simulated milliseconds between two load reports of a worker.
     #[arg(long, env = "KVROUTE_SIM_LOAD_INTERVAL_MS", default_value_t = 200.0)]
     pub load_interval_ms: f64,
-    /// The routers' `--load-report-interval-ms`: a newer report drops predictions older than
-    /// this (simulated milliseconds).
+    /// The routers' `--load-report-interval-ms`: the report interval assumed until a worker's
+    /// reports show it (simulated milliseconds).
     #[arg(long, env = "KVROUTE_SIM_REPORT_COVERS_MS", default_value_t = 1000.0)]
     pub report_covers_ms: f64,
+    /// The routers' `--prediction-confirm-ms` (simulated milliseconds).
+    #[arg(
+        long,
+        env = "KVROUTE_SIM_PREDICTION_CONFIRM_MS",
+        default_value_t = 2000.0
+    )]
+    pub prediction_confirm_ms: f64,
     /// The routers' `--prediction-max-age-secs` (simulated seconds).
     #[arg(
         long,
@@ -109,6 +116,7 @@ impl SimArgs {
             ("signal-delay-ms", self.signal_delay_ms, false),
             ("load-interval-ms", self.load_interval_ms, true),
             ("report-covers-ms", self.report_covers_ms, false),
+            ("prediction-confirm-ms", self.prediction_confirm_ms, false),
             (
                 "prediction-max-age-secs",
                 self.prediction_max_age_secs,

@@ -47,6 +47,7 @@ fn settings(mode: Mode, routers: u32, seed: u64) -> SimSettings {
         signal_delay: Duration::from_millis(5),
         load_interval: Duration::from_millis(200),
         report_covers: Duration::from_millis(1000),
+        prediction_confirm: Duration::from_secs(2),
         prediction_max_age: Duration::from_secs(600),
         seed,
     }

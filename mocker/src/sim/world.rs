@@ -55,8 +55,10 @@ pub struct SimSettings {
     pub signal_delay: Duration,
     /// Between two load reports of a worker.
     pub load_interval: Duration,
-    /// The load view's reconciliation: a newer report drops predictions older than this.
+    /// The load view's report interval assumed until reports show it.
     pub report_covers: Duration,
+    /// The load view's confirm window (reports here name their new requests).
+    pub prediction_confirm: Duration,
     /// The load view's cap on a prediction's age.
     pub prediction_max_age: Duration,
     pub seed: u64,
@@ -144,6 +146,8 @@ struct SimWorker {
     /// The wake-up currently scheduled (others in the queue are stale).
     wake: Option<Duration>,
     report_seq: u64,
+    /// Requests submitted since the last report, which the next one names.
+    new_requests: Vec<Uuid>,
 }
 
 struct InFlight {
@@ -185,10 +189,12 @@ pub fn simulate(
             engine: Engine::new(settings.engine.clone()).expect("validated by the caller"),
             wake: None,
             report_seq: 0,
+            new_requests: Vec::new(),
         })
         .collect::<Vec<_>>();
     let view_config = LoadViewConfig {
         report_interval_ms: millis(settings.report_covers),
+        confirm_window_ms: millis(settings.prediction_confirm),
         prediction_max_age_ms: millis(settings.prediction_max_age),
     };
     let replicas = (0..settings.routers.max(1))
@@ -273,6 +279,7 @@ impl World<'_> {
                     0,
                     worker.report_seq,
                     millis(now),
+                    std::mem::take(&mut worker.new_requests),
                 );
                 self.schedule(now + self.settings.signal_delay, Event::Report(report));
                 self.schedule(now + self.settings.load_interval, Event::LoadTick(w));
@@ -410,6 +417,7 @@ impl World<'_> {
             self.recorder.record_error("worker_refused");
             return true;
         }
+        self.workers[w].new_requests.push(request_id);
         self.in_flight.insert(
             request_id,
             InFlight {

@@ -126,14 +126,24 @@ pub struct RouterConfig {
     )]
     pub session_bucket_replicas: usize,
 
-    /// Workers' load report interval, in milliseconds: once a newer report arrives, predicted
-    /// load older than this is dropped (the report includes it).
+    /// Workers' load report interval assumed until a rank's reports show it, in milliseconds:
+    /// a report that does not name its new requests is taken to count the load predicted
+    /// more than one interval before it. Each rank's real interval is learned from its reports.
     #[arg(
         long = "load-report-interval-ms",
         env = "KVROUTE_LOAD_REPORT_INTERVAL_MS",
         default_value_t = 1000
     )]
     pub load_report_interval_ms: u64,
+    /// Predicted load of a request that no report names goes after this long, in
+    /// milliseconds, for workers whose reports name their new requests (at least two of the
+    /// rank's report intervals): the time from a decision to the report counting it.
+    #[arg(
+        long = "prediction-confirm-ms",
+        env = "KVROUTE_PREDICTION_CONFIRM_MS",
+        default_value_t = 2000
+    )]
+    pub prediction_confirm_ms: u64,
     /// Predicted load of a request with no lifecycle event and no newer report is dropped
     /// after this long, in seconds.
     #[arg(
@@ -204,6 +214,7 @@ impl RouterConfig {
             ("max-lag-ms", self.max_lag_ms),
             ("session-idle-ttl-secs", self.session_idle_ttl_secs),
             ("load-report-interval-ms", self.load_report_interval_ms),
+            ("prediction-confirm-ms", self.prediction_confirm_ms),
             ("prediction-max-age-secs", self.prediction_max_age_secs),
             (
                 "session-bucket-replicas",

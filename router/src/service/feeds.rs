@@ -97,7 +97,7 @@ impl Router {
         match feed {
             Feed::Decision(msg) => match decode::<Decision>(&msg.payload) {
                 Ok(d) => match self.lock_load().apply_decision(&d, now_ms()) {
-                    Applied::Added | Applied::Replaced | Applied::AlreadyFinished => {
+                    Applied::Added | Applied::Replaced | Applied::AlreadyCounted => {
                         m.decisions_applied.inc()
                     }
                     Applied::Duplicate | Applied::Superseded => m.decisions_duplicate.inc(),

@@ -1,17 +1,21 @@
 //! The shared load view: each rank's last `WorkerLoad` report plus the load the routers
 //! predicted for it — every replica's decisions add a request's prefill tokens and blocks,
-//! lifecycle events remove them, and a newer report drops predictions older than one report
-//! interval (the report already counts them), so a lost `finished` leaves phantom load for at
-//! most one interval. Pure: time comes in as `now_ms`.
+//! lifecycle events remove them, and reports take them over once they count them. A report
+//! that names its new requests (`new_requests`) takes over exactly those; a report that does
+//! not is assumed to count every request decided more than one report interval before it,
+//! the interval learned per rank from the reports' own `ts` (the configured one until two
+//! reports are seen), so no flag has to match the workers' reporting rate. A prediction no
+//! report names goes after the confirm window (the request never reached its worker, or the
+//! report naming it was lost). Pure: time comes in as `now_ms`.
 //!
 //! One request is charged once, however many decisions it got: decisions are remembered by
 //! request id, so a retry is answered with the decision already made ([`LoadView::decided`]),
 //! and when two replicas decided the same request (a retry raced a late answer) every replica
 //! keeps the same one — the later attempt's, which the client waited for; on a tie the lower
 //! decision id — and moves the charge to it. A lifecycle event from another rank than the
-//! charged one moves the charge to where the request actually runs, and a `finished` that
-//! arrives before its request's decision (they come from different publishers, which NATS does
-//! not order) keeps that decision from being charged.
+//! charged one moves the charge to where the request actually runs, and a `finished` or a
+//! report naming the request that arrives before its decision (they come from different
+//! publishers, which NATS does not order) keeps that decision from being charged.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -26,16 +30,24 @@ use crate::worker::WorkerRank;
 const RECENT_DECISIONS: usize = 65_536;
 /// Predictions kept per rank; the oldest go first beyond it.
 const MAX_PREDICTIONS_PER_RANK: usize = 16_384;
-/// `finished` events remembered for requests with no decision yet.
-const FINISHED_EARLY: usize = 16_384;
-/// How long such an event is remembered.
-const FINISHED_EARLY_MS: u64 = 60_000;
+/// Requests a worker already accounts for (finished, or named by a report) before any decision
+/// of theirs arrived, remembered so that decision is not charged.
+const SETTLED_EARLY: usize = 16_384;
+/// How long such a request is remembered.
+const SETTLED_EARLY_MS: u64 = 60_000;
+/// The shortest report interval assumed: a request decided this recently may not have reached
+/// its worker yet, however often the worker reports.
+const MIN_REPORT_INTERVAL_MS: u64 = 20;
 
 /// Settings of a [`LoadView`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LoadViewConfig {
-    /// Workers' report interval: a newer report drops predictions older than this.
+    /// Report interval assumed for a rank until two of its reports show the real one: a
+    /// report that does not name its new requests drops predictions older than the interval.
     pub report_interval_ms: u64,
+    /// A prediction that no report of a rank naming its new requests has named goes after
+    /// this long (or after two of the rank's report intervals, if longer).
+    pub confirm_window_ms: u64,
     /// A prediction with no lifecycle event and no newer report goes after this long (and a
     /// decision is remembered for at most this long).
     pub prediction_max_age_ms: u64,
@@ -51,9 +63,10 @@ pub enum Applied {
     Superseded,
     /// This decision wins over the one known for its request; the charge moved to it.
     Replaced,
-    /// The request's `finished` came first (decisions and lifecycle events come from
-    /// different publishers, which NATS does not order): remembered, not charged.
-    AlreadyFinished,
+    /// The request's `finished`, or a report counting it, came first (decisions, lifecycle
+    /// events and reports come from different publishers, which NATS does not order):
+    /// remembered, not charged.
+    AlreadyCounted,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -78,6 +91,10 @@ impl Prediction {
 #[derive(Debug, Default)]
 struct RankLoad {
     report: Option<(u64, ObservedLoad)>,
+    /// `ts` of the last report (the worker's clock; 0 when it sends none).
+    report_ts: u64,
+    /// The report interval learned from consecutive reports' `ts` (a moving average).
+    interval_ms: Option<f64>,
     predictions: HashMap<RequestId, Prediction>,
     /// Insertion order, for the per-rank cap (entries may already be gone).
     order: VecDeque<RequestId>,
@@ -113,6 +130,23 @@ impl RankLoad {
         }
     }
 
+    /// Moves the learned interval towards the gap between this report's `ts` and the last
+    /// one's, per report (a missed report doubles the gap, not the interval).
+    fn learn_interval(&mut self, report: &WorkerLoad) {
+        if let Some((seq, _)) = self.report
+            && self.report_ts != 0
+            && report.ts >= self.report_ts
+            && report.seq > seq
+        {
+            let gap = (report.ts - self.report_ts) as f64 / (report.seq - seq) as f64;
+            self.interval_ms = Some(match self.interval_ms {
+                None => gap,
+                Some(i) => i + (gap - i) / 8.0,
+            });
+        }
+        self.report_ts = report.ts;
+    }
+
     fn retain(&mut self, keep: impl Fn(&Prediction) -> bool) {
         self.predictions.retain(|_, p| keep(p));
         let predictions = &self.predictions;
@@ -144,9 +178,9 @@ pub struct LoadView {
     decided: HashMap<RequestId, Decided>,
     /// Insertion order of `decided`, for the cap and the age limit.
     decided_order: VecDeque<RequestId>,
-    /// Requests whose `finished` arrived before any decision of theirs, and when.
-    finished_early: HashMap<RequestId, u64>,
-    finished_early_order: VecDeque<RequestId>,
+    /// Requests the worker accounted for before any decision of theirs arrived, and when.
+    settled_early: HashMap<RequestId, u64>,
+    settled_early_order: VecDeque<RequestId>,
 }
 
 impl LoadView {
@@ -156,8 +190,8 @@ impl LoadView {
             ranks: HashMap::new(),
             decided: HashMap::new(),
             decided_order: VecDeque::new(),
-            finished_early: HashMap::new(),
-            finished_early_order: VecDeque::new(),
+            settled_early: HashMap::new(),
+            settled_early_order: VecDeque::new(),
         }
     }
 
@@ -190,8 +224,8 @@ impl LoadView {
             );
             self.decided_order.push_back(d.request_id);
             self.trim_decided();
-            if self.finished_early.remove(&d.request_id).is_some() {
-                return Applied::AlreadyFinished;
+            if self.settled_early.remove(&d.request_id).is_some() {
+                return Applied::AlreadyCounted;
             }
             self.ranks
                 .entry(rank)
@@ -245,18 +279,7 @@ impl LoadView {
         let at = WorkerRank::new(event.worker_id, event.dp_rank);
         let known = self.decided.get_mut(&event.request_id);
         if known.is_none() && matches!(event.kind, LifecycleKind::Finished { .. }) {
-            if self
-                .finished_early
-                .insert(event.request_id, now_ms)
-                .is_none()
-            {
-                self.finished_early_order.push_back(event.request_id);
-            }
-            while self.finished_early_order.len() > FINISHED_EARLY {
-                if let Some(old) = self.finished_early_order.pop_front() {
-                    self.finished_early.remove(&old);
-                }
-            }
+            self.settle_early(event.request_id, now_ms);
             return;
         }
         if let Some(known) = known
@@ -289,24 +312,59 @@ impl LoadView {
         }
     }
 
-    /// Takes a report (older sequence numbers than the last are dropped) and reconciles:
-    /// predictions older than one report interval are now counted by the worker itself.
-    /// Returns whether the report was newer.
+    /// Takes a report (older sequence numbers than the last are dropped) and hands it the
+    /// predictions it counts (see the module docs). Returns whether the report was newer.
     pub fn apply_report(&mut self, report: &WorkerLoad, now_ms: u64) -> bool {
-        let rank = self
-            .ranks
-            .entry(WorkerRank::new(report.worker_id, report.dp_rank))
-            .or_default();
+        let at = WorkerRank::new(report.worker_id, report.dp_rank);
+        let rank = self.ranks.entry(at).or_default();
         if let Some((seq, _)) = rank.report
             && report.seq != 0
             && report.seq <= seq
         {
             return false;
         }
+        rank.learn_interval(report);
         rank.report = Some((report.seq, ObservedLoad::from(report)));
-        let cutoff = now_ms.saturating_sub(self.config.report_interval_ms);
+        let interval = rank
+            .interval_ms
+            .map_or(self.config.report_interval_ms, |i| i.round() as u64)
+            .max(MIN_REPORT_INTERVAL_MS);
+        let Some(ids) = &report.new_requests else {
+            let cutoff = now_ms.saturating_sub(interval);
+            rank.retain(|p| p.added_ms > cutoff);
+            return true;
+        };
+        let window = self
+            .config
+            .confirm_window_ms
+            .max(interval.saturating_mul(2));
+        let cutoff = now_ms.saturating_sub(window);
         rank.retain(|p| p.added_ms > cutoff);
+        for id in ids {
+            match self.decided.get_mut(id) {
+                Some(known) => {
+                    // Counted where it runs, whichever rank it was charged to.
+                    let charged = std::mem::replace(&mut known.rank, at);
+                    if let Some(r) = self.ranks.get_mut(&charged) {
+                        r.predictions.remove(id);
+                    }
+                }
+                None => self.settle_early(*id, now_ms),
+            }
+        }
         true
+    }
+
+    /// Remembers that a worker accounts for `request_id`, whose decision is not known yet.
+    fn settle_early(&mut self, request_id: RequestId, now_ms: u64) {
+        if self.settled_early.insert(request_id, now_ms).is_none() {
+            self.settled_early_order.push_back(request_id);
+        }
+        while self.settled_early_order.len() > SETTLED_EARLY {
+            if let Some(old) = self.settled_early_order.pop_front() {
+                self.settled_early.remove(&old);
+            }
+        }
     }
 
     /// Forgets every rank of a departed worker.
@@ -344,14 +402,14 @@ impl LoadView {
                 }
             }
         }
-        let early_cutoff = now_ms.saturating_sub(FINISHED_EARLY_MS);
-        while let Some(id) = self.finished_early_order.front() {
-            match self.finished_early.get(id) {
+        let early_cutoff = now_ms.saturating_sub(SETTLED_EARLY_MS);
+        while let Some(id) = self.settled_early_order.front() {
+            match self.settled_early.get(id) {
                 Some(at) if *at > early_cutoff => break,
                 _ => {
                     let id = *id;
-                    self.finished_early_order.pop_front();
-                    self.finished_early.remove(&id);
+                    self.settled_early_order.pop_front();
+                    self.settled_early.remove(&id);
                 }
             }
         }

@@ -181,6 +181,7 @@ pub async fn run(
         serving: AtomicBool::new(false),
         load: Mutex::new(LoadView::new(LoadViewConfig {
             report_interval_ms: config.load_report_interval_ms,
+            confirm_window_ms: config.prediction_confirm_ms,
             prediction_max_age_ms: config.prediction_max_age_secs.saturating_mul(1000),
         })),
         overlap,

@@ -194,7 +194,7 @@ impl Router {
             );
             let mut view = self.lock_load();
             match view.apply_decision(&decision, now_ms()) {
-                Applied::Added | Applied::Replaced | Applied::AlreadyFinished => {
+                Applied::Added | Applied::Replaced | Applied::AlreadyCounted => {
                     self.metrics.decisions_applied.inc()
                 }
                 Applied::Duplicate => {}

@@ -8,6 +8,7 @@ use super::*;
 fn view() -> LoadView {
     LoadView::new(LoadViewConfig {
         report_interval_ms: 1000,
+        confirm_window_ms: 2000,
         prediction_max_age_ms: 60_000,
     })
 }
@@ -59,6 +60,16 @@ fn report(worker_id: u64, seq: u64, requests: u64) -> WorkerLoad {
         kv_used_blocks: 0,
         total_kv_blocks: 0,
         ts: 0,
+        new_requests: None,
+    }
+}
+
+/// A report taken at `ts` that names the requests it counts for the first time.
+fn naming(worker_id: u64, seq: u64, requests: u64, ts: u64, new: &[Uuid]) -> WorkerLoad {
+    WorkerLoad {
+        ts,
+        new_requests: Some(new.to_vec()),
+        ..report(worker_id, seq, requests)
     }
 }
 
@@ -113,6 +124,97 @@ fn a_newer_report_drops_predictions_older_than_one_interval() {
     // A lost `finished`: gone with the next report after one interval.
     assert!(v.apply_report(&report(1, 6, 0), 3_600));
     assert_eq!(v.load(W).unwrap().active_requests, 0);
+}
+
+#[test]
+fn a_report_naming_a_request_takes_over_its_prediction_at_once() {
+    // The worker reports every 200 ms and on change; the router assumes 1 s. Predictions of
+    // requests the report names must not be counted on top of it.
+    let mut v = view();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    v.apply_decision(&decision(1, a, 4, 64), 1_000);
+    v.apply_decision(&decision(1, b, 4, 64), 1_005);
+    assert!(v.apply_report(&naming(1, 1, 1, 1_010, &[a]), 1_010));
+    // `a` is in the report (1 request); `b` has not reached the worker yet.
+    assert_eq!(requests(&v, 1), Some(2));
+    assert!(v.apply_report(&naming(1, 2, 2, 1_020, &[b]), 1_020));
+    assert_eq!(requests(&v, 1), Some(2));
+    // Unnamed predictions go after the confirm window, not before.
+    let c = Uuid::new_v4();
+    v.apply_decision(&decision(1, c, 4, 64), 2_000);
+    assert!(v.apply_report(&naming(1, 3, 2, 3_900, &[]), 3_900));
+    assert_eq!(requests(&v, 1), Some(3));
+    assert!(v.apply_report(&naming(1, 4, 2, 4_100, &[]), 4_100));
+    assert_eq!(requests(&v, 1), Some(2));
+}
+
+#[test]
+fn a_report_naming_a_request_before_its_decision_keeps_the_decision_uncharged() {
+    let r = Uuid::new_v4();
+    let mut v = view();
+    v.apply_report(&naming(1, 1, 1, 0, &[r]), 0);
+    assert_eq!(
+        v.apply_decision(&decision(1, r, 4, 64), 5),
+        Applied::AlreadyCounted
+    );
+    assert_eq!(requests(&v, 1), Some(1));
+}
+
+#[test]
+fn a_report_naming_a_request_charged_elsewhere_moves_it_to_the_report() {
+    let r = Uuid::new_v4();
+    let mut v = view();
+    v.apply_decision(&decision(1, r, 4, 64), 0);
+    v.apply_report(&naming(2, 1, 1, 0, &[r]), 1);
+    assert_eq!((requests(&v, 1), requests(&v, 2)), (None, Some(1)));
+    // Its `finished` at the new rank finds nothing left to remove.
+    v.apply_lifecycle(
+        &lifecycle(2, r, LifecycleKind::Finished { output_tokens: 1 }),
+        2,
+    );
+    assert_eq!(v.predictions(), 0);
+}
+
+#[test]
+fn reports_that_name_nothing_count_predictions_older_than_the_learned_interval() {
+    let mut v = view();
+    // Reports every 200 ms on the worker's clock (which is 1 h off the router's).
+    let worker_clock = 3_600_000;
+    for seq in 1..=4 {
+        let ts = worker_clock + seq * 200;
+        v.apply_report(&report_at(1, seq, 0, ts), seq * 200);
+    }
+    let old = Uuid::new_v4();
+    let new = Uuid::new_v4();
+    v.apply_decision(&decision(1, old, 4, 64), 700);
+    v.apply_decision(&decision(1, new, 4, 64), 950);
+    // At 1 000 ms the report counts `old` (300 ms old, more than 200) but not `new` (50 ms).
+    v.apply_report(&report_at(1, 5, 1, worker_clock + 1_000), 1_000);
+    assert_eq!(requests(&v, 1), Some(2));
+    // A missed report doubles one gap, not the interval.
+    v.apply_report(&report_at(1, 7, 2, worker_clock + 1_400), 1_400);
+    assert_eq!(requests(&v, 1), Some(2));
+}
+
+#[test]
+fn until_two_reports_show_the_interval_the_configured_one_holds() {
+    let mut v = view();
+    v.apply_decision(&decision(1, Uuid::new_v4(), 4, 64), 10_000);
+    v.apply_report(&report_at(1, 1, 0, 10_500), 10_500);
+    assert_eq!(
+        requests(&v, 1),
+        Some(1),
+        "the 1 s assumed holds for the first report"
+    );
+    v.apply_report(&report_at(1, 2, 0, 10_800), 10_800);
+    assert_eq!(requests(&v, 1), Some(0), "300 ms learned from the second");
+}
+
+fn report_at(worker_id: u64, seq: u64, requests: u64, ts: u64) -> WorkerLoad {
+    WorkerLoad {
+        ts,
+        ..report(worker_id, seq, requests)
+    }
 }
 
 fn requests(v: &LoadView, worker_id: u64) -> Option<u64> {
@@ -211,7 +313,7 @@ fn a_finished_event_before_its_decision_keeps_the_decision_uncharged() {
     );
     assert_eq!(
         v.apply_decision(&decision(1, r, 4, 64), 10),
-        Applied::AlreadyFinished
+        Applied::AlreadyCounted
     );
     assert_eq!(v.predictions(), 0);
     assert!(v.decided(&r).is_some(), "a retry still gets the decision");

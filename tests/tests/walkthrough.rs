@@ -1,0 +1,117 @@
+//! The custom-policy walkthrough run the way its README says: a mocker fleet with its default
+//! load reports, `kvroute-router-custom` with `sticky.yaml` and soft session affinity, and one
+//! session whose requests keep running on their worker. The session stays while its worker
+//! runs at most `busy_threshold` (3) requests and moves at the fourth — which needs the router
+//! to count each running request once, whatever the workers' report interval.
+
+use std::time::Duration;
+
+use kvroute_common::Names;
+use kvroute_common::codec::encode;
+use kvroute_common::messages::{GenerateRequest, SelectRequest, SelectResponse, SessionContext};
+use kvroute_tests::{
+    RouterProcess, Supervised, TestEnv, free_port, http_get, kvroute_bin, select, workspace_root,
+};
+use uuid::Uuid;
+
+fn start_mocker(env: &TestEnv, workers: u32) -> kvroute_tests::ChildGuard {
+    let bin = kvroute_bin("kvroute-mocker", "kvroute-mocker").unwrap();
+    let http_port = free_port();
+    let args = [
+        "--workers",
+        &workers.to_string(),
+        "--http-addr",
+        &format!("127.0.0.1:{http_port}"),
+        "--namespace",
+        env.namespace.as_str(),
+        "--nats-url",
+        &env.nats.url(),
+        "--etcd-endpoints",
+        &env.etcd.endpoint(),
+    ]
+    .map(str::to_owned);
+    let spec = Supervised::new(bin, args.to_vec(), env.nats.data_dir().join("mocker.log"));
+    let child = spec.spawn().unwrap();
+    let start = std::time::Instant::now();
+    while !matches!(http_get(http_port, "/readyz"), Some((200, _))) {
+        assert!(start.elapsed() < Duration::from_secs(30), "mocker ready");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child
+}
+
+#[tokio::test]
+async fn a_soft_session_stays_until_its_worker_runs_more_than_busy_threshold() {
+    let env = TestEnv::start().unwrap();
+    let names = Names::new(&env.namespace);
+    let _mocker = start_mocker(&env, 2);
+    let yaml = workspace_root().join("examples/custom-policy/sticky.yaml");
+    // Default flags otherwise: the router assumes 1 s report intervals, the mocker reports
+    // every 200 ms and on change.
+    let router = RouterProcess::start_bin(
+        &env,
+        "kvroute-router-custom",
+        "walkthrough",
+        &[
+            "--policy-config",
+            yaml.to_str().unwrap(),
+            "--session-affinity",
+            "soft",
+        ],
+    )
+    .unwrap();
+    // Both workers known to the router.
+    let start = std::time::Instant::now();
+    while router.metric("kvroute_router_workers") < 2.0 {
+        assert!(start.elapsed() < Duration::from_secs(20), "workers seen");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let nats = env.nats.connect().await.unwrap();
+    let mut seen = Vec::new();
+    for i in 0..5u32 {
+        let tokens: Vec<u32> = (0..64).map(|t| i * 1_000 + t).collect();
+        let request = SelectRequest {
+            request_id: Some(Uuid::new_v4()),
+            model: "mock-model".into(),
+            token_ids: Some(tokens.clone()),
+            session: Some(SessionContext {
+                id: "chat-1".into(),
+                ..SessionContext::default()
+            }),
+            ..SelectRequest::default()
+        };
+        let SelectResponse::Ok(reply) = select(&nats, &names, &request).await.unwrap() else {
+            panic!("selection {i} failed");
+        };
+        seen.push((
+            reply.worker_id,
+            reply.cost.terms.get("active_requests").copied(),
+        ));
+        // The request runs (a long answer at real speed) on the chosen worker; its reply is
+        // not awaited.
+        let generate = GenerateRequest {
+            request_id: request.request_id.unwrap(),
+            token_ids: Some(tokens),
+            max_tokens: 100_000,
+            ..GenerateRequest::default()
+        };
+        let inbox = nats.new_inbox();
+        nats.publish_with_reply(
+            reply.request_subject.clone(),
+            inbox,
+            encode(&generate).unwrap(),
+        )
+        .await
+        .unwrap();
+        nats.flush().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(600)).await;
+    }
+    let first = seen[0].0;
+    let expected: Vec<_> = (0..4).map(|n| (first, Some(f64::from(n)))).collect();
+    assert_eq!(
+        &seen[..4],
+        &expected[..],
+        "one worker, costs 0, 1, 2, 3: {seen:?}"
+    );
+    assert_ne!(seen[4].0, first, "the fifth request moves: {seen:?}");
+}
