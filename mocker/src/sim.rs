@@ -5,6 +5,7 @@
 //! policy parameters can be compared quickly before a replay through the real system.
 
 pub mod config;
+mod main;
 pub mod world;
 
 use std::time::Instant;
@@ -15,14 +16,18 @@ use kvroute_router::registry::{
 };
 
 pub use config::SimArgs;
+pub use main::main_with;
 pub use world::{SIM_MODEL, SimSettings, mode_policy, sim_cards, simulate};
 
 use crate::replay::oracle::{oracle_with_hits, ttft_floor};
 use crate::replay::{Plan, Progress, RunReport};
 
-/// The policies of `--policy-config` (the built-in ones without it), resolved as a router
-/// resolves them.
-pub fn load_policies(args: &SimArgs) -> anyhow::Result<ResolvedPolicies> {
+/// The policies of `--policy-config` (the built-in ones without it), resolved against
+/// `registry` as a router resolves them.
+pub fn load_policies(
+    args: &SimArgs,
+    registry: &PolicyRegistry,
+) -> anyhow::Result<ResolvedPolicies> {
     let yaml = match &args.policy_config {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -31,11 +36,18 @@ pub fn load_policies(args: &SimArgs) -> anyhow::Result<ResolvedPolicies> {
         }
         None => WorkerSelectionConfig::default(),
     };
-    Ok(PolicyRegistry::with_builtins().resolve(&yaml, &PolicyOverrides::default())?)
+    Ok(registry.resolve(&yaml, &PolicyOverrides::default())?)
 }
 
-/// Simulates every mode of `args` and returns the report (prints nothing on stdout).
+/// [`run_with`] the built-in policies.
 pub fn run(args: &SimArgs) -> anyhow::Result<RunReport> {
+    run_with(args, &PolicyRegistry::with_builtins())
+}
+
+/// Simulates every mode of `args`, with the policy types of `registry` (a deployment's own
+/// catalog, as `kvroute-router-custom` links it), and returns the report (prints nothing on
+/// stdout).
+pub fn run_with(args: &SimArgs, registry: &PolicyRegistry) -> anyhow::Result<RunReport> {
     args.validate()?;
     let started = Instant::now();
     let plan = Plan::new(read_trace(&args.trace)?, args.limit, args.time_scale, None);
@@ -44,7 +56,7 @@ pub fn run(args: &SimArgs) -> anyhow::Result<RunReport> {
         "the trace {} is empty",
         args.trace.display()
     );
-    let policies = load_policies(args)?;
+    let policies = load_policies(args, registry)?;
     let engine = args.engine.engine_config();
     let capacity = engine.num_blocks * u64::from(args.workers);
     let (oracle, hits) = oracle_with_hits(&plan.requests, engine.block_size, capacity);

@@ -43,6 +43,7 @@ fn decision(i: u64) -> Decision {
 fn view() -> LoadView {
     LoadView::new(LoadViewConfig {
         report_interval_ms: 1000,
+        confirm_window_ms: 2000,
         prediction_max_age_ms: 600_000,
     })
 }

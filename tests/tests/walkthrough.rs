@@ -115,3 +115,63 @@ async fn a_soft_session_stays_until_its_worker_runs_more_than_busy_threshold() {
     );
     assert_ne!(seen[4].0, first, "the fifth request moves: {seen:?}");
 }
+
+/// `kvroute-sim-custom` runs the same YAML offline (the stock simulator cannot: it does not
+/// link the type), and both custom binaries name their policy types in `--help`.
+#[test]
+fn the_custom_catalog_runs_offline_and_is_named_in_help() {
+    let yaml = workspace_root().join("examples/custom-policy/sticky.yaml");
+    let trace = workspace_root().join("../shared/traces/conversation_trace.jsonl");
+    let sim = |bin: &str, yaml: Option<&std::path::Path>| {
+        let program = kvroute_bin("kvroute-example-custom-policy", bin).unwrap();
+        let mut cmd = std::process::Command::new(program);
+        cmd.args(["--modes", "kv", "--limit", "1000", "--json", "--trace"])
+            .arg(&trace);
+        if let Some(yaml) = yaml {
+            cmd.arg("--policy-config").arg(yaml);
+        }
+        cmd.output().unwrap()
+    };
+    let hit_rate = |out: &std::process::Output| {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        report["modes"][0]["hit_rate"].as_f64().unwrap()
+    };
+    let sticky = hit_rate(&sim("kvroute-sim-custom", Some(&yaml)));
+    let default = hit_rate(&sim("kvroute-sim-custom", None));
+    assert!(
+        default > sticky * 2.0,
+        "sticky-until-busy ignores the cache: hit {sticky} against the default's {default}"
+    );
+    let stock = kvroute_bin("kvroute-mocker", "kvroute-sim").unwrap();
+    let refused = std::process::Command::new(stock)
+        .args(["--modes", "kv", "--limit", "10", "--policy-config"])
+        .arg(&yaml)
+        .arg("--trace")
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("unknown type \"sticky-until-busy\""),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    for bin in ["kvroute-router-custom", "kvroute-sim-custom"] {
+        let program = kvroute_bin("kvroute-example-custom-policy", bin).unwrap();
+        let help = std::process::Command::new(program)
+            .arg("--help")
+            .output()
+            .unwrap();
+        let help = String::from_utf8_lossy(&help.stdout);
+        assert!(help.contains(&format!("Usage: {bin}")), "{help}");
+        assert!(
+            help.contains("sticky-until-busy"),
+            "{bin} --help names its policy:\n{help}"
+        );
+    }
+}

@@ -4,22 +4,8 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
-use kvroute_mocker::replay::emit;
-use kvroute_mocker::sim::{SimArgs, run};
+use kvroute_router::registry::PolicyRegistry;
 
 fn main() -> ExitCode {
-    let args = SimArgs::parse();
-    kvroute_common::telemetry::init(&args.telemetry);
-    if let Err(e) = args.validate() {
-        eprintln!("kvroute-sim: {e}");
-        return ExitCode::from(2);
-    }
-    match run(&args).and_then(|report| emit(&report, &args.output)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("kvroute-sim: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    kvroute_mocker::sim::main_with(PolicyRegistry::with_builtins(), "kvroute-sim")
 }

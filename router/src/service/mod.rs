@@ -233,8 +233,17 @@ pub async fn run(
 /// `KVROUTE_*` env fallbacks), set up logging, prepare (exit 2 with the message on a bad
 /// configuration), run until SIGTERM or Ctrl-C.
 pub async fn main_with(registry: PolicyRegistry, name: &str) -> anyhow::Result<()> {
-    use clap::Parser as _;
-    let config = RouterConfig::parse();
+    use clap::{CommandFactory as _, FromArgMatches as _};
+    let types = registry.types().collect::<Vec<_>>().join(", ");
+    let command = RouterConfig::command()
+        .bin_name(name.to_owned())
+        .after_help(format!(
+            "Policy types (for --policy-config, the selection flags and a request's `policy`): {types}"
+        ));
+    let config = match RouterConfig::from_arg_matches(&command.get_matches()) {
+        Ok(config) => config,
+        Err(e) => e.exit(),
+    };
     kvroute_common::telemetry::init(&config.telemetry);
     let prepared = match Prepared::new(config, &registry) {
         Ok(p) => p,

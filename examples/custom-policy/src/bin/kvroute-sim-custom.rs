@@ -1,0 +1,16 @@
+//! `kvroute-sim-custom`: `kvroute-sim` with `sticky-until-busy` registered next to the
+//! built-ins, so the example's policy can be tried offline on a trace before it runs in a
+//! router. Same flags as `kvroute-sim`.
+
+use std::process::ExitCode;
+
+use kvroute_router::registry::PolicyRegistry;
+
+fn main() -> ExitCode {
+    let mut registry = PolicyRegistry::with_builtins();
+    if let Err(e) = kvroute_example_custom_policy::register(&mut registry) {
+        eprintln!("kvroute-sim-custom: {e}");
+        return ExitCode::from(2);
+    }
+    kvroute_mocker::sim::main_with(registry, "kvroute-sim-custom")
+}
