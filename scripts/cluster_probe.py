@@ -158,7 +158,7 @@ def indexers(args):
                 break
             if agreed:
                 seq = max(agreed)
-                # u64 digests as strings: JSON tools (jq) read numbers as doubles.
+                # /status gives u64 digests as "0x..." strings (jq reads numbers as doubles).
                 result = {"ok": True, "seq": seq, "digest": str(history[0][seq][0])}
                 break
     stop.set()

@@ -6,10 +6,15 @@ including its advice for clients: every attempt of a selection carries the same 
 its attempt number and its own deadline; an attempt that gets no answer in time (or
 "unavailable", or nobody listening) is retried, a retry going to the router that answered last.
 
-    python3 kvroute_client.py --nats-url nats://127.0.0.1:4222 --namespace default --model demo
-    python3 kvroute_client.py --count 20 --json   # 20 selections, a JSON summary
-    python3 kvroute_client.py --vectors           # prints the hashing test vectors as JSON
-    python3 kvroute_client.py --encode-only       # prints one encoded SelectRequest as hex
+    python3 examples/python/kvroute_client.py --nats-url nats://127.0.0.1:4222 --namespace default --model mock-model --session-id chat-42
+    python3 examples/python/kvroute_client.py --count 20 --json  # 20 selections, a JSON summary
+    python3 examples/python/kvroute_client.py --once      # one attempt, no retries (select_once)
+    python3 examples/python/kvroute_client.py --vectors   # the hashing test vectors as JSON
+    python3 examples/python/kvroute_client.py --encode-only  # one encoded SelectRequest as hex
+
+Exit status: 0 when every selection found a worker; 1 when one did not (an error reply from a
+router, no router answering, or no NATS server), with one line on stderr for each; 2 for bad
+arguments.
 """
 import argparse
 import asyncio
@@ -23,6 +28,7 @@ import msgpack
 import xxhash
 
 SEED = 1337
+PROG = "kvroute_client"
 
 
 def seed_for_lora(lora_name=None):
@@ -51,10 +57,11 @@ def sequence_hashes(local, lora_name=None):
     return out
 
 
-def select_request(model, tokens, session_id=None):
+def select_request(model, tokens, session_id=None, final=False, trigger="user_message"):
+    """A SelectRequest map; a session keeps its requests on one worker (the router binds it)."""
     req = {"v": 1, "request_id": str(uuid.uuid4()), "model": model, "token_ids": tokens}
     if session_id:
-        req["session"] = {"id": session_id, "final": False, "trigger": "user_message"}
+        req["session"] = {"id": session_id, "final": final, "trigger": trigger}
     return req
 
 
@@ -71,6 +78,26 @@ def vectors():
             "seed": seed_for_lora(lora), "local": local, "sequence": sequence_hashes(local, lora),
         })
     return out
+
+
+# PROTOCOL.md ("A client in another language") shows this function exactly as it is here.
+async def select_once(nc, namespace="default", model="mock-model", tokens=None,
+                      session_id=None, timeout=0.25):
+    """One selection attempt, without retries (kvroute_client.SelectClient retries as
+    PROTOCOL.md advises). Returns the reply map, {"status": "ok", "worker_id": ..., "request_subject": ...}
+    or {"status": "error", "code": ..., "message": ...}; or None if no router answered."""
+    import nats.errors
+    request = {"v": 1, "request_id": str(uuid.uuid4()), "model": model,
+               "token_ids": tokens or list(range(1, 257)), "attempt": 0,
+               "deadline_ms": int(time.time() * 1000 + timeout * 1000)}
+    if session_id:  # the router keeps a session's requests on one worker
+        request["session"] = {"id": session_id, "final": False, "trigger": "user_message"}
+    try:
+        msg = await nc.request("kvroute.%s.select" % namespace,
+                               msgpack.packb(request, use_bin_type=True), timeout=timeout)
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+        return None  # nobody listening, or no answer in time: worth a retry
+    return msgpack.unpackb(msg.data, raw=False)
 
 
 class NoAnswer(Exception):
@@ -90,7 +117,8 @@ class SelectClient:
 
     async def select(self, request):
         """Returns (reply, attempts). A reply is a map with status "ok" or "error"; a
-        definitive error (no_workers, all_overloaded, ...) is returned, not retried."""
+        definitive error (no_workers, all_overloaded, ...) is returned, not retried. Raises
+        NoAnswer when no router answered."""
         import nats.errors
 
         request = dict(request)
@@ -127,60 +155,124 @@ class SelectClient:
                 failed.add(direct)
         if retryable:
             return retryable
-        raise NoAnswer("no router answered %d attempts" % self.attempts)
+        raise NoAnswer("no router answered %d attempts on kvroute.%s.select (is a router "
+                       "running in namespace %r?)" % (self.attempts, self.namespace,
+                                                      self.namespace))
 
 
-async def select(nats_url, namespace, model, tokens, count, as_json):
+def fail(message):
+    """One line on stderr (no traceback)."""
+    print("%s: %s" % (PROG, message), file=sys.stderr)
+
+
+async def connect(nats_url):
+    """A NATS connection, or None after one line on stderr."""
     import nats  # imported here so --vectors needs only msgpack and xxhash
 
-    nc = await nats.connect(nats_url)
-    client = SelectClient(nc, namespace)
-    summary = {"ok": 0, "errors": {}, "attempts": []}
+    async def quiet(_error):  # connection errors are reported once, below
+        pass
+
     try:
-        for _ in range(count):
+        return await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=2,
+                                  error_cb=quiet)
+    except Exception as e:  # NoServersError, OSError, TimeoutError, a bad URL...
+        fail("cannot connect to NATS at %s: %s" % (nats_url, e or type(e).__name__))
+        return None
+
+
+async def select(args, tokens):
+    """Makes args.count selections; returns the summary, or None if NATS was unreachable."""
+    nc = await connect(args.nats_url)
+    if nc is None:
+        return None
+    client = SelectClient(nc, args.namespace)
+    summary = {"ok": 0, "errors": {}, "attempts": [], "workers": [], "bindings": []}
+    try:
+        for i in range(args.count):
+            final = args.session_final and i == args.count - 1
             try:
-                reply, attempts = await client.select(select_request(model, tokens))
-            except NoAnswer:
+                if args.once:
+                    reply, attempts = await select_once(
+                        nc, args.namespace, args.model, tokens, args.session_id), 1
+                    if reply is None:
+                        raise NoAnswer("no router answered on kvroute.%s.select (is a router "
+                                       "running in namespace %r?)"
+                                       % (args.namespace, args.namespace))
+                else:
+                    request = select_request(args.model, tokens, args.session_id, final,
+                                             args.session_trigger)
+                    reply, attempts = await client.select(request)
+            except NoAnswer as e:
                 summary["errors"]["no_answer"] = summary["errors"].get("no_answer", 0) + 1
+                if not args.json:
+                    fail(str(e))
                 continue
             summary["attempts"].append(attempts)
-            if reply["status"] == "ok":
+            if reply.get("status") == "ok":
                 summary["ok"] += 1
-                if not as_json:
-                    print("worker %s rank %s (overlap %s of %s blocks, policy %s, router %s)" % (
-                        reply["worker_id"], reply.get("dp_rank", 0), reply.get("overlap_blocks"),
-                        reply.get("request_blocks"), reply.get("policy"), reply.get("router_id")))
+                summary["workers"].append(reply["worker_id"])
+                summary["bindings"].append(reply.get("binding"))
+                if not args.json:
+                    binding = " binding %s" % reply["binding"] if reply.get("binding") else ""
+                    print("worker %s rank %s (overlap %s of %s blocks, policy %s, router %s%s)"
+                          % (reply["worker_id"], reply.get("dp_rank", 0),
+                             reply.get("overlap_blocks"), reply.get("request_blocks"),
+                             reply.get("policy"), reply.get("router_id"), binding))
             else:
                 code = reply.get("code")
                 summary["errors"][code] = summary["errors"].get(code, 0) + 1
-                if not as_json:
-                    print("error %s: %s" % (code, reply.get("message")))
+                if not args.json:
+                    fail("error %s: %s" % (code, reply.get("message")))
     finally:
         await nc.close()
-    if as_json:
+    if args.json:
         json.dump(summary, sys.stdout)
+        print()
+        failed = args.count - summary["ok"]
+        if failed:
+            fail("%d of %d selections failed: %s" % (failed, args.count, ", ".join(
+                "%s %d" % kv for kv in sorted(summary["errors"].items()))))
     return summary
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
-    p.add_argument("--namespace", default="default")
-    p.add_argument("--model", default="demo")
+    p.add_argument("--namespace", default="default", help="the routers' --namespace")
+    p.add_argument("--model", default="mock-model",
+                   help="a model the workers serve (kvroute-mocker's default: mock-model)")
     p.add_argument("--count", type=int, default=1, help="selections to make, one after another")
-    p.add_argument("--json", action="store_true", help="print a JSON summary instead of lines")
+    p.add_argument("--session-id", help="send every selection in this session (its first is "
+                   "bound to a worker, the next ones keep it)")
+    p.add_argument("--session-final", action="store_true",
+                   help="mark the last selection as the session's last (its binding is removed)")
+    p.add_argument("--session-trigger", default="user_message",
+                   choices=["user_message", "tool_result", "other"])
+    p.add_argument("--once", action="store_true",
+                   help="one attempt per selection, no retries (select_once)")
+    p.add_argument("--json", action="store_true",
+                   help="print a JSON summary on stdout instead of lines")
     p.add_argument("--vectors", action="store_true")
     p.add_argument("--encode-only", action="store_true")
     args = p.parse_args()
+    if args.count < 1:
+        p.error("--count must be at least 1")
+    if args.session_id is not None and not 1 <= len(args.session_id.encode("utf-8")) <= 256:
+        p.error("--session-id must be 1-256 bytes")
     tokens = list(range(1, 257))
     if args.vectors:
         json.dump(vectors(), sys.stdout)
-    elif args.encode_only:
-        print(msgpack.packb(select_request(args.model, tokens, "s-1"), use_bin_type=True).hex())
-    else:
-        summary = asyncio.run(select(args.nats_url, args.namespace, args.model, tokens,
-                                     args.count, args.json))
-        return 0 if summary["ok"] == args.count else 1
+        return 0
+    if args.encode_only:
+        request = select_request(args.model, tokens, args.session_id or "s-1")
+        print(msgpack.packb(request, use_bin_type=True).hex())
+        return 0
+    try:
+        summary = asyncio.run(select(args, tokens))
+    except KeyboardInterrupt:
+        return 130
+    return 0 if summary is not None and summary["ok"] == args.count else 1
 
 
 if __name__ == "__main__":

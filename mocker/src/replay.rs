@@ -26,7 +26,7 @@ pub use oracle::{
 };
 pub use plan::Plan;
 pub use progress::Progress;
-pub use report::{ModeRecorder, ModeReport, RequestSample, RunReport};
+pub use report::{ModeRecorder, ModeReport, RequestSample, RunReport, TooManyErrors};
 pub use run::{emit, run};
 pub use selector::{RouterSelector, SelectFailure, Selector};
 pub use stats::{Summary, coefficient_of_variation, percentile};

@@ -135,7 +135,10 @@ impl IndexerProcess {
         let s = self.status()?;
         Ok((
             s["applied_seq"].as_u64().context("applied_seq")?,
-            s["digest"].as_u64().context("digest")?,
+            s["digest"]
+                .as_str()
+                .and_then(kvroute_common::messages::parse_digest_hex)
+                .context("digest")?,
         ))
     }
 

@@ -2,8 +2,9 @@
 //! round-robin on a trace with shared prefixes, the report's JSON and chart are written, and a
 //! worker dying mid-run costs counted errors while routing moves on.
 //!
-//! The first tests use the replay tool's in-process selector (`--selector local`); the last one
-//! runs the same comparison through two `kvroute-router` replicas.
+//! The first tests use the replay tool's in-process selector (`--selector local`); then the
+//! same comparison runs through two `kvroute-router` replicas, and a run whose requests all
+//! fail (no router) makes the binary exit 3.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -231,4 +232,67 @@ async fn through_the_router_every_mode_runs_and_kv_beats_round_robin() {
         assert_eq!((m.completed, m.errors), (48, 0), "{m:?}");
     }
     assert!(report.modes[0].hit_rate > report.modes[1].hit_rate);
+}
+
+/// A failed run fails: with workers registered but no router answering, every selection fails
+/// and `kvroute-replay` exits 3 (its error threshold), saying how many requests failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_requests_fail_exits_non_zero() {
+    let env = TestEnv::start().unwrap();
+    let names = Names::new(&env.namespace);
+    let fleet = Fleet::start(
+        &fleet_config(1, 50.0),
+        env.nats.connect().await.unwrap(),
+        env.etcd.connect().await.unwrap(),
+        &names,
+    )
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let trace = write_trace(dir.path(), 20, 4, 10);
+    let bin = kvroute_tests::kvroute_bin("kvroute-mocker", "kvroute-replay").unwrap();
+    let args: Vec<String> = [
+        "--trace",
+        &trace.display().to_string(),
+        "--limit",
+        "0",
+        "--model",
+        "m",
+        "--quiet",
+        "--modes",
+        "kv",
+        "--settle-ms",
+        "100",
+        "--select-attempts",
+        "2",
+        "--select-attempt-timeout-ms",
+        "100",
+        "--namespace",
+        env.namespace.as_str(),
+        "--nats-url",
+        &env.nats.url(),
+        "--etcd-endpoints",
+        &env.etcd.endpoint(),
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(bin).args(args).output().unwrap()
+    })
+    .await
+    .unwrap();
+    fleet.shutdown().await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("mode kv: 20 of 20 requests failed (select_no_router 20)"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--max-error-fraction 0.01"), "{stderr}");
+    // The report was printed all the same.
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("kv"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
 }

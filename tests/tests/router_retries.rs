@@ -1,6 +1,7 @@
 //! Retries through the router service: a request past its deadline is dropped without a
 //! decision or a charge, a retry of a decided request gets the same decision from any
-//! replica, and a replica only takes requests while it is in the queue group.
+//! replica, a replica's own decisions echoed back are no duplicates (another replica's seen
+//! twice is one), and a replica only takes requests while it is in the queue group.
 
 use std::time::Duration;
 
@@ -8,7 +9,9 @@ use futures::StreamExt;
 use kvroute_common::Names;
 use kvroute_common::codec::{decode, encode};
 use kvroute_common::events_stream::{StreamArgs, ensure_events_stream};
-use kvroute_common::messages::{Decision, SelectReply, SelectRequest, SelectResponse, now_ms};
+use kvroute_common::messages::{
+    Decision, SchemaVersion, SelectReply, SelectRequest, SelectResponse, now_ms,
+};
 use kvroute_tests::{RouterProcess, TestEnv, prompt_workers, request};
 use uuid::Uuid;
 
@@ -170,4 +173,64 @@ async fn a_router_that_is_not_ready_stays_out_of_the_queue_group() {
     let _ready = RouterProcess::start(&env, "r2", &[]).unwrap();
     let reply = ok(ask(&nats, names.select(), &req, Duration::from_secs(5)).await);
     assert_eq!(reply.router_id, "r2");
+}
+
+/// A router's own decisions come back on the decisions subject: applied, not counted as
+/// duplicates. Another replica's decision delivered twice still counts once as a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn own_decisions_echoed_back_are_not_duplicates() {
+    let env = TestEnv::start().unwrap();
+    let names = Names::new(&env.namespace);
+    let _fleet = prompt_workers(&env, &[1, 2]).await;
+    let router = RouterProcess::start(&env, "r1", &[]).unwrap();
+    let nats = env.nats.connect().await.unwrap();
+    let wait = Duration::from_secs(5);
+    for i in 0..5u32 {
+        let req = request("m", (i * 1000..i * 1000 + 64).collect());
+        ok(ask(&nats, names.select(), &req, wait).await);
+    }
+    // Another replica's decision, delivered twice.
+    let foreign = Decision {
+        v: SchemaVersion::CURRENT,
+        decision_id: Uuid::new_v4(),
+        request_id: Uuid::new_v4(),
+        router_id: "r-other".into(),
+        model: "m".into(),
+        role: Default::default(),
+        worker_id: 1,
+        dp_rank: 0,
+        session_id: None,
+        request_blocks: 4,
+        overlap_blocks: 0,
+        prefill_tokens: 64,
+        expected_output_tokens: None,
+        cost: Default::default(),
+        policy: "default".into(),
+        binding: None,
+        ts: now_ms(),
+        attempt: 0,
+    };
+    for _ in 0..2 {
+        nats.publish(names.decisions(), encode(&foreign).unwrap())
+            .await
+            .unwrap();
+    }
+    nats.flush().await.unwrap();
+    // The router's five echoes were published before the foreign decision: once the second
+    // copy of that is counted, the echoes were seen too.
+    let start = std::time::Instant::now();
+    while router.metric("kvroute_router_decisions_duplicate_total") < 1.0 {
+        assert!(
+            start.elapsed() < wait,
+            "the foreign duplicate was never counted"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(router.metric("kvroute_router_decisions_applied_total"), 6.0);
+    assert_eq!(
+        router.metric("kvroute_router_decisions_duplicate_total"),
+        1.0,
+        "own echoes counted as duplicates"
+    );
 }

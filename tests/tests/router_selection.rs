@@ -323,6 +323,26 @@ async fn malformed_and_oversize_requests_get_error_replies() {
         code(select(&nats, &names, &missing_prompt).await.unwrap()),
         ErrorCode::BadRequest
     );
+    // An empty prompt is no prompt: refused, naming the field.
+    for (empty, field) in [
+        (request("m", vec![]), "token_ids"),
+        (
+            SelectRequest {
+                model: "m".into(),
+                block_hashes: Some(vec![]),
+                ..Default::default()
+            },
+            "block_hashes",
+        ),
+    ] {
+        match select(&nats, &names, &empty).await.unwrap() {
+            SelectResponse::Error(e) => {
+                assert_eq!(e.code, ErrorCode::BadRequest, "{e:?}");
+                assert!(e.message.contains(field), "{e:?}");
+            }
+            SelectResponse::Ok(r) => panic!("an empty {field} was accepted: {r:?}"),
+        }
+    }
     let mut newer = request("m", prompt(1, 1));
     newer.v.0 = 42;
     assert_eq!(
@@ -341,7 +361,7 @@ async fn malformed_and_oversize_requests_get_error_replies() {
         code(select_raw(&nats, &names, bytes).await.unwrap()),
         ErrorCode::TooLarge
     );
-    assert!(router.metric("kvroute_router_errors_total{code=\"bad_request\"}") >= 3.0);
+    assert!(router.metric("kvroute_router_errors_total{code=\"bad_request\"}") >= 5.0);
     assert_eq!(
         router.metric("kvroute_router_errors_total{code=\"too_large\"}"),
         1.0

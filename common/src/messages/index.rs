@@ -123,8 +123,9 @@ impl IndexErrorCode {
 }
 
 /// A replica's position and state digest: the answer on `kvroute.<ns>.index.digest` (every
-/// replica answers) and the indexer's `/status` page (as JSON). Replicas that applied the same
-/// log prefix report the same `(applied_seq, digest)`.
+/// replica answers) and the indexer's `/status` page (as JSON, [`ReplicaStatus::to_json`]: the
+/// digest as a hex string there). Replicas that applied the same log prefix report the same
+/// `(applied_seq, digest)`.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct ReplicaStatus {
     #[serde(default)]
@@ -149,5 +150,76 @@ impl WireMessage for ReplicaStatus {
     const MAX_BYTES: usize = 16 * 1024;
     fn schema_version(&self) -> SchemaVersion {
         self.v
+    }
+}
+
+/// A digest as JSON shows it: `0x` and 16 lower-case hex digits. JSON numbers above 2^53 are
+/// rounded by most readers (jq, JavaScript), so JSON outputs carry u64 digests as strings;
+/// MessagePack carries them as u64.
+pub fn digest_hex(digest: u64) -> String {
+    format!("{digest:#018x}")
+}
+
+/// Reads [`digest_hex`]'s form back (`0x` and 1-16 hex digits).
+pub fn parse_digest_hex(s: &str) -> Option<u64> {
+    let digits = s.strip_prefix("0x")?;
+    if digits.is_empty() || digits.len() > 16 {
+        return None;
+    }
+    u64::from_str_radix(digits, 16).ok()
+}
+
+impl ReplicaStatus {
+    /// The JSON form (the indexer's `/status`): the MessagePack fields, with `digest` as a
+    /// [`digest_hex`] string.
+    pub fn to_json(&self) -> serde_json::Value {
+        let mut value = serde_json::to_value(self).expect("a ReplicaStatus always serializes");
+        value["digest"] = serde_json::Value::String(digest_hex(self.digest));
+        value
+    }
+
+    /// Reads [`ReplicaStatus::to_json`]'s form.
+    pub fn from_json(value: &serde_json::Value) -> Result<Self, String> {
+        let digest = value["digest"]
+            .as_str()
+            .and_then(parse_digest_hex)
+            .ok_or_else(|| format!("digest: not a \"0x\" hex string: {}", value["digest"]))?;
+        let mut value = value.clone();
+        value["digest"] = serde_json::Value::from(digest);
+        serde_json::from_value(value).map_err(|e| e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::{decode, encode};
+
+    #[test]
+    fn a_digest_above_2_pow_53_round_trips_through_json_exactly() {
+        let status = ReplicaStatus {
+            v: SchemaVersion::CURRENT,
+            replica_id: "ix-1".into(),
+            applied_seq: 42,
+            digest: (1 << 53) + 1,
+            ready: true,
+            ..ReplicaStatus::default()
+        };
+        let text = status.to_json().to_string();
+        assert!(text.contains(r#""digest":"0x0020000000000001""#), "{text}");
+        // What a reader that takes numbers as doubles (jq) sees stays exact: no number.
+        let read: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert!(read["digest"].is_string(), "{text}");
+        assert_eq!(ReplicaStatus::from_json(&read).unwrap(), status);
+        for digest in [0, 1, u64::MAX, 0xdead_beef_0000_0001] {
+            assert_eq!(parse_digest_hex(&digest_hex(digest)), Some(digest));
+            assert_eq!(digest_hex(digest).len(), 18);
+        }
+        for bad in ["", "0x", "123", "0x1g", "0x00000000000000001"] {
+            assert_eq!(parse_digest_hex(bad), None, "{bad}");
+        }
+        // MessagePack keeps the u64.
+        let back: ReplicaStatus = decode(&encode(&status).unwrap()).unwrap();
+        assert_eq!(back.digest, (1 << 53) + 1);
     }
 }

@@ -19,7 +19,7 @@ pub use generate::{
 };
 pub use index::{
     IndexError, IndexErrorCode, IndexQuery, IndexQueryResponse, IndexReply, ReplicaStatus,
-    WorkerMatch,
+    WorkerMatch, digest_hex, parse_digest_hex,
 };
 pub use kv_event::{
     ControlAction, ControlRecord, KvEvent, KvEventBatch, KvEventData, StorageTier, StoredBlock,

@@ -12,7 +12,8 @@ use crate::ids::{DecisionId, DpRank, RequestId, SessionId, WorkerId};
 /// "Which worker should serve this prompt?"
 ///
 /// The prompt is given either as `token_ids` (the router hashes them with the model's block
-/// size) or as `block_hashes` (local hashes, already computed by the caller). One is required.
+/// size) or as `block_hashes` (local hashes of its full blocks, already computed by the
+/// caller). Exactly one is required, and it must not be empty.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct SelectRequest {
     #[serde(default)]

@@ -272,10 +272,9 @@ impl HttpHandler for Http {
                         HttpResponse::text(200, "ready\n")
                     }
                 }
+                // The digest as a hex string: JSON readers round numbers above 2^53.
                 "/status" => match shared.status().await {
-                    Some(s) => {
-                        HttpResponse::json(200, serde_json::to_string(&s).unwrap_or_default())
-                    }
+                    Some(s) => HttpResponse::json(200, s.to_json().to_string()),
                     None => HttpResponse::text(503, "shutting down\n"),
                 },
                 _ => HttpResponse::text(404, "not found\n"),
@@ -293,7 +292,10 @@ mod tests {
     use crate::index::IndexConfig;
 
     fn shared() -> Shared {
-        let (status_requests, _) = mpsc::channel(1);
+        shared_with(mpsc::channel(1).0)
+    }
+
+    fn shared_with(status_requests: mpsc::Sender<oneshot::Sender<ReplicaStatus>>) -> Shared {
         let index = SharedIndex::new(IndexConfig::default());
         index.with_write(|ix| {
             let stored = KvEventData::Stored {
@@ -378,5 +380,29 @@ mod tests {
             code(answer(&s, &query(None))),
             Some(IndexErrorCode::NotReady)
         );
+    }
+
+    #[tokio::test]
+    async fn status_shows_a_digest_above_2_pow_53_exactly() {
+        let (tx, mut rx) = mpsc::channel::<oneshot::Sender<ReplicaStatus>>(1);
+        let digest = (1u64 << 53) + 1;
+        tokio::spawn(async move {
+            while let Some(reply) = rx.recv().await {
+                let _ = reply.send(ReplicaStatus {
+                    replica_id: "ix-1".into(),
+                    applied_seq: 9,
+                    digest,
+                    ..ReplicaStatus::default()
+                });
+            }
+        });
+        let http = Http(Arc::new(shared_with(tx)));
+        let page = http.get("/status").await;
+        assert_eq!(page.status, 200, "{}", page.body);
+        let json: serde_json::Value = serde_json::from_str(&page.body).unwrap();
+        // A double cannot hold 2^53 + 1: a JSON number here would read back as 2^53.
+        assert_eq!(json["digest"], "0x0020000000000001", "{}", page.body);
+        assert_eq!(json["applied_seq"], 9);
+        assert_eq!(ReplicaStatus::from_json(&json).unwrap().digest, digest);
     }
 }

@@ -1,5 +1,6 @@
 //! `kvroute-replay`: replays a Mooncake trace through kvroute once per routing mode and
-//! reports hit rates against the oracles (see `kvroute_mocker::replay`).
+//! reports hit rates against the oracles (see `kvroute_mocker::replay`). Exits 3 when a mode
+//! failed more than `--max-error-fraction` of its requests (after printing the report).
 
 use std::process::ExitCode;
 
@@ -22,9 +23,16 @@ fn main() -> ExitCode {
     };
     let result = runtime
         .block_on(run(&args))
-        .and_then(|report| emit(&report, &args.output));
+        .and_then(|report| emit(&report, &args.output).map(|()| report));
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        // The report is out; a run with too many failed requests still fails (exit code 3).
+        Ok(report) => match report.check_errors(args.max_error_fraction) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kvroute-replay: {e}");
+                ExitCode::from(3)
+            }
+        },
         Err(e) => {
             eprintln!("kvroute-replay: {e:#}");
             ExitCode::FAILURE

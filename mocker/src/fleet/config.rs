@@ -141,7 +141,8 @@ pub struct FleetConfig {
     /// when a worker's request counts change).
     #[arg(long, env = "KVROUTE_MOCKER_LOAD_INTERVAL_MS", default_value_t = 200)]
     pub load_interval_ms: u64,
-    /// Address for /metrics, /healthz and /readyz (e.g. 127.0.0.1:9100); off when absent.
+    /// Address for /metrics, /healthz and /readyz (e.g. 127.0.0.1:9300; the indexer's default
+    /// is 9100 and the router's 9200); off when absent: no HTTP endpoint at all.
     #[arg(long, env = "KVROUTE_MOCKER_HTTP_ADDR")]
     pub http_addr: Option<SocketAddr>,
     /// Do not create the events stream when it is missing (leave that to the indexers).

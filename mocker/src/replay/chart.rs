@@ -1,5 +1,5 @@
 //! A PNG summary of a [`RunReport`]: TTFT percentiles per mode, and each mode's hit rate
-//! against the infinite and finite oracles.
+//! against the infinite and finite oracles (on an axis scaled to them).
 //!
 //! Text is drawn with plotters' `ab_glyph` renderer from a TrueType file read at run time
 //! (default: Debian's `fonts-dejavu-core`), so no fontconfig or freetype is needed. plotters
@@ -54,6 +54,21 @@ pub fn write_chart(report: &RunReport, path: &Path, font: &Path) -> Result<(), C
         path: path.to_owned(),
         detail,
     })
+}
+
+/// The top of the hit-rate panel's y-axis (its bottom is 0): the largest of the modes' hit
+/// rates and the oracles, with 30 % headroom for the legend, rounded up to a multiple of 0.05,
+/// within [0.05, 1].
+fn hit_rate_axis_top(report: &RunReport) -> f64 {
+    let largest = report
+        .modes
+        .iter()
+        .map(|m| m.hit_rate)
+        .chain([report.oracle.infinite, report.oracle.finite])
+        .filter(|v| v.is_finite())
+        .fold(0.0, f64::max);
+    let step = 0.05;
+    ((largest * 1.3 / step).ceil() * step).clamp(step, 1.0)
 }
 
 fn draw(report: &RunReport, path: &Path) -> Result<(), String> {
@@ -123,7 +138,7 @@ fn draw(report: &RunReport, path: &Path) -> Result<(), String> {
         .margin(12)
         .x_label_area_size(36)
         .y_label_area_size(48)
-        .build_cartesian_2d(-0.5..n - 0.5, 0.0..1.0)
+        .build_cartesian_2d(-0.5..n - 0.5, 0.0..hit_rate_axis_top(report))
         .map_err(|e| err(&e))?;
     chart
         .configure_mesh()
@@ -174,35 +189,36 @@ mod tests {
     use super::*;
     use crate::replay::{ModeRecorder, OracleHitRates, RequestSample};
 
-    #[test]
-    fn writes_a_png() {
-        let font = Path::new(DEFAULT_FONT);
-        if !font.exists() {
-            println!("skipped: {DEFAULT_FONT} is absent (Debian package fonts-dejavu-core)");
-            return;
-        }
-        let modes = ["round_robin", "kv_aware"]
+    /// A two-worker report with one mode per hit rate (50 requests each), oracles 0.7 / 0.6.
+    fn chart_report(hit_rates: &[f64]) -> RunReport {
+        let modes = hit_rates
             .iter()
             .enumerate()
-            .map(|(k, mode)| {
-                let mut r = ModeRecorder::new(*mode, [1, 2]);
+            .map(|(k, rate)| {
+                let mut r = ModeRecorder::new(format!("mode_{k}"), [1, 2]);
                 for i in 0..50u64 {
                     r.record(RequestSample {
                         worker_id: 1 + i % 2,
                         prompt_tokens: 1000,
-                        cached_tokens: 200 + 300 * k as u64,
+                        cached_tokens: if rate.is_finite() {
+                            (1000.0 * rate) as u64
+                        } else {
+                            0
+                        },
                         output_tokens: 20,
-                        ttft: Duration::from_millis(100 + i * (4 - 2 * k as u64)),
+                        ttft: Duration::from_millis(100 + i * (4 - 2 * k.min(1) as u64)),
                         latency: Duration::from_millis(900 + i),
                         selection_latency: None,
                     });
                 }
-                r.finish(Duration::from_secs(10))
+                let mut m = r.finish(Duration::from_secs(10));
+                m.hit_rate = *rate;
+                m
             })
             .collect();
-        let report = RunReport {
+        RunReport {
             trace: "test".into(),
-            requests: 100,
+            requests: 50 * hit_rates.len() as u64,
             workers: 2,
             block_size: 64,
             blocks_per_worker: 1024,
@@ -218,7 +234,20 @@ mod tests {
                 finite: 0.6,
             },
             modes,
-        };
+        }
+    }
+
+    #[test]
+    fn writes_a_png() {
+        let font = Path::new(DEFAULT_FONT);
+        if !font.exists() {
+            println!("skipped: {DEFAULT_FONT} is absent (Debian package fonts-dejavu-core)");
+            return;
+        }
+        // Hit rates and oracles near 0.2, as on the conversation trace's start.
+        let mut report = chart_report(&[0.15, 0.2]);
+        report.oracle.infinite = 0.24;
+        report.oracle.finite = 0.21;
         let dir = std::env::temp_dir().join(format!("kvroute-chart-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("report.png");
@@ -231,6 +260,36 @@ mod tests {
         } else {
             println!("chart: {}", path.display());
         }
+    }
+
+    #[test]
+    fn the_hit_rate_axis_fits_the_data_with_headroom() {
+        let report = |hit_rates: &[f64], infinite: f64, finite: f64| {
+            let mut r = chart_report(hit_rates);
+            r.oracle.infinite = infinite;
+            r.oracle.finite = finite;
+            r
+        };
+        let top = |r: &RunReport| hit_rate_axis_top(r);
+        // Values and oracles near 0.2: the axis ends at 0.3, not 1.
+        let near = report(&[0.18, 0.12], 0.22, 0.2);
+        assert!((top(&near) - 0.3).abs() < 1e-9, "{}", top(&near));
+        // The largest value (here the infinite oracle) always fits, below the legend.
+        for r in [
+            &near,
+            &report(&[0.5], 0.61, 0.6),
+            &report(&[0.01], 0.02, 0.02),
+        ] {
+            let largest = r.oracle.infinite;
+            assert!(top(r) >= largest * 1.3 - 1e-9, "{} for {largest}", top(r));
+        }
+        assert_eq!(
+            top(&report(&[0.0], 0.0, 0.0)),
+            0.05,
+            "all zero: a small axis"
+        );
+        assert_eq!(top(&report(&[0.9], 0.95, 0.93)), 1.0, "never above 1");
+        assert_eq!(top(&report(&[f64::NAN], 0.3, 0.3)), 0.4);
     }
 
     #[test]

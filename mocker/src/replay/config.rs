@@ -129,6 +129,18 @@ pub struct ReplayArgs {
     /// Seed of the local selector's random choices.
     #[arg(long, env = "KVROUTE_REPLAY_SEED", default_value_t = 42)]
     pub seed: u64,
+    /// The run fails (exit code 3, after the report is printed and written) when, in any mode,
+    /// more than this fraction of the requests failed: selection failures (`select_*`: an
+    /// error reply, or no router answering) plus worker failures (`worker_*`: an error reply,
+    /// no worker listening, a timeout). A healthy fleet completes every request; 0.01 lets a
+    /// long run lose a rare request while a run whose numbers stand on a visibly incomplete
+    /// set of requests fails. 1 never fails.
+    #[arg(
+        long,
+        env = "KVROUTE_REPLAY_MAX_ERROR_FRACTION",
+        default_value_t = DEFAULT_MAX_ERROR_FRACTION
+    )]
+    pub max_error_fraction: f64,
     #[command(flatten)]
     pub output: OutputArgs,
     #[command(flatten)]
@@ -140,6 +152,9 @@ pub struct ReplayArgs {
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
 }
+
+/// `--max-error-fraction`'s default.
+pub const DEFAULT_MAX_ERROR_FRACTION: f64 = 0.01;
 
 /// The checks `kvroute-replay` and `kvroute-sim` share: the trace file exists, the time scale
 /// is a positive number, and the modes are a non-empty list without repeats.
@@ -189,6 +204,12 @@ impl ReplayArgs {
         self.select.validate()?;
         positive("request-timeout-secs", self.request_timeout_secs)?;
         positive("wait-workers-secs", self.wait_workers_secs)?;
+        if !(0.0..=1.0).contains(&self.max_error_fraction) {
+            return Err(ConfigError::new(
+                "max-error-fraction",
+                format!("must be in [0, 1], got {}", self.max_error_fraction),
+            ));
+        }
         self.output.validate()?;
         self.nats.validate()?;
         self.etcd.validate()
@@ -275,6 +296,12 @@ mod tests {
         );
         assert_eq!(field(&["--modes", "kv,kv"]), "modes");
         assert_eq!(field(&["--speedup", "0"]), "speedup");
+        assert_eq!(
+            field(&["--max-error-fraction", "1.5"]),
+            "max-error-fraction"
+        );
+        assert_eq!(field(&["--max-error-fraction=-0.1"]), "max-error-fraction");
+        assert_eq!(parse(&[]).max_error_fraction, DEFAULT_MAX_ERROR_FRACTION);
         let mut missing = parse(&[]);
         missing.trace = "/nonexistent.jsonl".into();
         assert_eq!(missing.validate().unwrap_err().field, "trace");

@@ -36,6 +36,50 @@ impl RunReport {
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("a report always serializes")
     }
+
+    /// Whether every mode stayed within `max_fraction` failed requests (selection failures and
+    /// worker failures: every request that did not complete, [`ModeReport::errors`]).
+    pub fn check_errors(&self, max_fraction: f64) -> Result<(), TooManyErrors> {
+        let failed: Vec<String> = self
+            .modes
+            .iter()
+            .filter(|m| {
+                let requests = m.completed + m.errors;
+                requests > 0 && m.errors as f64 > max_fraction * requests as f64
+            })
+            .map(|m| {
+                let kinds: Vec<String> = m
+                    .errors_by_kind
+                    .iter()
+                    .map(|(kind, n)| format!("{kind} {n}"))
+                    .collect();
+                format!(
+                    "mode {}: {} of {} requests failed ({})",
+                    m.mode,
+                    m.errors,
+                    m.completed + m.errors,
+                    kinds.join(", ")
+                )
+            })
+            .collect();
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(TooManyErrors {
+                max_fraction,
+                modes: failed,
+            })
+        }
+    }
+}
+
+/// A run in which some mode failed more than `--max-error-fraction` of its requests.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("the run failed: {}, above --max-error-fraction {max_fraction}", modes.join("; "))]
+pub struct TooManyErrors {
+    pub max_fraction: f64,
+    /// One line per failed mode: how many of its requests failed, by kind.
+    pub modes: Vec<String>,
 }
 
 /// How one routing mode did.
@@ -228,5 +272,72 @@ mod tests {
         assert!(json.contains("\"hit_rate\": 0.5"), "{json}");
         let back: RunReport = serde_json::from_str(&json).unwrap();
         assert_eq!(back, report);
+    }
+
+    fn report_of(modes: Vec<ModeReport>) -> RunReport {
+        RunReport {
+            trace: "t.jsonl".into(),
+            requests: 0,
+            workers: 1,
+            block_size: 64,
+            blocks_per_worker: 1024,
+            speedup: 1.0,
+            oracle: OracleHitRates {
+                block_size: 64,
+                capacity_blocks: 1024,
+                total_blocks: 0,
+                infinite_hit_blocks: 0,
+                finite_hit_blocks: 0,
+                infinite: 0.0,
+                finite: 0.0,
+            },
+            ttft_floor_ms: None,
+            modes,
+        }
+    }
+
+    fn mode(name: &str, completed: u64, errors: &[(&str, u64)]) -> ModeReport {
+        let mut r = ModeRecorder::new(name, [1]);
+        for _ in 0..completed {
+            r.record(sample(1, 0, 10));
+        }
+        for (kind, n) in errors {
+            for _ in 0..*n {
+                r.record_error(kind);
+            }
+        }
+        r.finish(Duration::from_secs(1))
+    }
+
+    #[test]
+    fn a_run_fails_when_a_mode_fails_more_than_the_threshold() {
+        let all_failed = report_of(vec![mode("kv", 0, &[("select_no_router", 20)])]);
+        let err = all_failed.check_errors(0.01).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the run failed: mode kv: 20 of 20 requests failed (select_no_router 20), above --max-error-fraction 0.01"
+        );
+        // Selection and worker failures both count; one mode is enough.
+        let mixed = report_of(vec![
+            mode("kv", 100, &[]),
+            mode(
+                "random",
+                97,
+                &[("select_all_overloaded", 1), ("worker_timeout", 2)],
+            ),
+        ]);
+        let err = mixed.check_errors(0.02).unwrap_err();
+        assert_eq!(err.modes.len(), 1, "{err}");
+        assert!(err.modes[0].starts_with("mode random: 3 of 100"), "{err}");
+        assert!(
+            mixed.check_errors(0.03).is_ok(),
+            "at the threshold is within it"
+        );
+        assert!(all_failed.check_errors(1.0).is_ok());
+        assert!(
+            report_of(vec![mode("kv", 5, &[])])
+                .check_errors(0.0)
+                .is_ok()
+        );
     }
 }

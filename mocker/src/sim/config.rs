@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::Command;
 use kvroute_common::config::ConfigError;
 use kvroute_common::telemetry::TelemetryArgs;
 
@@ -13,9 +14,10 @@ use crate::replay::{Mode, OutputArgs};
 
 /// Simulates a Mooncake trace offline — the mocker's engines, the indexer's radix index and
 /// the router's policies and load view, in one process on simulated time, without NATS or
-/// etcd — once per routing mode, and reports what `kvroute-replay` reports.
-#[derive(Debug, Clone, clap::Parser)]
-#[command(name = "kvroute-sim", version)]
+/// etcd — once per routing mode, and reports what `kvroute-replay` reports. Environment
+/// fallbacks are `KVROUTE_SIM_*` only (kvroute-mocker's and kvroute-replay's variables do not
+/// apply).
+#[derive(Debug, Clone, clap::Args)]
 pub struct SimArgs {
     /// Mooncake JSONL trace (relative paths are from the working directory).
     #[arg(
@@ -89,6 +91,46 @@ pub struct SimArgs {
     pub telemetry: TelemetryArgs,
 }
 
+/// The sim's command: its flags include kvroute-mocker's engine flags and kvroute-replay's
+/// output flags, whose `KVROUTE_MOCKER_*` / `KVROUTE_REPLAY_*` fallbacks are renamed to
+/// `KVROUTE_SIM_*`, so a shell set up for those tools does not change the simulation.
+impl clap::CommandFactory for SimArgs {
+    fn command() -> Command {
+        own_env_names(<Self as clap::Args>::augment_args(base_command()))
+    }
+
+    fn command_for_update() -> Command {
+        own_env_names(<Self as clap::Args>::augment_args_for_update(base_command()))
+    }
+}
+
+impl clap::Parser for SimArgs {}
+
+fn base_command() -> Command {
+    Command::new("kvroute-sim").version(env!("CARGO_PKG_VERSION"))
+}
+
+/// The other tools' environment prefixes, renamed to `KVROUTE_SIM_` in the sim's flags.
+const FOREIGN_ENV_PREFIXES: [&str; 2] = ["KVROUTE_MOCKER_", "KVROUTE_REPLAY_"];
+
+/// Renames the flattened flags' `KVROUTE_MOCKER_X` / `KVROUTE_REPLAY_X` fallbacks to
+/// `KVROUTE_SIM_X` (shared ones such as `KVROUTE_LOG_FORMAT` stay).
+fn own_env_names(command: Command) -> Command {
+    command.mut_args(|arg| {
+        let renamed = arg.get_env().and_then(|env| env.to_str()).and_then(|env| {
+            FOREIGN_ENV_PREFIXES
+                .iter()
+                .find_map(|prefix| env.strip_prefix(prefix))
+                .map(|rest| format!("KVROUTE_SIM_{rest}"))
+        });
+        match renamed {
+            // clap keeps `'static` names: a few bytes per flag, once per parse.
+            Some(name) => arg.env(&*Box::leak(name.into_boxed_str())),
+            None => arg,
+        }
+    })
+}
+
 impl SimArgs {
     /// Checks every setting; the error names the flag.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -160,6 +202,63 @@ mod tests {
         a.validate().unwrap();
         assert_eq!((a.workers, a.routers, a.limit), (8, 1, 0));
         assert_eq!(a.modes, Mode::ALL.to_vec());
+    }
+
+    #[test]
+    fn the_sim_reads_only_its_own_environment_names() {
+        use clap::CommandFactory;
+        let names: Vec<String> = SimArgs::command()
+            .get_arguments()
+            .filter_map(|a| Some(a.get_env()?.to_str()?.to_owned()))
+            .collect();
+        assert!(
+            names.contains(&"KVROUTE_SIM_NUM_BLOCKS".to_owned()),
+            "{names:?}"
+        );
+        assert!(
+            names.contains(&"KVROUTE_SIM_JSON_OUT".to_owned()),
+            "{names:?}"
+        );
+        for name in &names {
+            assert!(
+                name.starts_with("KVROUTE_SIM_") || name == "KVROUTE_LOG_FORMAT",
+                "{name}"
+            );
+        }
+        let mut unique = names.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), names.len(), "{names:?}");
+    }
+
+    /// Runs in a child process of this test binary with the variables set (setting them here
+    /// would reach the other tests' parses, which run on other threads).
+    #[test]
+    fn the_mockers_and_replays_variables_do_not_change_the_sim() {
+        const CHILD: &str = "KVROUTE_SIM_CONFIG_TEST_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            let a = parse(&[]);
+            let defaults = crate::fleet::EngineArgs::default();
+            assert_eq!(a.engine.num_blocks, defaults.num_blocks);
+            assert_eq!(a.output.json_out, None);
+            assert_eq!(a.engine.block_size, 32, "its own name is read");
+            return;
+        }
+        let name = "sim::config::tests::the_mockers_and_replays_variables_do_not_change_the_sim";
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--test-threads", "1"])
+            .env(CHILD, "1")
+            .env("KVROUTE_MOCKER_NUM_BLOCKS", "77")
+            .env("KVROUTE_REPLAY_JSON_OUT", "/tmp/from-replay.json")
+            .env("KVROUTE_SIM_BLOCK_SIZE", "32")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The loops that keep the router's inputs current: the worker watch (etcd → candidates) and
-//! the load feed, one loop over one closed [`Feed`] enum: every replica's decisions, worker
+//! the load feed, one loop over one closed [`Feed`] enum: every replica's decisions (this
+//! replica's own come back too: applied again, not counted as duplicates), worker
 //! load reports, lifecycle events, the NATS connection's events (after a lost connection the
 //! predictions made before it are dropped: the gap's lifecycle events are missing), and a tick
 //! that expires old predictions.
@@ -96,12 +97,18 @@ impl Router {
         let m = &self.metrics;
         match feed {
             Feed::Decision(msg) => match decode::<Decision>(&msg.payload) {
-                Ok(d) => match self.lock_load().apply_decision(&d, now_ms()) {
-                    Applied::Added | Applied::Replaced | Applied::AlreadyCounted => {
-                        m.decisions_applied.inc()
+                Ok(d) => {
+                    // This replica's own decisions come back on the subject too: the selection
+                    // already applied and counted them, so their echo is no duplicate.
+                    let own = d.router_id == self.router_id;
+                    match self.lock_load().apply_decision(&d, now_ms()) {
+                        Applied::Added | Applied::Replaced | Applied::AlreadyCounted => {
+                            m.decisions_applied.inc()
+                        }
+                        Applied::Duplicate | Applied::Superseded if own => {}
+                        Applied::Duplicate | Applied::Superseded => m.decisions_duplicate.inc(),
                     }
-                    Applied::Duplicate | Applied::Superseded => m.decisions_duplicate.inc(),
-                },
+                }
                 Err(e) => self.bad("decision", &e),
             },
             Feed::Nats(async_nats::Event::Disconnected) => {

@@ -67,6 +67,14 @@ pub fn parse(payload: &[u8]) -> Result<SelectRequest, Rejected> {
         (Some(_), Some(_)) => {
             return Err(Rejected::bad("give token_ids or block_hashes, not both"));
         }
+        (Some(tokens), None) if tokens.is_empty() => {
+            return Err(Rejected::bad("token_ids must not be empty (the prompt)"));
+        }
+        (None, Some(hashes)) if hashes.is_empty() => {
+            return Err(Rejected::bad(
+                "block_hashes must not be empty (a prompt shorter than one block goes as token_ids)",
+            ));
+        }
         _ => {}
     }
     if let Some(session) = &request.session
@@ -175,6 +183,23 @@ mod tests {
                 .unwrap_err()
                 .message
                 .contains("token_ids")
+        );
+        let mut r = request();
+        r.token_ids = Some(vec![]);
+        let e = parse(&encode(&r).unwrap()).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest);
+        assert!(e.message.contains("token_ids"), "{}", e.message);
+        let mut r = request();
+        r.token_ids = None;
+        r.block_hashes = Some(vec![]);
+        let e = parse(&encode(&r).unwrap()).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest);
+        assert!(e.message.contains("block_hashes"), "{}", e.message);
+        let mut r = request();
+        r.token_ids = Some(vec![1, 2, 3]);
+        assert!(
+            parse(&encode(&r).unwrap()).is_ok(),
+            "a prompt shorter than one block is a prompt"
         );
         let mut r = request();
         r.session = Some(SessionContext::default());

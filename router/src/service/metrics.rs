@@ -23,7 +23,8 @@ pub struct RouterMetrics {
     pub overlap_fallbacks: Arc<CounterVec>,
     /// Session outcomes: `new`, `kept` (a hit), `rebound`, `released`.
     pub sessions: Arc<CounterVec>,
-    /// Decisions applied to the load view (all replicas'), and duplicates skipped.
+    /// Decisions applied to the load view (all replicas'), and duplicates skipped (another
+    /// replica's decision seen again or superseded; this replica's own echo is not one).
     pub decisions_applied: Arc<Counter>,
     pub decisions_duplicate: Arc<Counter>,
     /// Load reports taken, and stale ones dropped.
@@ -106,7 +107,7 @@ impl RouterMetrics {
             ),
             decisions_duplicate: r.counter(
                 "kvroute_router_decisions_duplicate_total",
-                "Decisions seen again (own decisions echoed by NATS) and skipped.",
+                "Other replicas' decisions seen again (a redelivery) or superseded by a decision of a later attempt, and skipped; this replica's own decisions echoed back are not counted.",
             ),
             load_reports: r.counter(
                 "kvroute_router_load_reports_total",

@@ -312,7 +312,10 @@ async fn main() -> anyhow::Result<()> {
         "cold replica at {status}"
     );
     anyhow::ensure!(
-        status["digest"].as_u64() == Some(digest),
+        status["digest"]
+            .as_str()
+            .and_then(kvroute_common::messages::parse_digest_hex)
+            == Some(digest),
         "cold replica digest differs"
     );
     child.stop()?;
