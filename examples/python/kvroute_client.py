@@ -9,6 +9,8 @@ its attempt number and its own deadline; an attempt that gets no answer in time 
     python3 examples/python/kvroute_client.py --nats-url nats://127.0.0.1:4222 --namespace default --model mock-model --session-id chat-42
     python3 examples/python/kvroute_client.py --count 20 --json  # 20 selections, a JSON summary
     python3 examples/python/kvroute_client.py --once      # one attempt, no retries (select_once)
+    python3 examples/python/kvroute_client.py --session-id chat-1 --count 5 --interval 0.6 --run 100000
+                                                  # each request then runs on its worker
     python3 examples/python/kvroute_client.py --vectors   # the hashing test vectors as JSON
     python3 examples/python/kvroute_client.py --encode-only  # one encoded SelectRequest as hex
 
@@ -160,6 +162,18 @@ class SelectClient:
                                                       self.namespace))
 
 
+async def run_on_worker(nc, reply, request, max_tokens):
+    """Sends the selected request to its worker (a GenerateRequest on the reply's
+    request_subject, with the selection's request_id) and returns at once: the worker answers
+    when the request finishes, on an inbox this client does not wait for."""
+    generate = {"v": 1, "request_id": reply["request_id"], "token_ids": request["token_ids"],
+                "max_tokens": max_tokens, "dp_rank": reply.get("dp_rank", 0),
+                "decision_id": reply.get("decision_id")}
+    await nc.publish(reply["request_subject"], msgpack.packb(generate, use_bin_type=True),
+                     reply=nc.new_inbox())
+    await nc.flush()
+
+
 def fail(message):
     """One line on stderr (no traceback)."""
     print("%s: %s" % (PROG, message), file=sys.stderr)
@@ -189,6 +203,8 @@ async def select(args, tokens):
     summary = {"ok": 0, "errors": {}, "attempts": [], "workers": [], "bindings": []}
     try:
         for i in range(args.count):
+            if i and args.interval:
+                await asyncio.sleep(args.interval)
             final = args.session_final and i == args.count - 1
             try:
                 if args.once:
@@ -202,6 +218,8 @@ async def select(args, tokens):
                     request = select_request(args.model, tokens, args.session_id, final,
                                              args.session_trigger)
                     reply, attempts = await client.select(request)
+                if args.run is not None and reply.get("status") == "ok":
+                    await run_on_worker(nc, reply, {"token_ids": tokens}, args.run)
             except NoAnswer as e:
                 summary["errors"]["no_answer"] = summary["errors"].get("no_answer", 0) + 1
                 if not args.json:
@@ -214,10 +232,15 @@ async def select(args, tokens):
                 summary["bindings"].append(reply.get("binding"))
                 if not args.json:
                     binding = " binding %s" % reply["binding"] if reply.get("binding") else ""
-                    print("worker %s rank %s (overlap %s of %s blocks, policy %s, router %s%s)"
+                    cost = reply.get("cost") or {}
+                    terms = ", ".join("%s %g" % kv for kv in sorted(cost.get("terms", {}).items()))
+                    print("worker %s rank %s (%s of %s blocks cached, policy %s, cost %g%s, "
+                          "router %s%s)"
                           % (reply["worker_id"], reply.get("dp_rank", 0),
-                             reply.get("overlap_blocks"), reply.get("request_blocks"),
-                             reply.get("policy"), reply.get("router_id"), binding))
+                             (reply.get("overlap_blocks") or {}).get("device", 0),
+                             reply.get("request_blocks"),
+                             reply.get("policy"), cost.get("total", 0),
+                             " = " + terms if terms else "", reply.get("router_id"), binding))
             else:
                 code = reply.get("code")
                 summary["errors"][code] = summary["errors"].get(code, 0) + 1
@@ -249,6 +272,11 @@ def main():
                    help="mark the last selection as the session's last (its binding is removed)")
     p.add_argument("--session-trigger", default="user_message",
                    choices=["user_message", "tool_result", "other"])
+    p.add_argument("--interval", type=float, default=0.0,
+                   help="seconds to wait between two selections")
+    p.add_argument("--run", type=int, metavar="MAX_TOKENS",
+                   help="send each selected request to its worker to generate MAX_TOKENS tokens "
+                   "(a GenerateRequest; this client does not wait for the answer)")
     p.add_argument("--once", action="store_true",
                    help="one attempt per selection, no retries (select_once)")
     p.add_argument("--json", action="store_true",
@@ -258,6 +286,10 @@ def main():
     args = p.parse_args()
     if args.count < 1:
         p.error("--count must be at least 1")
+    if args.interval < 0:
+        p.error("--interval must be at least 0")
+    if args.run is not None and args.run < 1:
+        p.error("--run must be at least 1")
     if args.session_id is not None and not 1 <= len(args.session_id.encode("utf-8")) <= 256:
         p.error("--session-id must be 1-256 bytes")
     tokens = list(range(1, 257))

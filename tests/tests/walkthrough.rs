@@ -175,3 +175,71 @@ fn the_custom_catalog_runs_offline_and_is_named_in_help() {
         );
     }
 }
+
+/// The walkthrough's "Run it" commands as written: the Python client runs five requests of one
+/// session, 0.6 s apart, on the workers the router picks.
+#[tokio::test]
+async fn the_walkthrough_commands_show_the_session_move() {
+    let env = TestEnv::start().unwrap();
+    let _mocker = start_mocker(&env, 2);
+    let yaml = workspace_root().join("examples/custom-policy/sticky.yaml");
+    let router = RouterProcess::start_bin(
+        &env,
+        "kvroute-router-custom",
+        "walkthrough",
+        &[
+            "--policy-config",
+            yaml.to_str().unwrap(),
+            "--session-affinity",
+            "soft",
+        ],
+    )
+    .unwrap();
+    let start = std::time::Instant::now();
+    while router.metric("kvroute_router_workers") < 2.0 {
+        assert!(start.elapsed() < Duration::from_secs(20), "workers seen");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let script = workspace_root().join("examples/python/kvroute_client.py");
+    let args = [
+        "--nats-url".to_owned(),
+        env.nats.url(),
+        "--namespace".to_owned(),
+        env.namespace.to_string(),
+        "--session-id".to_owned(),
+        "chat-1".to_owned(),
+        "--count".to_owned(),
+        "5".to_owned(),
+        "--interval".to_owned(),
+        "0.6".to_owned(),
+        "--run".to_owned(),
+        "100000".to_owned(),
+        "--json".to_owned(),
+    ];
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("python3")
+            .arg(script)
+            .args(args)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let workers: Vec<u64> = summary["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w.as_u64().unwrap())
+        .collect();
+    assert_eq!(workers.len(), 5, "{summary}");
+    assert!(
+        workers[..4].iter().all(|w| *w == workers[0]) && workers[4] != workers[0],
+        "four on one worker, the fifth moves: {summary}"
+    );
+}
