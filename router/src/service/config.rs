@@ -190,14 +190,13 @@ impl RouterConfig {
                 "must be 1-128 characters of [A-Za-z0-9_-] (it is a NATS subject token)",
             ));
         }
-        if let Some(path) = &self.policy_config
-            && !path.is_file()
-        {
-            return Err(ConfigError::new(
-                "policy-config",
-                format!("file {} does not exist", path.display()),
-            ));
+        if let Some(path) = &self.policy_config {
+            kvroute_common::config::check_file("policy-config", path)?;
         }
+        kvroute_common::jetstream::validate_replicas(
+            "session-bucket-replicas",
+            self.session_bucket_replicas,
+        )?;
         let positive = [
             ("index-query-timeout-ms", self.index_query_timeout_ms),
             ("index-query-attempts", u64::from(self.index_query_attempts)),
@@ -205,10 +204,6 @@ impl RouterConfig {
             ("session-idle-ttl-secs", self.session_idle_ttl_secs),
             ("load-report-interval-ms", self.load_report_interval_ms),
             ("prediction-max-age-secs", self.prediction_max_age_secs),
-            (
-                "session-bucket-replicas",
-                self.session_bucket_replicas as u64,
-            ),
             ("max-in-flight", self.max_in_flight as u64),
         ];
         for (field, value) in positive {
@@ -336,5 +331,32 @@ mod tests {
         assert_eq!(o.prefill.as_deref(), Some("p"));
         assert_eq!(o.decode, None);
         assert_eq!(o.env.as_deref(), Some("all"));
+    }
+
+    #[test]
+    fn both_replica_counts_are_range_checked() {
+        for args in [
+            &["--session-bucket-replicas", "9"][..],
+            &["--session-bucket-replicas", "0"][..],
+        ] {
+            let err = parse(args).validate().unwrap_err();
+            assert_eq!(err.field, "session-bucket-replicas", "{args:?}");
+            assert!(err.message.contains("between 1 and 5"), "{err}");
+        }
+        assert!(
+            parse(&["--session-bucket-replicas", "5"])
+                .validate()
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn a_directory_for_the_policy_file_is_named_as_one() {
+        let dir = std::env::temp_dir();
+        let err = parse(&["--policy-config", dir.to_str().unwrap()])
+            .validate()
+            .unwrap_err();
+        assert_eq!(err.field, "policy-config");
+        assert!(err.message.ends_with("is a directory, not a file"), "{err}");
     }
 }

@@ -21,9 +21,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
-use anyhow::Context as _;
-use async_nats::jetstream;
 use kvroute_common::discovery::watch_workers;
+use kvroute_common::jetstream::require_jetstream;
 use kvroute_common::names::Names;
 use kvroute_common::ops::{InFlight, spawn_watchdog, watchdog_observer};
 use kvroute_indexer::service::{LocalReplica, LocalReplicaConfig};
@@ -136,8 +135,8 @@ pub async fn run(
     let router_id = config.router_id();
     let names = Names::new(&config.namespace.namespace);
     let (nats, connection_events) = config.nats.connect_observed(&router_id).await?;
+    let js = require_jetstream(&nats, &config.nats.urls.join(",")).await?;
     let etcd = config.etcd.connect().await?;
-    let js = jetstream::new(nats.clone());
     let sessions_config = config.sessions();
     let store = KvSessionStore::open(
         &js,
@@ -147,8 +146,7 @@ pub async fn run(
             replicas: config.session_bucket_replicas,
         },
     )
-    .await
-    .context("opening the sessions bucket")?;
+    .await?;
     let (overlap, replica_task) = match config.overlap_mode {
         OverlapMode::Remote => (
             OverlapSource::remote(nats.clone(), &names, config.index_query_policy()),
@@ -191,9 +189,12 @@ pub async fn run(
         max_in_flight: config.max_in_flight,
     });
 
-    let (addr, http_task) =
-        kvroute_common::ops::serve_http(config.http_addr, Arc::new(http::Http(router.clone())))
-            .await?;
+    let (addr, http_task) = kvroute_common::ops::serve_http(
+        "http-addr",
+        config.http_addr,
+        Arc::new(http::Http(router.clone())),
+    )
+    .await?;
     tracing::info!(router_id, %addr, "router http listening");
     let watch_task = tokio::spawn(feeds::watch_workers(
         router.clone(),
@@ -229,18 +230,16 @@ pub async fn run(
 }
 
 /// The whole `main` of a router binary linking `registry`'s policy types: parse flags (with
-/// `KVROUTE_*` env fallbacks), set up logging, prepare (exit 2 with the message on a bad
-/// configuration), run until SIGTERM or Ctrl-C.
-pub async fn main_with(registry: PolicyRegistry, name: &str) -> anyhow::Result<()> {
-    use clap::Parser as _;
-    let config = RouterConfig::parse();
-    kvroute_common::telemetry::init(&config.telemetry);
-    let prepared = match Prepared::new(config, &registry) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("{name}: {e}");
-            std::process::exit(2);
-        }
-    };
-    run(prepared, kvroute_common::ops::shutdown_signal()).await
+/// `KVROUTE_*` env fallbacks), set up logging, prepare (a bad configuration exits with
+/// status 2 and one line naming it), run until SIGTERM or Ctrl-C; errors end it with one
+/// line and a status of kvroute's exit table (`kvroute_common::ops::exit`).
+pub fn main_with(registry: PolicyRegistry, name: &str) -> std::process::ExitCode {
+    use kvroute_common::ops::exit;
+    exit::run(name, |config: RouterConfig, origins| {
+        kvroute_common::telemetry::init(&config.telemetry);
+        config.validate().map_err(|e| origins.attribute(e))?;
+        let prepared = Prepared::new(config, &registry)
+            .map_err(|e| exit::with_status(exit::Status::BadConfig, e))?;
+        exit::block_on(run(prepared, kvroute_common::ops::shutdown_signal()))
+    })
 }
