@@ -131,8 +131,10 @@ fn booleans_take_1_and_0_and_empty_variables_mean_unset() {
 }
 
 #[test]
-fn policy_files_that_are_directories_are_refused_by_router_and_sim() {
+fn policy_files_that_are_directories_or_empty_are_refused_by_router_and_sim() {
     let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.yaml");
+    std::fs::write(&empty, "# nothing yet\n").unwrap();
     let unknown = dir.path().join("unknown.yaml");
     std::fs::write(
         &unknown,
@@ -152,6 +154,11 @@ fn policy_files_that_are_directories_are_refused_by_router_and_sim() {
         let message = one_error_line(bin, &with(&dir_path), 2);
         assert!(
             message.ends_with(&format!("{dir_path} is a directory, not a file")),
+            "{bin}: {message}"
+        );
+        let message = one_error_line(bin, &with(empty.to_str().unwrap()), 2);
+        assert!(
+            message.contains("empty; expected a `worker_selection` mapping"),
             "{bin}: {message}"
         );
         // The same policy error is a bad configuration (2) in both.

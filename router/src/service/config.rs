@@ -5,11 +5,12 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use kvroute_common::cli::Origins;
 use kvroute_common::config::{ConfigError, EtcdArgs, NamespaceArgs, NatsArgs};
 use kvroute_common::telemetry::TelemetryArgs;
 
 use crate::eligibility::{BusyThresholds, PrefillLimit};
-use crate::registry::PolicyOverrides;
+use crate::registry::{Override, PolicyOverrides};
 use crate::select::HostConfig;
 use crate::session::{AffinityMode, SessionConfig};
 
@@ -175,6 +176,11 @@ pub struct RouterConfig {
         default_value_t = 1000
     )]
     pub max_lag_ms: u64,
+
+    /// Where each flag's value came from (the binary records it after parsing), so errors
+    /// name the environment variable of a value that came from one.
+    #[arg(skip)]
+    pub origins: Origins,
 }
 
 impl RouterConfig {
@@ -274,12 +280,17 @@ impl RouterConfig {
         }
     }
 
-    /// The selections given outside the YAML.
+    /// The selections given outside the YAML, each with where it came from.
     pub fn policy_overrides(&self) -> PolicyOverrides {
+        let selection = |flag: &str, value: &Option<String>| {
+            value
+                .as_ref()
+                .map(|name| Override::new(name, self.origins.label(flag)))
+        };
         PolicyOverrides {
-            prefill: self.prefill_policy.clone(),
-            decode: self.decode_policy.clone(),
-            env: self.worker_selection_policy.clone(),
+            prefill: selection("prefill-policy", &self.prefill_policy),
+            decode: selection("decode-policy", &self.decode_policy),
+            all_roles: selection("worker-selection-policy", &self.worker_selection_policy),
         }
     }
 }
@@ -328,9 +339,28 @@ mod tests {
     fn role_flags_and_the_all_roles_selection_become_overrides() {
         let c = parse(&["--prefill-policy", "p", "--worker-selection-policy", "all"]);
         let o = c.policy_overrides();
-        assert_eq!(o.prefill.as_deref(), Some("p"));
+        assert_eq!(o.prefill, Some(Override::new("p", "--prefill-policy")));
         assert_eq!(o.decode, None);
-        assert_eq!(o.env.as_deref(), Some("all"));
+        assert_eq!(
+            o.all_roles,
+            Some(Override::new("all", "--worker-selection-policy"))
+        );
+    }
+
+    #[test]
+    fn overrides_from_the_environment_name_their_variable() {
+        use kvroute_common::cli::Origin;
+        let mut c = parse(&["--decode-policy", "d", "--worker-selection-policy", "w"]);
+        c.origins = Origins::from_pairs([
+            ("decode-policy", Origin::Env("KVROUTE_DECODE_POLICY".into())),
+            ("worker-selection-policy", Origin::CommandLine),
+        ]);
+        let o = c.policy_overrides();
+        assert_eq!(o.decode, Some(Override::new("d", "KVROUTE_DECODE_POLICY")));
+        assert_eq!(
+            o.all_roles,
+            Some(Override::new("w", "--worker-selection-policy"))
+        );
     }
 
     #[test]

@@ -34,22 +34,27 @@ use self::metrics::RouterMetrics;
 use self::overlap::OverlapSource;
 use self::policies::{Policies, PolicySlot};
 use self::sessions_kv::{BucketConfig, KvSessionStore};
-use crate::registry::{ConfigError as PolicyConfigError, PolicyRegistry, WorkerSelectionConfig};
+use crate::registry::{
+    ConfigError as PolicyConfigError, PolicyFileError, PolicyRegistry, WorkerSelectionConfig,
+};
 use crate::select::HostConfig;
 use crate::session::SessionTable;
 
-/// Why the router could not start; each names what is wrong.
+/// Why the router could not start; each names what is wrong and where it came from.
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
     #[error(transparent)]
     Config(#[from] kvroute_common::config::ConfigError),
-    #[error("--policy-config {path}: {source}")]
+    /// The policy file cannot be used; `flag` is `--policy-config` or its variable.
+    #[error("{flag} {path}: {source}")]
     PolicyFile {
+        flag: String,
         path: String,
-        source: std::io::Error,
+        source: Box<PolicyFileError>,
     },
-    #[error("--policy-config: {0}")]
-    Policy(#[from] PolicyConfigError),
+    /// A selection given by a flag or variable (the message names which).
+    #[error("{0}")]
+    Policy(Box<PolicyConfigError>),
 }
 
 /// The checked configuration with the policies resolved: everything that can fail before
@@ -64,19 +69,29 @@ impl Prepared {
     /// Validates `config` and resolves every role's policy against `registry` (unknown
     /// types, duplicate instances and bad parameters stop here).
     pub fn new(config: RouterConfig, registry: &PolicyRegistry) -> Result<Self, StartupError> {
-        config.validate()?;
+        config.validate().map_err(|e| config.origins.attribute(e))?;
+        let file_error = |source: PolicyFileError| StartupError::PolicyFile {
+            flag: config.origins.label("policy-config"),
+            path: config
+                .policy_config
+                .as_deref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            source: Box::new(source),
+        };
         let yaml = match &config.policy_config {
-            Some(path) => {
-                let text =
-                    std::fs::read_to_string(path).map_err(|source| StartupError::PolicyFile {
-                        path: path.display().to_string(),
-                        source,
-                    })?;
-                WorkerSelectionConfig::from_yaml(&text)?
-            }
+            Some(path) => WorkerSelectionConfig::from_file(path).map_err(file_error)?,
             None => WorkerSelectionConfig::default(),
         };
-        let policies = registry.resolve(&yaml, &config.policy_overrides())?;
+        let policies = registry
+            .resolve(&yaml, &config.policy_overrides())
+            .map_err(|e| {
+                if e.in_file() && config.policy_config.is_some() {
+                    file_error(PolicyFileError::Content(e))
+                } else {
+                    StartupError::Policy(Box::new(e))
+                }
+            })?;
         Ok(Self { config, policies })
     }
 }
@@ -235,9 +250,9 @@ pub async fn run(
 /// line and a status of kvroute's exit table (`kvroute_common::ops::exit`).
 pub fn main_with(registry: PolicyRegistry, name: &str) -> std::process::ExitCode {
     use kvroute_common::ops::exit;
-    exit::run(name, |config: RouterConfig, origins| {
+    exit::run(name, |mut config: RouterConfig, origins| {
+        config.origins = origins;
         kvroute_common::telemetry::init(&config.telemetry);
-        config.validate().map_err(|e| origins.attribute(e))?;
         let prepared = Prepared::new(config, &registry)
             .map_err(|e| exit::with_status(exit::Status::BadConfig, e))?;
         exit::block_on(run(prepared, kvroute_common::ops::shutdown_signal()))
