@@ -1,19 +1,23 @@
 //! Connection settings shared by every binary: NATS and etcd, from CLI flags with `KVROUTE_*`
 //! environment fallbacks, validated once at startup ([`ConfigError`] names the bad flag).
+//! Connecting ([`connect`]) retries until a startup deadline, the same way for both.
+
+mod connect;
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
-
-use anyhow::Context as _;
 
 use crate::ids::Namespace;
 
-/// A setting that cannot work; `field` is the flag's name.
+pub use connect::{DEFAULT_CONNECT_TIMEOUT_MS, Unreachable};
+
+/// A setting that cannot work; `field` is the flag's name, `env` the environment variable
+/// the value came from (when it did; see [`crate::cli::Origins::attribute`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid configuration: --{field}: {message}")]
+#[error("invalid configuration: {}: {message}", self.source_label())]
 pub struct ConfigError {
     pub field: &'static str,
     pub message: String,
+    pub env: Option<String>,
 }
 
 impl ConfigError {
@@ -21,17 +25,49 @@ impl ConfigError {
         Self {
             field,
             message: message.into(),
+            env: None,
         }
+    }
+
+    fn source_label(&self) -> String {
+        match &self.env {
+            Some(env) => format!("{env} (for --{})", self.field),
+            None => format!("--{}", self.field),
+        }
+    }
+}
+
+/// Checks that `path` (the value of `--field`) is a file that can be opened: the error says
+/// whether it is missing, a directory, or unreadable.
+pub fn check_file(field: &'static str, path: &Path) -> Result<(), ConfigError> {
+    let problem = match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => "is a directory, not a file".to_owned(),
+        Ok(_) => match std::fs::File::open(path) {
+            Ok(_) => return Ok(()),
+            Err(e) => format!("cannot be read: {}", io_reason(&e)),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => "does not exist".to_owned(),
+        Err(e) => format!("cannot be read: {}", io_reason(&e)),
+    };
+    Err(ConfigError::new(
+        field,
+        format!("{} {problem}", path.display()),
+    ))
+}
+
+/// An I/O error in words, without the `(os error N)` suffix.
+pub fn io_reason(e: &std::io::Error) -> String {
+    let text = e.to_string();
+    match text.find(" (os error") {
+        Some(i) => text[..i].to_lowercase(),
+        None => text,
     }
 }
 
 fn file_must_exist(field: &'static str, path: &Option<PathBuf>) -> Result<(), ConfigError> {
     match path {
-        Some(p) if !p.is_file() => Err(ConfigError::new(
-            field,
-            format!("file {} does not exist", p.display()),
-        )),
-        _ => Ok(()),
+        Some(p) => check_file(field, p),
+        None => Ok(()),
     }
 }
 
@@ -103,12 +139,13 @@ pub struct NatsArgs {
         env = "KVROUTE_NATS_TLS_KEY"
     )]
     pub tls_key: Option<PathBuf>,
-    /// Time to wait for the first connection, in milliseconds.
+    /// Startup deadline, in milliseconds: the first connection is retried (with backoff, each
+    /// failure logged) for this long, then the process exits with status 4.
     #[arg(
         id = "nats-connect-timeout-ms",
         long = "nats-connect-timeout-ms",
         env = "KVROUTE_NATS_CONNECT_TIMEOUT_MS",
-        default_value_t = 5000
+        default_value_t = DEFAULT_CONNECT_TIMEOUT_MS
     )]
     pub connect_timeout_ms: u64,
     /// How often to ping the server, in milliseconds; after 2 unanswered pings the client
@@ -191,82 +228,6 @@ impl NatsArgs {
         }
         Ok(())
     }
-
-    /// Connects; `name` identifies the process to the server. Reconnects forever afterwards;
-    /// connection events are logged.
-    pub async fn connect(&self, name: &str) -> anyhow::Result<async_nats::Client> {
-        self.connect_with(name, None).await
-    }
-
-    /// [`NatsArgs::connect`], also sending every connection event (`Disconnected`,
-    /// `Connected`, ...) on the returned channel: for state that must be reconciled after a
-    /// gap in what the connection delivered.
-    pub async fn connect_observed(
-        &self,
-        name: &str,
-    ) -> anyhow::Result<(
-        async_nats::Client,
-        tokio::sync::mpsc::UnboundedReceiver<async_nats::Event>,
-    )> {
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        Ok((self.connect_with(name, Some(tx)).await?, rx))
-    }
-
-    async fn connect_with(
-        &self,
-        name: &str,
-        events: Option<tokio::sync::mpsc::UnboundedSender<async_nats::Event>>,
-    ) -> anyhow::Result<async_nats::Client> {
-        self.validate()?;
-        let mut opts = async_nats::ConnectOptions::new()
-            .name(name)
-            .connection_timeout(Duration::from_millis(self.connect_timeout_ms))
-            .ping_interval(Duration::from_millis(self.ping_interval_ms))
-            .max_reconnects(None)
-            .event_callback(move |event| {
-                match &event {
-                    async_nats::Event::Connected => {
-                        tracing::info!("NATS connection (re)established")
-                    }
-                    async_nats::Event::Disconnected => {
-                        tracing::warn!("NATS connection lost; reconnecting")
-                    }
-                    async_nats::Event::Closed => tracing::info!("NATS connection closed"),
-                    other => tracing::warn!(event = %other, "NATS connection event"),
-                }
-                if let Some(tx) = &events {
-                    let _ = tx.send(event);
-                }
-                async {}
-            });
-        if let (Some(user), Some(password)) = (&self.user, &self.password) {
-            opts = opts.user_and_password(user.clone(), password.clone());
-        }
-        if let Some(token) = &self.token {
-            opts = opts.token(token.clone());
-        }
-        if let Some(creds) = &self.creds_file {
-            opts = opts
-                .credentials_file(creds)
-                .await
-                .with_context(|| format!("reading --nats-creds {}", creds.display()))?;
-        }
-        if let Some(ca) = &self.tls_ca {
-            opts = opts.add_root_certificates(ca.clone()).require_tls(true);
-        }
-        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
-            opts = opts.add_client_certificate(cert.clone(), key.clone());
-        }
-        let urls: Vec<async_nats::ServerAddr> = self
-            .urls
-            .iter()
-            .map(|u| u.parse())
-            .collect::<Result<_, _>>()
-            .context("parsing --nats-url")?;
-        opts.connect(urls)
-            .await
-            .with_context(|| format!("connecting to NATS at {}", self.urls.join(",")))
-    }
 }
 
 /// How to reach etcd.
@@ -309,12 +270,13 @@ pub struct EtcdArgs {
         env = "KVROUTE_ETCD_TLS_KEY"
     )]
     pub tls_key: Option<PathBuf>,
-    /// Time to wait for a connection, in milliseconds.
+    /// Startup deadline, in milliseconds: the first connection is retried (with backoff, each
+    /// failure logged) for this long, then the process exits with status 4.
     #[arg(
         id = "etcd-connect-timeout-ms",
         long = "etcd-connect-timeout-ms",
         env = "KVROUTE_ETCD_CONNECT_TIMEOUT_MS",
-        default_value_t = 5000
+        default_value_t = DEFAULT_CONNECT_TIMEOUT_MS
     )]
     pub connect_timeout_ms: u64,
 }
@@ -362,35 +324,6 @@ impl EtcdArgs {
         }
         Ok(())
     }
-
-    pub async fn connect(&self) -> anyhow::Result<etcd_client::Client> {
-        self.validate()?;
-        let timeout = Duration::from_millis(self.connect_timeout_ms);
-        let mut opts = etcd_client::ConnectOptions::new()
-            .with_connect_timeout(timeout)
-            .with_timeout(timeout)
-            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(5));
-        if let (Some(user), Some(password)) = (&self.user, &self.password) {
-            opts = opts.with_user(user.clone(), password.clone());
-        }
-        if self.tls_ca.is_some() || self.tls_cert.is_some() {
-            let mut tls = etcd_client::TlsOptions::new();
-            if let Some(ca) = &self.tls_ca {
-                tls = tls.ca_certificate(etcd_client::Certificate::from_pem(read(ca)?));
-            }
-            if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
-                tls = tls.identity(etcd_client::Identity::from_pem(read(cert)?, read(key)?));
-            }
-            opts = opts.with_tls(tls);
-        }
-        etcd_client::Client::connect(&self.endpoints, Some(opts))
-            .await
-            .with_context(|| format!("connecting to etcd at {}", self.endpoints.join(",")))
-    }
-}
-
-fn read(path: &Path) -> anyhow::Result<Vec<u8>> {
-    std::fs::read(path).with_context(|| format!("reading {}", path.display()))
 }
 
 /// Accepts `scheme://host:port` with a listed scheme, or a bare `host:port`.
@@ -450,7 +383,7 @@ mod tests {
         assert_eq!(both.nats.user.as_deref(), Some("u"));
         assert_eq!(both.etcd.user.as_deref(), Some("e"));
         assert_eq!(both.nats.connect_timeout_ms, 7);
-        assert_eq!(both.etcd.connect_timeout_ms, 5000);
+        assert_eq!(both.etcd.connect_timeout_ms, DEFAULT_CONNECT_TIMEOUT_MS);
     }
 
     #[test]

@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
+use crate::jetstream::JetStreamError;
 use crate::names::Names;
+use crate::ops::exit::describe;
 use async_nats::jetstream::{self, stream};
 
 /// Where the events stream keeps its messages.
@@ -126,28 +128,54 @@ pub fn mismatches(actual: &stream::Config, wanted: &stream::Config) -> Vec<Strin
 }
 
 /// Gets the events stream, creating it if absent. Returns the stream and any mismatches
-/// between its settings and ours (logged by the caller, never "fixed").
+/// between its settings and ours (logged by the caller, never "fixed"). A refused creation
+/// names the settings (as `--stream-*` flags) and keeps the server's cause.
 pub async fn ensure_events_stream(
     js: &jetstream::Context,
     names: &Names,
     args: &StreamArgs,
-) -> anyhow::Result<(stream::Stream, Vec<String>)> {
+) -> Result<(stream::Stream, Vec<String>), JetStreamError> {
     let wanted = desired_config(names, args);
+    let what = format!("stream {}", wanted.name);
+    let mut refused = None;
     for _ in 0..3 {
         match js.get_stream(&wanted.name).await {
             Ok(mut s) => {
-                let info = s.info().await?;
+                let info = s
+                    .info()
+                    .await
+                    .map_err(|e| JetStreamError::failed(format!("reading {what}"), &e))?;
                 let diff = mismatches(&info.config, &wanted);
                 return Ok((s, diff));
             }
             Err(_) => match js.create_stream(wanted.clone()).await {
                 Ok(s) => return Ok((s, Vec::new())),
-                // Another process created it meanwhile: read it back.
+                // Another process may have created it meanwhile: read it back.
                 Err(e) => {
-                    tracing::debug!(error = %e, "creating the events stream raced; reading it")
+                    tracing::debug!(error = %e, "creating the events stream failed; reading it");
+                    refused = Some(describe(&e));
                 }
             },
         }
     }
-    anyhow::bail!("could not get or create stream {}", wanted.name)
+    Err(JetStreamError::Refused {
+        setting: args.flags(),
+        what,
+        cause: refused.unwrap_or_else(|| "unknown error".into()),
+    })
+}
+
+impl StreamArgs {
+    /// The settings a refused creation may be about, as flags.
+    pub fn flags(&self) -> String {
+        format!(
+            "--stream-replicas {} (with --stream-max-bytes {}, --stream-storage {})",
+            self.replicas,
+            self.max_bytes,
+            match self.storage {
+                StreamStorage::File => "file",
+                StreamStorage::Memory => "memory",
+            }
+        )
+    }
 }

@@ -7,8 +7,12 @@
 //! - [`names`]: every NATS subject, JetStream stream, bucket and etcd key;
 //! - [`config`]: NATS / etcd connection settings shared by all binaries;
 //! - [`client`]: clients of the router and indexer groups (deadlines, retries);
-//! - [`telemetry`]: logging setup.
+//! - [`telemetry`]: logging setup;
+//! - [`cli`]: command-line parsing conventions, and [`ops::exit`]: exit statuses and the
+//!   error line, shared by every binary;
+//! - [`jetstream`]: the startup check that NATS has JetStream, and creation errors.
 
+pub mod cli;
 pub mod client;
 pub mod codec;
 pub mod config;
@@ -16,6 +20,7 @@ pub mod discovery;
 pub mod events_stream;
 pub mod hashing;
 pub mod ids;
+pub mod jetstream;
 pub mod lease;
 pub mod messages;
 pub mod names;

@@ -1,4 +1,7 @@
-//! Logging setup for binaries: `RUST_LOG` filters (default `info`), `--log-format text|json`.
+//! Logging setup for binaries: `RUST_LOG` filters (default `info`), `--log-format text|json`,
+//! colour only on a terminal and never with `NO_COLOR` set.
+
+use std::io::IsTerminal as _;
 
 /// Log line format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -16,12 +19,18 @@ pub struct TelemetryArgs {
     pub log_format: LogFormat,
 }
 
-/// Installs the global subscriber. Called once, from `main`. Logs go to stderr.
+/// Installs the global subscriber. Called once, from `main`. Logs go to stderr; like
+/// `RUST_LOG`, `NO_COLOR` is read here, at the binary's edge.
 pub fn init(args: &TelemetryArgs) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let ansi = colour(
+        std::io::stderr().is_terminal(),
+        std::env::var_os("NO_COLOR").as_deref(),
+    );
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     let result = match args.log_format {
         LogFormat::Text => builder.try_init(),
@@ -29,4 +38,23 @@ pub fn init(args: &TelemetryArgs) {
     };
     // A second init (tests, embedded use) keeps the first subscriber.
     drop(result);
+}
+
+/// Whether log lines are coloured: only on a terminal, and not when `NO_COLOR` is set to
+/// anything but the empty string (<https://no-color.org>).
+pub fn colour(is_terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    is_terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(colour(true, None));
+        assert!(colour(true, Some("".as_ref())));
+        assert!(!colour(true, Some("1".as_ref())));
+        assert!(!colour(false, None));
+    }
 }

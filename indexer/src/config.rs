@@ -102,12 +102,7 @@ impl IndexerConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.nats.validate()?;
         self.etcd.validate()?;
-        if !(1..=5).contains(&self.stream.replicas) {
-            return Err(ConfigError::new(
-                "stream-replicas",
-                "must be between 1 and 5",
-            ));
-        }
+        kvroute_common::jetstream::validate_replicas("stream-replicas", self.stream.replicas)?;
         if self.stream.max_bytes == 0 || self.stream.max_bytes < -1 {
             return Err(ConfigError::new(
                 "stream-max-bytes",

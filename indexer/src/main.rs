@@ -1,16 +1,19 @@
 //! `kvroute-indexer`: parses the configuration, sets up logging, runs the replica until
-//! SIGTERM or Ctrl-C.
+//! SIGTERM or Ctrl-C. Errors end it with one line and a status of kvroute's exit table
+//! (`kvroute_common::ops::exit`).
 
-use clap::Parser;
+use std::process::ExitCode;
+
+use kvroute_common::ops::exit;
 use kvroute_indexer::config::IndexerConfig;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let config = IndexerConfig::parse();
-    kvroute_common::telemetry::init(&config.telemetry);
-    if let Err(e) = config.validate() {
-        eprintln!("kvroute-indexer: {e}");
-        std::process::exit(2);
-    }
-    kvroute_indexer::service::run(config, kvroute_common::ops::shutdown_signal()).await
+fn main() -> ExitCode {
+    exit::run("kvroute-indexer", |config: IndexerConfig, origins| {
+        kvroute_common::telemetry::init(&config.telemetry);
+        config.validate().map_err(|e| origins.attribute(e))?;
+        exit::block_on(kvroute_indexer::service::run(
+            config,
+            kvroute_common::ops::shutdown_signal(),
+        ))
+    })
 }

@@ -106,7 +106,7 @@ impl Fleet {
                     metrics: metrics.clone(),
                     registered: workers.iter().map(|w| w.registered.clone()).collect(),
                 };
-                let (bound, task) = serve_http(addr, Arc::new(handler)).await?;
+                let (bound, task) = serve_http("http-addr", addr, Arc::new(handler)).await?;
                 tracing::info!(%bound, "serving /metrics /healthz /readyz");
                 Some((bound, task))
             }
@@ -183,9 +183,20 @@ fn card(config: &FleetConfig, worker_id: WorkerId, names: &Names) -> WorkerCard 
 /// Creates the events stream if nobody has yet (a fleet may start before any indexer).
 /// An existing stream is left as it is.
 pub async fn ensure_events_stream(js: &jetstream::Context, names: &Names) -> anyhow::Result<()> {
+    use kvroute_common::jetstream::JetStreamError;
     let settings = kvroute_common::events_stream::StreamArgs::default();
     let (_, mismatched) =
-        kvroute_common::events_stream::ensure_events_stream(js, names, &settings).await?;
+        kvroute_common::events_stream::ensure_events_stream(js, names, &settings)
+            .await
+            .map_err(|e| match e {
+                // The mocker has no --stream-* flags: it creates the stream with the defaults.
+                JetStreamError::Refused { what, cause, .. } => JetStreamError::Refused {
+                    setting: "kvroute-mocker's default stream settings (1 replica; start an indexer with --stream-* first, or pass --no-create-stream)".into(),
+                    what,
+                    cause,
+                },
+                other => other,
+            })?;
     for m in mismatched {
         tracing::warn!(
             stream = names.events_stream(),

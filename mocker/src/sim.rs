@@ -23,20 +23,23 @@ use crate::replay::oracle::{oracle_with_hits, ttft_floor};
 use crate::replay::{Plan, Progress, RunReport};
 
 /// The policies of `--policy-config` (the built-in ones without it), resolved against
-/// `registry` as a router resolves them.
+/// `registry` as a router resolves them; an error names the flag and the file.
 pub fn load_policies(
     args: &SimArgs,
     registry: &PolicyRegistry,
 ) -> anyhow::Result<ResolvedPolicies> {
-    let yaml = match &args.policy_config {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
-            WorkerSelectionConfig::from_yaml(&text)?
-        }
-        None => WorkerSelectionConfig::default(),
+    let Some(path) = &args.policy_config else {
+        return Ok(registry.resolve(
+            &WorkerSelectionConfig::default(),
+            &PolicyOverrides::default(),
+        )?);
     };
-    Ok(registry.resolve(&yaml, &PolicyOverrides::default())?)
+    let in_file =
+        |e: &dyn std::fmt::Display| anyhow::anyhow!("--policy-config {}: {e}", path.display());
+    let yaml = WorkerSelectionConfig::from_file(path).map_err(|e| in_file(&e))?;
+    registry
+        .resolve(&yaml, &PolicyOverrides::default())
+        .map_err(|e| in_file(&e))
 }
 
 /// [`run_with`] the built-in policies.

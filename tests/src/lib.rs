@@ -17,10 +17,10 @@ pub use bins::{IndexerProcess, kvroute_bin};
 pub use http::http_get;
 pub use load::{LoadPlan, LoadReport, Sent, steady_load};
 pub use ports::free_port;
-pub use process::{ChildGuard, Supervised};
+pub use process::{ChildGuard, Exited, Supervised, run_to_exit};
 pub use router::{
-    PromptWorker, RouterProcess, prompt_workers, request, router_exit, select, select_raw,
-    select_until_overlap, worker_card,
+    PromptWorker, RouterProcess, prompt_workers, request, router_exit, router_exit_with, select,
+    select_raw, select_until_overlap, worker_card,
 };
 pub use servers::{EtcdServer, NatsServer, TestEnv, find_binary, workspace_root};
 pub use sim_worker::{SimWorker, expected_index, sim_card, stored};

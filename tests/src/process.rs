@@ -2,9 +2,10 @@
 //! kills it when our end of its stdin pipe closes, which happens even when the test process
 //! is killed with SIGKILL.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use nix::sys::signal::{Signal, kill};
@@ -133,4 +134,83 @@ impl Drop for ChildGuard {
     fn drop(&mut self) {
         let _ = self.reap();
     }
+}
+
+/// How a process that ran to its end ended.
+#[derive(Debug, Clone)]
+pub struct Exited {
+    /// The exit status (-1: killed by a signal).
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+    pub elapsed: Duration,
+}
+
+impl Exited {
+    /// stderr's last line (where kvroute's binaries put their error).
+    pub fn last_line(&self) -> &str {
+        self.stderr.trim_end().lines().last().unwrap_or("")
+    }
+}
+
+/// Runs `program` with `args` and extra environment variables `env` (an empty value sets the
+/// variable to the empty string) until it exits (killed after `limit`), capturing its output
+/// through pipes.
+pub fn run_to_exit(
+    program: &Path,
+    args: &[String],
+    env: &[(&str, &str)],
+    limit: Duration,
+) -> anyhow::Result<Exited> {
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let started = Instant::now();
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("starting {}", program.display()))?;
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_string(&mut text);
+            }
+            text
+        })
+    };
+    let stdout = drain(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let stderr = drain(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("{} did not exit within {limit:?}", program.display());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let elapsed = started.elapsed();
+    Ok(Exited {
+        code: status.code().unwrap_or(-1),
+        stdout: stdout.join().unwrap_or_default(),
+        stderr: stderr.join().unwrap_or_default(),
+        elapsed,
+    })
 }

@@ -147,30 +147,22 @@ fn base_args(env: &TestEnv) -> Vec<String> {
 /// Runs router binary `bin` expecting it to exit by itself (a startup failure): its exit
 /// code and stderr.
 pub fn router_exit(env: &TestEnv, bin: &str, extra: &[&str]) -> anyhow::Result<(i32, String)> {
+    router_exit_with(env, bin, extra, &[])
+}
+
+/// [`router_exit`] with extra environment variables `vars`.
+pub fn router_exit_with(
+    env: &TestEnv,
+    bin: &str,
+    extra: &[&str],
+    vars: &[(&str, &str)],
+) -> anyhow::Result<(i32, String)> {
     let program = kvroute_bin("kvroute-router", bin)?;
-    let mut child = std::process::Command::new(program)
-        .args(base_args(env))
-        .args(["--http-addr", "127.0.0.1:0"])
-        .args(extra)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait()? {
-            let mut stderr = String::new();
-            std::io::Read::read_to_string(
-                &mut child.stderr.take().context("stderr")?,
-                &mut stderr,
-            )?;
-            return Ok((status.code().unwrap_or(-1), stderr));
-        }
-        if start.elapsed() > Duration::from_secs(30) {
-            let _ = child.kill();
-            bail!("{bin} did not exit");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut args = base_args(env);
+    args.extend(["--http-addr".into(), "127.0.0.1:0".into()]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let exited = crate::process::run_to_exit(&program, &args, vars, Duration::from_secs(30))?;
+    Ok((exited.code, exited.stderr))
 }
 
 /// A worker card for model `model` with block size 16.

@@ -54,11 +54,13 @@ fn wait_until(what: &str, mut ready: impl FnMut() -> bool) -> anyhow::Result<()>
     Ok(())
 }
 
-/// A `nats-server` with JetStream. Dropping it stops the server and deletes its data.
+/// A `nats-server` with JetStream (or, for tests of that mistake, without). Dropping it stops
+/// the server and deletes its data.
 #[derive(Debug)]
 pub struct NatsServer {
     pub port: u16,
     pub monitor_port: u16,
+    jetstream: bool,
     spec: Supervised,
     child: Option<ChildGuard>,
     dir: TempDir,
@@ -66,6 +68,15 @@ pub struct NatsServer {
 
 impl NatsServer {
     pub fn start() -> anyhow::Result<Self> {
+        Self::start_with(true)
+    }
+
+    /// A server started without `--jetstream`, as a misconfigured deployment would be.
+    pub fn start_without_jetstream() -> anyhow::Result<Self> {
+        Self::start_with(false)
+    }
+
+    fn start_with(jetstream: bool) -> anyhow::Result<Self> {
         let bin = find_binary("nats-server", "KVROUTE_NATS_SERVER")?;
         let dir = tempfile::Builder::new().prefix("kvroute-nats-").tempdir()?;
         let port = free_port();
@@ -78,7 +89,7 @@ impl NatsServer {
             .context("reading docker/nats.conf")?;
         let conf = dir.path().join("nats.conf");
         std::fs::write(&conf, format!("{deployed}\nmax_payload: 8388608\n"))?;
-        let args = vec![
+        let mut args = vec![
             "--config".into(),
             conf.display().to_string(),
             "--addr".into(),
@@ -87,16 +98,21 @@ impl NatsServer {
             port.to_string(),
             "--http_port".into(),
             monitor_port.to_string(),
-            "--jetstream".into(),
-            "--store_dir".into(),
-            dir.path().join("js").display().to_string(),
             "--server_name".into(),
             format!("test-{port}"),
         ];
+        if jetstream {
+            args.extend([
+                "--jetstream".into(),
+                "--store_dir".into(),
+                dir.path().join("js").display().to_string(),
+            ]);
+        }
         let spec = Supervised::new(bin, args, dir.path().join("nats.log"));
         let mut server = Self {
             port,
             monitor_port,
+            jetstream,
             spec,
             child: None,
             dir,
@@ -121,18 +137,21 @@ impl NatsServer {
         std::fs::read_to_string(&self.spec.log).unwrap_or_default()
     }
 
-    /// Starts the server (again) on the same port and data dir; returns once JetStream is up.
+    /// Starts the server (again) on the same port and data dir; returns once JetStream (or,
+    /// without it, the server) is up.
     pub fn restart(&mut self) -> anyhow::Result<()> {
         if self.child.is_some() {
             bail!("nats-server on port {} is already running", self.port);
         }
         self.child = Some(self.spec.spawn()?);
         let monitor = self.monitor_port;
+        let health = if self.jetstream {
+            "/healthz?js-enabled-only=true"
+        } else {
+            "/healthz"
+        };
         wait_until("nats-server", || {
-            matches!(
-                http_get(monitor, "/healthz?js-enabled-only=true"),
-                Some((200, _))
-            )
+            matches!(http_get(monitor, health), Some((200, _)))
         })
         .with_context(|| format!("nats-server log:\n{}", self.log()))
     }

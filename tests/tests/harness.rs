@@ -127,7 +127,12 @@ async fn nats_restart_on_same_port_keeps_stream_messages() {
         }
     }
     nats.kill9().unwrap();
-    assert!(nats.connect().await.is_err(), "server is down");
+    let mut quick = nats.args();
+    quick.connect_timeout_ms = 300;
+    assert!(
+        quick.connect("kvroute-test").await.is_err(),
+        "server is down"
+    );
     nats.restart().unwrap();
     assert_eq!(nats.port, port);
 

@@ -4,9 +4,10 @@
 use std::time::Duration;
 
 use kvroute_common::Names;
-use kvroute_common::messages::{SelectResponse, StorageTier};
+use kvroute_common::messages::{ErrorCode, SelectResponse, StorageTier};
 use kvroute_tests::{
-    IndexerProcess, PromptWorker, RouterProcess, TestEnv, request, router_exit, select, worker_card,
+    IndexerProcess, PromptWorker, RouterProcess, TestEnv, request, router_exit, router_exit_with,
+    select, worker_card,
 };
 
 fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
@@ -73,10 +74,25 @@ async fn the_example_policy_selected_through_yaml_changes_the_outcome() {
         &["--policy-config", &path],
     )
     .unwrap();
-    let SelectResponse::Ok(r) = select(&nats, &names, &request("m", tokens)).await.unwrap() else {
+    let SelectResponse::Ok(r) = select(&nats, &names, &request("m", tokens.clone()))
+        .await
+        .unwrap()
+    else {
         panic!("selection failed");
     };
     assert_eq!((r.worker_id, r.policy.as_str()), (1, "sticky"));
+
+    // A request naming the type itself is told which parameter it lacks.
+    let mut by_type = request("m", tokens);
+    by_type.policy = Some("sticky-until-busy".into());
+    let SelectResponse::Error(e) = select(&nats, &names, &by_type).await.unwrap() else {
+        panic!("a type that needs parameters cannot be selected by name");
+    };
+    assert_eq!(e.code, ErrorCode::BadRequest, "{e:?}");
+    assert!(
+        e.message.contains("parameter `busy_threshold` is required"),
+        "{e:?}"
+    );
 }
 
 #[tokio::test]
@@ -119,6 +135,45 @@ async fn bad_policy_configuration_stops_startup_with_a_clear_message() {
         router_exit(&env, "kvroute-router", &["--decode-policy", "nonexistent"]).unwrap();
     assert_eq!(code, 2);
     assert!(stderr.contains("nonexistent"), "{stderr}");
+
+    // Each selection error names exactly where its value came from.
+    let (code, stderr) = router_exit(
+        &env,
+        "kvroute-router",
+        &["--worker-selection-policy", "bogus"],
+    )
+    .unwrap();
+    assert_eq!(code, 2);
+    assert!(
+        stderr.contains("(from --worker-selection-policy)"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("--policy-config") && !stderr.contains("KVROUTE_"),
+        "{stderr}"
+    );
+    let (code, stderr) = router_exit_with(
+        &env,
+        "kvroute-router",
+        &[],
+        &[("KVROUTE_DECODE_POLICY", "bogus")],
+    )
+    .unwrap();
+    assert_eq!(code, 2);
+    assert!(stderr.contains("(from KVROUTE_DECODE_POLICY)"), "{stderr}");
+    // Selecting a type that needs parameters names the flag and the parameter.
+    let (code, stderr) = router_exit(
+        &env,
+        "kvroute-router-custom",
+        &["--prefill-policy", "sticky-until-busy"],
+    )
+    .unwrap();
+    assert_eq!(code, 2);
+    assert!(stderr.contains("(from --prefill-policy)"), "{stderr}");
+    assert!(
+        stderr.contains("parameter `busy_threshold` is required"),
+        "{stderr}"
+    );
     let (code, stderr) =
         router_exit(&env, "kvroute-router", &["--index-query-timeout-ms", "0"]).unwrap();
     assert_eq!(code, 2);

@@ -1,11 +1,15 @@
 //! `kvroute-probe URL [--print]`: one HTTP GET over plain TCP; exits 0 when the answer is 200.
 //! Container health checks use it, since kvroute's images (`FROM scratch`) have no shell or curl.
-//! Standard library only, so the binary stays small.
+//! Standard library only (and kvroute's exit statuses), so the binary stays small.
 
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::process::ExitCode;
 use std::time::Duration;
+
+use kvroute_common::ops::exit::{Status, report};
+
+const BIN: &str = "kvroute-probe";
 
 const TIMEOUT: Duration = Duration::from_secs(3);
 const MAX_RESPONSE: u64 = 4 * 1024 * 1024;
@@ -17,6 +21,13 @@ const USAGE: &str = "usage: kvroute-probe http://HOST:PORT/PATH [--print]
 fn main() -> ExitCode {
     let mut url = None;
     let mut print = false;
+    let usage = |problem: &str| {
+        report(
+            BIN,
+            &format!("{problem} (usage: kvroute-probe http://HOST:PORT/PATH [--print])"),
+        );
+        Status::BadConfig.into()
+    };
     for arg in std::env::args().skip(1) {
         match arg.as_str() {
             "--print" => print = true,
@@ -25,19 +36,14 @@ fn main() -> ExitCode {
                 return ExitCode::SUCCESS;
             }
             _ if url.is_none() => url = Some(arg),
-            _ => {
-                eprintln!("{USAGE}");
-                return ExitCode::from(2);
-            }
+            _ => return usage(&format!("unexpected argument {arg:?}")),
         }
     }
     let Some(url) = url else {
-        eprintln!("{USAGE}");
-        return ExitCode::from(2);
+        return usage("no URL given");
     };
     let Some((host, path)) = split_url(&url) else {
-        eprintln!("kvroute-probe: {url:?} is not http://host:port/path");
-        return ExitCode::from(2);
+        return usage(&format!("{url:?} is not http://host:port/path"));
     };
     match get(host, path) {
         Ok((status, body)) => {
@@ -47,13 +53,13 @@ fn main() -> ExitCode {
             if status == 200 {
                 ExitCode::SUCCESS
             } else {
-                eprintln!("kvroute-probe: {url}: status {status}");
-                ExitCode::FAILURE
+                report(BIN, &format!("{url}: status {status}"));
+                Status::Failed.into()
             }
         }
         Err(e) => {
-            eprintln!("kvroute-probe: {url}: {e}");
-            ExitCode::FAILURE
+            report(BIN, &format!("{url}: {e}"));
+            Status::Failed.into()
         }
     }
 }

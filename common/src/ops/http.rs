@@ -45,14 +45,38 @@ pub trait HttpHandler: Send + Sync + 'static {
     fn get(&self, path: &str) -> futures::future::BoxFuture<'static, HttpResponse>;
 }
 
-/// Binds `addr` and serves until the task is dropped; returns the bound address (port 0 picks
-/// a free port).
+/// The HTTP listener could not bind: names the flag and the address.
+#[derive(Debug, thiserror::Error)]
+#[error("--{flag} {addr}: {}", reason(error))]
+pub struct ListenError {
+    /// The address's flag, without dashes (`http-addr`).
+    pub flag: &'static str,
+    pub addr: SocketAddr,
+    pub error: std::io::Error,
+}
+
+fn reason(e: &std::io::Error) -> String {
+    use std::io::ErrorKind;
+    match e.kind() {
+        ErrorKind::AddrInUse => "address already in use (another process listens there)".into(),
+        ErrorKind::AddrNotAvailable => "address not available on this machine".into(),
+        ErrorKind::PermissionDenied => {
+            "permission denied (ports below 1024 need privileges)".into()
+        }
+        _ => crate::config::io_reason(e),
+    }
+}
+
+/// Binds `addr` (the value of `--flag`) and serves until the task is dropped; returns the
+/// bound address (port 0 picks a free port).
 pub async fn serve_http(
+    flag: &'static str,
     addr: SocketAddr,
     handler: Arc<dyn HttpHandler>,
-) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let listener = TcpListener::bind(addr).await?;
-    let bound = listener.local_addr()?;
+) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), ListenError> {
+    let listen_error = |error| ListenError { flag, addr, error };
+    let listener = TcpListener::bind(addr).await.map_err(listen_error)?;
+    let bound = listener.local_addr().map_err(listen_error)?;
     let task = tokio::spawn(async move {
         loop {
             let Ok((mut stream, _)) = listener.accept().await else {
@@ -103,4 +127,29 @@ pub async fn serve_http(
         }
     });
     Ok((bound, task))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Nothing;
+    impl HttpHandler for Nothing {
+        fn get(&self, _: &str) -> futures::future::BoxFuture<'static, HttpResponse> {
+            Box::pin(async { HttpResponse::text(404, "") })
+        }
+    }
+
+    #[tokio::test]
+    async fn an_address_in_use_names_the_flag_and_the_address() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap();
+        let err = serve_http("http-addr", addr, Arc::new(Nothing))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("--http-addr {addr}: address already in use (another process listens there)")
+        );
+    }
 }

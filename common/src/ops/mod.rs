@@ -1,13 +1,15 @@
 //! Operations endpoints shared by every process: a small Prometheus registry and the HTTP
 //! server for `/metrics`, `/healthz`, `/readyz` (and process-specific JSON pages), and the
-//! watchdog that takes a lagging process out of its queue group.
+//! watchdog that takes a lagging process out of its queue group, and how binaries exit
+//! ([`exit`]).
 
+pub mod exit;
 mod http;
 mod membership;
 mod metrics;
 pub mod watchdog;
 
-pub use http::{HttpHandler, HttpResponse, serve_http};
+pub use http::{HttpHandler, HttpResponse, ListenError, serve_http};
 pub use membership::{Membership, serve_membership};
 pub use metrics::{Counter, CounterVec, Gauge, Histogram, Registry};
 pub use watchdog::{

@@ -98,7 +98,7 @@ fn selecting_the_policy_in_yaml_changes_the_outcome() {
     let mut rng = StdRng::seed_from_u64(0);
     let open = SessionRoute::Open { affinity: None };
 
-    let mut builtin = policy("").unwrap();
+    let mut builtin = policy("worker_selection: {}\n").unwrap();
     let chosen = select_worker(&input, &mut builtin, open, &mut rng).unwrap();
     assert_eq!(
         (chosen.worker.worker_id, chosen.policy.as_str()),
@@ -165,7 +165,30 @@ fn bad_parameters_and_duplicate_registration_stop_startup() {
     let missing =
         policy("worker_selection:\n  instances:\n    - {name: s, type: sticky-until-busy}\n")
             .unwrap_err();
-    assert!(missing.to_string().contains("busy_threshold"), "{missing}");
+    assert!(
+        missing
+            .to_string()
+            .contains("parameter `busy_threshold` is required"),
+        "{missing}"
+    );
+    // Named by a request, the bare type says the same instead of "unknown policy".
+    let resolved = registry()
+        .resolve(
+            &WorkerSelectionConfig::default(),
+            &PolicyOverrides::default(),
+        )
+        .unwrap();
+    let by_name = resolved
+        .build_named(crate::TYPE_NAME, WorkerRole::Aggregated, "m")
+        .expect("a registered type")
+        .unwrap_err();
+    assert!(matches!(by_name, ConfigError::NeedsParameters { .. }));
+    assert!(
+        by_name
+            .to_string()
+            .contains("parameter `busy_threshold` is required"),
+        "{by_name}"
+    );
     let inverted = policy(
         "worker_selection:\n  instances:\n    - name: s\n      type: sticky-until-busy\n      parameters: {busy_threshold: 5, max_active_requests: 5}\n",
     )

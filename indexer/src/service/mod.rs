@@ -24,6 +24,7 @@ use kvroute_common::codec::encode;
 use kvroute_common::discovery::{WorkerEvent, watch_workers};
 use kvroute_common::events_stream::ensure_events_stream;
 use kvroute_common::ids::WorkerId;
+use kvroute_common::jetstream::require_jetstream;
 use kvroute_common::messages::{ControlAction, ControlRecord, ReplicaStatus, SchemaVersion};
 use kvroute_common::names::Names;
 use kvroute_common::ops::{InFlight, spawn_watchdog, watchdog_observer};
@@ -86,14 +87,17 @@ pub async fn run(
         metrics,
         status_requests: status_tx,
     });
-    let (addr, _http) =
-        kvroute_common::ops::serve_http(config.http_addr, Arc::new(serve::Http(shared.clone())))
-            .await?;
+    let (addr, _http) = kvroute_common::ops::serve_http(
+        "http-addr",
+        config.http_addr,
+        Arc::new(serve::Http(shared.clone())),
+    )
+    .await?;
     tracing::info!(replica_id, %addr, "indexer http listening");
 
     let nats = config.nats.connect(&replica_id).await?;
+    let js = require_jetstream(&nats, &config.nats.urls.join(",")).await?;
     let etcd = config.etcd.connect().await?;
-    let js = jetstream::new(nats.clone());
     let (stream, mismatched) = ensure_events_stream(&js, &names, &config.stream).await?;
     for m in &mismatched {
         tracing::warn!(

@@ -3,7 +3,9 @@
 
 use async_nats::jetstream::{self, object_store};
 use futures::StreamExt;
+use kvroute_common::jetstream::JetStreamError;
 use kvroute_common::names::Names;
+use kvroute_common::ops::exit::describe;
 use tokio::io::AsyncReadExt;
 
 /// The snapshot bucket.
@@ -27,12 +29,13 @@ fn seq_of(name: &str) -> Option<u64> {
 }
 
 impl SnapshotStore {
-    /// Opens the bucket, creating it if absent (`replicas` as the events stream).
+    /// Opens the bucket, creating it if absent (`replicas` as the events stream: a refused
+    /// creation names `--stream-replicas` and keeps the server's cause).
     pub async fn open(
         js: &jetstream::Context,
         names: &Names,
         replicas: usize,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self, JetStreamError> {
         let bucket = names.snapshots_bucket();
         let store = match js.get_object_store(&bucket).await {
             Ok(s) => s,
@@ -45,7 +48,17 @@ impl SnapshotStore {
                 .await
             {
                 Ok(s) => s,
-                Err(_) => js.get_object_store(&bucket).await?,
+                // Another replica may have created it meanwhile.
+                Err(refused) => match js.get_object_store(&bucket).await {
+                    Ok(s) => s,
+                    Err(_) => {
+                        return Err(JetStreamError::Refused {
+                            setting: format!("--stream-replicas {replicas}"),
+                            what: format!("object store {bucket}"),
+                            cause: describe(&refused),
+                        });
+                    }
+                },
             },
         };
         Ok(Self { store })

@@ -44,6 +44,7 @@ pub async fn run(args: MockerArgs, shutdown: impl Future<Output = ()>) -> anyhow
         config.worker_id_start = FleetConfig::random_worker_id_start(rand::random());
     }
     let nats = args.nats.connect("kvroute-mocker").await?;
+    kvroute_common::jetstream::require_jetstream(&nats, &args.nats.urls.join(",")).await?;
     let etcd = args.etcd.connect().await?;
     tokio::pin!(shutdown);
     let fleet = tokio::select! {

@@ -159,12 +159,7 @@ pub const DEFAULT_MAX_ERROR_FRACTION: f64 = 0.01;
 /// The checks `kvroute-replay` and `kvroute-sim` share: the trace file exists, the time scale
 /// is a positive number, and the modes are a non-empty list without repeats.
 pub fn validate_run(trace: &Path, time_scale: f64, modes: &[Mode]) -> Result<(), ConfigError> {
-    if !trace.is_file() {
-        return Err(ConfigError::new(
-            "trace",
-            format!("file {} does not exist", trace.display()),
-        ));
-    }
+    kvroute_common::config::check_file("trace", trace)?;
     positive("time-scale", time_scale)?;
     if modes.is_empty() {
         return Err(ConfigError::new("modes", "name at least one mode"));
@@ -243,14 +238,11 @@ pub struct OutputArgs {
 
 impl OutputArgs {
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.chart_out.is_some() && !self.font.is_file() {
-            return Err(ConfigError::new(
-                "font",
-                format!(
-                    "file {} does not exist (needed by --chart-out)",
-                    self.font.display()
-                ),
-            ));
+        if self.chart_out.is_some() {
+            kvroute_common::config::check_file("font", &self.font).map_err(|mut e| {
+                e.message.push_str(" (needed by --chart-out)");
+                e
+            })?;
         }
         Ok(())
     }

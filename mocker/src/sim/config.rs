@@ -145,13 +145,8 @@ impl SimArgs {
             return Err(ConfigError::new("routers", "must be 1..=64"));
         }
         self.engine.validate()?;
-        if let Some(path) = &self.policy_config
-            && !path.is_file()
-        {
-            return Err(ConfigError::new(
-                "policy-config",
-                format!("file {} does not exist", path.display()),
-            ));
+        if let Some(path) = &self.policy_config {
+            kvroute_common::config::check_file("policy-config", path)?;
         }
         let times = [
             ("event-delay-ms", self.event_delay_ms, false),

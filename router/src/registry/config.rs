@@ -20,8 +20,16 @@ use super::parameters::PolicyParameters;
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PolicyFile {
-    #[serde(default)]
     worker_selection: WorkerSelectionConfig,
+}
+
+/// A policy file that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyFileError {
+    #[error("cannot be read: {}", kvroute_common::config::io_reason(.0))]
+    Read(std::io::Error),
+    #[error(transparent)]
+    Content(#[from] ConfigError),
 }
 
 /// Per-role selections and the configured instances. An omitted role uses the built-in policy;
@@ -53,13 +61,25 @@ pub struct PolicyInstance {
 }
 
 impl WorkerSelectionConfig {
-    /// Parses a policy file (a document with a top-level `worker_selection:` key).
+    /// Parses a policy file (a document with a top-level `worker_selection:` key); an empty
+    /// document is refused, not read as "no configuration".
     pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
         let file: Option<PolicyFile> =
             serde_norway::from_str(text).map_err(|e| ConfigError::Yaml {
                 message: e.to_string(),
             })?;
-        Ok(file.unwrap_or_default().worker_selection)
+        match file {
+            Some(file) => Ok(file.worker_selection),
+            None => Err(ConfigError::Yaml {
+                message: "the file is empty; expected a `worker_selection` mapping".into(),
+            }),
+        }
+    }
+
+    /// Reads and parses the policy file at `path`.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, PolicyFileError> {
+        let text = std::fs::read_to_string(path).map_err(PolicyFileError::Read)?;
+        Ok(Self::from_yaml(&text)?)
     }
 
     /// The YAML selection for `role`, if any.
@@ -87,8 +107,25 @@ mod tests {
         assert_eq!(config.selection(WorkerRole::Prefill), None);
         assert_eq!(config.instances.len(), 2);
         assert!(config.instances[1].parameters.is_empty());
+    }
+
+    #[test]
+    fn an_empty_file_is_refused() {
+        for empty in ["", "\n", "# only a comment\n", "~\n"] {
+            let err = WorkerSelectionConfig::from_yaml(empty)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("empty; expected a `worker_selection` mapping"),
+                "{empty:?}: {err}"
+            );
+        }
+        let err = WorkerSelectionConfig::from_yaml("{}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("worker_selection"), "{err}");
         assert_eq!(
-            WorkerSelectionConfig::from_yaml("").unwrap(),
+            WorkerSelectionConfig::from_yaml("worker_selection: {}\n").unwrap(),
             Default::default()
         );
     }

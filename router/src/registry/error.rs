@@ -36,13 +36,33 @@ pub enum ConfigError {
         source: ProviderError,
     },
     #[error(
-        "{role} selection {name:?} (from {origin}) names no configured instance or registered type"
+        "{role} selection {name:?} (from {origin}) names no configured instance or registered type (registered: {})",
+        known.join(", ")
     )]
     UnknownSelection {
         role: WorkerRole,
         name: String,
-        origin: SelectionSource,
+        /// Where the selection came from: `--decode-policy`, `KVROUTE_DECODE_POLICY`,
+        /// `worker_selection.decode`.
+        origin: String,
+        kind: SelectionSource,
+        known: Vec<String>,
     },
+    #[error(
+        "{role} selection {name:?} (from {origin}) is a policy type that needs parameters: {reason}; configure an instance of it in the policy YAML and select the instance"
+    )]
+    SelectionNeedsParameters {
+        role: WorkerRole,
+        name: String,
+        origin: String,
+        kind: SelectionSource,
+        reason: ProviderError,
+    },
+    /// A request named a registered type that cannot run without parameters.
+    #[error(
+        "policy {name:?} is a registered type that needs parameters: {source}; name a configured instance of it instead"
+    )]
+    NeedsParameters { name: String, source: ProviderError },
     #[error(
         "policy instance {instance:?} refused to build for role {role}, partition {partition:?}: {source}"
     )]
@@ -52,4 +72,18 @@ pub enum ConfigError {
         partition: String,
         source: ProviderError,
     },
+}
+
+impl ConfigError {
+    /// Whether the error is about the policy file (its instances, or a selection it makes),
+    /// rather than about a selection given by a flag or variable.
+    pub fn in_file(&self) -> bool {
+        match self {
+            Self::UnknownSelection { kind, .. } | Self::SelectionNeedsParameters { kind, .. } => {
+                *kind == SelectionSource::Yaml
+            }
+            Self::Build { .. } | Self::NeedsParameters { .. } => false,
+            _ => true,
+        }
+    }
 }

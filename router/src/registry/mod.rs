@@ -15,10 +15,10 @@ use std::sync::Arc;
 
 use kvroute_common::messages::WorkerRole;
 
-pub use config::{PolicyInstance, WorkerSelectionConfig};
+pub use config::{PolicyFileError, PolicyInstance, WorkerSelectionConfig};
 pub use error::{ConfigError, RegistryError};
 pub use parameters::{PolicyParameters, ProviderError};
-pub use resolve::{PolicyOverrides, ResolvedPolicies, RoleSelection, SelectionSource};
+pub use resolve::{Override, PolicyOverrides, ResolvedPolicies, RoleSelection, SelectionSource};
 
 use crate::pipeline::WorkerSelectionPolicy;
 

@@ -37,14 +37,33 @@ impl PolicyParameters {
     }
 
     /// Deserializes into the provider's parameter struct. Use `#[serde(deny_unknown_fields)]`
-    /// on it so misspelled fields stop startup instead of being ignored.
+    /// on it so misspelled fields stop startup instead of being ignored. Errors speak of
+    /// parameters ("parameter `limit` is required"), not of serde's fields.
     pub fn deserialize<T: DeserializeOwned>(&self) -> Result<T, ProviderError> {
-        serde_norway::from_value(self.0.clone()).map_err(|e| ProviderError::new(e.to_string()))
+        serde_norway::from_value(self.0.clone())
+            .map_err(|e| ProviderError::new(in_words(&e.to_string())))
     }
 
     /// Whether the mapping is empty (the instance was configured without parameters).
     pub fn is_empty(&self) -> bool {
         matches!(&self.0, Value::Mapping(m) if m.is_empty())
+    }
+}
+
+/// serde's "missing field `x`" / "unknown field `x`" as parameters.
+fn in_words(message: &str) -> String {
+    if let Some(rest) = message.strip_prefix("missing field ") {
+        let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+        let tail = if tail.is_empty() {
+            String::new()
+        } else {
+            format!(" {tail}")
+        };
+        format!("parameter {name} is required{tail}")
+    } else if let Some(rest) = message.strip_prefix("unknown field ") {
+        format!("unknown parameter {rest}")
+    } else {
+        message.to_owned()
     }
 }
 
@@ -82,7 +101,14 @@ mod tests {
         );
         let typo = PolicyParameters::from_yaml("limit: 3\nscael: 1").unwrap();
         let err = typo.deserialize::<Params>().unwrap_err();
-        assert!(err.message.contains("scael"), "{err}");
+        assert!(
+            err.message.starts_with("unknown parameter `scael`"),
+            "{err}"
+        );
+        let err = PolicyParameters::default()
+            .deserialize::<Params>()
+            .unwrap_err();
+        assert_eq!(err.message, "parameter `limit` is required");
         assert!(PolicyParameters::from_yaml("[1, 2]").is_err());
         assert!(PolicyParameters::from_yaml("~").unwrap().is_empty());
     }

@@ -1,5 +1,6 @@
 //! Startup resolution: validate every configured instance, then choose one per role by
-//! precedence — role flag > `KVROUTE_WORKER_SELECTION_POLICY` > YAML > built-in.
+//! precedence — role flag > all-roles selection (`--worker-selection-policy`) > YAML >
+//! built-in. Errors name where the selection came from.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -8,21 +9,38 @@ use kvroute_common::messages::WorkerRole;
 
 use super::config::WorkerSelectionConfig;
 use super::error::ConfigError;
-use super::parameters::PolicyParameters;
+use super::parameters::{PolicyParameters, ProviderError};
 use super::{PolicyBuildContext, PolicyFactory, PolicyRegistry};
 use crate::pipeline::WorkerSelectionPolicy;
 use crate::policies::DEFAULT_TYPE;
+
+/// One selection given outside the YAML: the name, and where it came from, as errors name it
+/// (`--decode-policy`, or `KVROUTE_DECODE_POLICY` when the value came from the environment).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Override {
+    pub name: String,
+    pub origin: String,
+}
+
+impl Override {
+    pub fn new(name: impl Into<String>, origin: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            origin: origin.into(),
+        }
+    }
+}
 
 /// Selections given outside the YAML. The binary reads flags and the environment; library code
 /// never does.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PolicyOverrides {
-    /// `--prefill-policy`.
-    pub prefill: Option<String>,
-    /// `--decode-policy`.
-    pub decode: Option<String>,
-    /// The value of `KVROUTE_WORKER_SELECTION_POLICY`: applies to every role.
-    pub env: Option<String>,
+    /// `--prefill-policy` (or `KVROUTE_PREFILL_POLICY`).
+    pub prefill: Option<Override>,
+    /// `--decode-policy` (or `KVROUTE_DECODE_POLICY`).
+    pub decode: Option<Override>,
+    /// `--worker-selection-policy` (or `KVROUTE_WORKER_SELECTION_POLICY`): every role.
+    pub all_roles: Option<Override>,
 }
 
 /// Where a role's selection came from.
@@ -51,6 +69,9 @@ pub struct RoleSelection {
     /// The instance name (`default` for the built-in policy, or a bare type name).
     pub instance: String,
     pub source: SelectionSource,
+    /// Exactly where the selection came from: the flag or environment variable, the YAML key
+    /// (`worker_selection.decode`), or `built-in`.
+    pub origin: String,
     factory: PolicyFactory,
 }
 
@@ -65,11 +86,13 @@ impl fmt::Debug for RoleSelection {
 
 /// One validated factory per role, ready to build policies per partition, plus every policy a
 /// request may ask for by name (`SelectRequest.policy`): the configured instances and each
-/// registered type that accepts empty parameters.
+/// registered type that accepts empty parameters (the others, with why they need
+/// parameters, so a request naming one is told).
 #[derive(Clone)]
 pub struct ResolvedPolicies {
     roles: BTreeMap<WorkerRole, RoleSelection>,
     named: BTreeMap<String, PolicyFactory>,
+    needs_parameters: BTreeMap<String, ProviderError>,
 }
 
 impl fmt::Debug for ResolvedPolicies {
@@ -87,14 +110,22 @@ impl ResolvedPolicies {
     }
 
     /// Builds the policy named `name` (a configured instance or a registered type) for `role`
-    /// and `partition`, for requests that ask for it; `None` if no such policy exists.
+    /// and `partition`, for requests that ask for it; `None` if no such policy exists, and
+    /// [`ConfigError::NeedsParameters`] for a registered type that cannot run without them.
     pub fn build_named(
         &self,
         name: &str,
         role: WorkerRole,
         partition: &str,
     ) -> Option<Result<WorkerSelectionPolicy, ConfigError>> {
-        let factory = self.named.get(name)?;
+        let Some(factory) = self.named.get(name) else {
+            return self.needs_parameters.get(name).map(|source| {
+                Err(ConfigError::NeedsParameters {
+                    name: name.to_owned(),
+                    source: source.clone(),
+                })
+            });
+        };
         let context = PolicyBuildContext {
             instance: name,
             role,
@@ -174,44 +205,61 @@ impl PolicyRegistry {
         let mut roles = BTreeMap::new();
         for role in WorkerRole::ALL {
             let role_flag = match role {
-                WorkerRole::Prefill => overrides.prefill.as_deref(),
-                WorkerRole::Decode => overrides.decode.as_deref(),
+                WorkerRole::Prefill => overrides.prefill.as_ref(),
+                WorkerRole::Decode => overrides.decode.as_ref(),
                 _ => None,
             };
-            let (name, source) = [
-                (role_flag, SelectionSource::RoleFlag),
-                (overrides.env.as_deref(), SelectionSource::Env),
-                (config.selection(role), SelectionSource::Yaml),
+            let yaml = config
+                .selection(role)
+                .map(|name| Override::new(name, format!("worker_selection.{role}")));
+            let chosen = [
+                (role_flag.cloned(), SelectionSource::RoleFlag),
+                (overrides.all_roles.clone(), SelectionSource::Env),
+                (yaml, SelectionSource::Yaml),
             ]
             .into_iter()
-            .find_map(|(name, source)| name.map(|n| (n, source)))
-            .unwrap_or((DEFAULT_TYPE, SelectionSource::BuiltIn));
+            .find_map(|(selection, source)| selection.map(|s| (s, source)));
+            let (name, origin, source) = match &chosen {
+                Some((s, source)) => (s.name.as_str(), s.origin.as_str(), *source),
+                None => (DEFAULT_TYPE, "built-in", SelectionSource::BuiltIn),
+            };
 
             let factory = match instances.get(name) {
                 Some(factory) => factory.clone(),
-                None => self.bare_type(role, name, source)?,
+                None => self.bare_type(role, name, origin, source)?,
             };
             roles.insert(
                 role,
                 RoleSelection {
                     instance: name.to_owned(),
                     source,
+                    origin: origin.to_owned(),
                     factory,
                 },
             );
         }
         let mut named: BTreeMap<String, PolicyFactory> = BTreeMap::new();
+        let mut needs_parameters = BTreeMap::new();
         for t in self.types() {
-            if let Some(provider) = self.provider(t)
-                && let Ok(factory) = provider(&PolicyParameters::default())
-            {
-                named.insert(t.to_owned(), factory);
+            if let Some(provider) = self.provider(t) {
+                match provider(&PolicyParameters::default()) {
+                    Ok(factory) => {
+                        named.insert(t.to_owned(), factory);
+                    }
+                    Err(e) => {
+                        needs_parameters.insert(t.to_owned(), e);
+                    }
+                }
             }
         }
         for (name, factory) in instances {
             named.insert(name.to_owned(), factory);
         }
-        Ok(ResolvedPolicies { roles, named })
+        Ok(ResolvedPolicies {
+            roles,
+            named,
+            needs_parameters,
+        })
     }
 
     /// A selection naming a registered type directly (`default` included): the type with
@@ -220,19 +268,26 @@ impl PolicyRegistry {
         &self,
         role: WorkerRole,
         name: &str,
-        origin: SelectionSource,
+        origin: &str,
+        source: SelectionSource,
     ) -> Result<PolicyFactory, ConfigError> {
         let provider = self
             .provider(name)
             .ok_or_else(|| ConfigError::UnknownSelection {
                 role,
                 name: name.to_owned(),
-                origin,
+                origin: origin.to_owned(),
+                kind: source,
+                known: self.types().map(str::to_owned).collect(),
             })?;
-        provider(&PolicyParameters::default()).map_err(|source| ConfigError::InvalidParameters {
-            instance: name.to_owned(),
-            type_name: name.to_owned(),
-            source,
+        provider(&PolicyParameters::default()).map_err(|reason| {
+            ConfigError::SelectionNeedsParameters {
+                role,
+                name: name.to_owned(),
+                origin: origin.to_owned(),
+                kind: source,
+                reason,
+            }
         })
     }
 }

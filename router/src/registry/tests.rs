@@ -9,8 +9,15 @@ use super::*;
 use crate::policies::round_robin::RoundRobinPicker;
 
 fn resolve(yaml: &str, overrides: &PolicyOverrides) -> Result<ResolvedPolicies, ConfigError> {
-    let config = WorkerSelectionConfig::from_yaml(yaml)?;
+    let config = match yaml {
+        "" => WorkerSelectionConfig::default(),
+        yaml => WorkerSelectionConfig::from_yaml(yaml)?,
+    };
     PolicyRegistry::with_builtins().resolve(&config, overrides)
+}
+
+fn flag(name: &str, origin: &str) -> Option<Override> {
+    Some(Override::new(name, origin))
 }
 
 const TWO_INSTANCES: &str = "
@@ -50,7 +57,7 @@ fn precedence_is_role_flag_then_env_then_yaml_then_built_in() {
     );
 
     let env = PolicyOverrides {
-        env: Some("rr".into()),
+        all_roles: flag("rr", "KVROUTE_WORKER_SELECTION_POLICY"),
         ..Default::default()
     };
     let with_env = resolve(TWO_INSTANCES, &env).unwrap();
@@ -60,9 +67,9 @@ fn precedence_is_role_flag_then_env_then_yaml_then_built_in() {
     }
 
     let flags = PolicyOverrides {
-        prefill: Some("lb".into()),
-        decode: Some("default".into()),
-        env: Some("rr".into()),
+        prefill: flag("lb", "--prefill-policy"),
+        decode: flag("default", "--decode-policy"),
+        all_roles: flag("rr", "--worker-selection-policy"),
     };
     let with_flags = resolve(TWO_INSTANCES, &flags).unwrap();
     assert_eq!(with_flags.selection(WorkerRole::Prefill).instance, "lb");
@@ -72,6 +79,24 @@ fn precedence_is_role_flag_then_env_then_yaml_then_built_in() {
     );
     assert_eq!(with_flags.selection(WorkerRole::Decode).instance, "default");
     assert_eq!(with_flags.selection(WorkerRole::Aggregated).instance, "rr");
+    // `/status` and the startup log say exactly where each selection came from.
+    let origins = WorkerRole::ALL.map(|role| with_flags.selection(role).origin.clone());
+    assert_eq!(
+        origins,
+        WorkerRole::ALL.map(|role| match role {
+            WorkerRole::Prefill => "--prefill-policy".to_owned(),
+            WorkerRole::Decode => "--decode-policy".to_owned(),
+            _ => "--worker-selection-policy".to_owned(),
+        })
+    );
+    assert_eq!(
+        with_env.selection(WorkerRole::Decode).origin,
+        "KVROUTE_WORKER_SELECTION_POLICY"
+    );
+    assert_eq!(
+        yaml_only.selection(WorkerRole::Decode).origin,
+        "worker_selection.decode"
+    );
     let decode = with_flags.build(WorkerRole::Decode, "m").unwrap();
     assert_eq!(decode.name(), "default");
 }
@@ -79,7 +104,7 @@ fn precedence_is_role_flag_then_env_then_yaml_then_built_in() {
 #[test]
 fn a_selection_may_name_a_registered_type_directly() {
     let env = PolicyOverrides {
-        env: Some("power-of-two".into()),
+        all_roles: flag("power-of-two", "--worker-selection-policy"),
         ..Default::default()
     };
     let resolved = resolve("", &env).unwrap();
@@ -148,21 +173,127 @@ fn invalid_parameters_stop_startup_even_for_unused_instances() {
 }
 
 #[test]
-fn a_selection_naming_nothing_stops_startup() {
+fn a_selection_naming_nothing_stops_startup_naming_where_it_came_from() {
     let flags = PolicyOverrides {
-        decode: Some("nope".into()),
+        decode: flag("nope", "--decode-policy"),
         ..Default::default()
     };
     let err = resolve(TWO_INSTANCES, &flags).unwrap_err();
-    assert_eq!(
-        err,
-        ConfigError::UnknownSelection {
-            role: WorkerRole::Decode,
-            name: "nope".into(),
-            origin: SelectionSource::RoleFlag,
-        }
+    assert!(
+        matches!(&err, ConfigError::UnknownSelection { role: WorkerRole::Decode, name, origin, kind: SelectionSource::RoleFlag, .. }
+            if name == "nope" && origin == "--decode-policy"),
+        "{err:?}"
     );
-    assert!(err.to_string().contains("role flag"));
+    assert!(!err.in_file());
+    let text = err.to_string();
+    assert!(text.contains("(from --decode-policy)"), "{text}");
+    assert!(text.contains("registered: default, least-busy"), "{text}");
+
+    // The same from the environment names the variable, for every role it applies to.
+    let env = PolicyOverrides {
+        decode: flag("bogus", "KVROUTE_DECODE_POLICY"),
+        all_roles: flag("bogus", "KVROUTE_WORKER_SELECTION_POLICY"),
+        ..Default::default()
+    };
+    let text = resolve("", &env).unwrap_err().to_string();
+    assert!(
+        text.contains("(from KVROUTE_WORKER_SELECTION_POLICY)")
+            || text.contains("(from KVROUTE_DECODE_POLICY)"),
+        "{text}"
+    );
+    let decode_only = PolicyOverrides {
+        decode: flag("bogus", "KVROUTE_DECODE_POLICY"),
+        ..Default::default()
+    };
+    let text = resolve("", &decode_only).unwrap_err().to_string();
+    assert!(
+        text.starts_with("decode selection \"bogus\" (from KVROUTE_DECODE_POLICY)"),
+        "{text}"
+    );
+
+    // A YAML selection names its key, and counts as the file's error.
+    let err = resolve(
+        "worker_selection:\n  prefill: gone\n",
+        &PolicyOverrides::default(),
+    )
+    .unwrap_err();
+    assert!(err.in_file());
+    assert!(
+        err.to_string().contains("(from worker_selection.prefill)"),
+        "{err}"
+    );
+}
+
+/// A type whose `limit` parameter is required.
+fn registry_with_a_type_needing_parameters() -> PolicyRegistry {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Params {
+        #[allow(dead_code)]
+        limit: u32,
+    }
+    let mut registry = PolicyRegistry::with_builtins();
+    registry
+        .register(
+            "needs-limit",
+            Arc::new(|params: &PolicyParameters| {
+                params.deserialize::<Params>()?;
+                let factory: PolicyFactory = Arc::new(|_: &PolicyBuildContext<'_>| {
+                    Ok(WorkerSelectionPolicy::new(
+                        Vec::new(),
+                        Box::new(RoundRobinPicker::default()),
+                    ))
+                });
+                Ok(factory)
+            }),
+        )
+        .unwrap();
+    registry
+}
+
+#[test]
+fn a_request_naming_a_type_that_needs_parameters_is_told_which() {
+    let registry = registry_with_a_type_needing_parameters();
+    let resolved = registry
+        .resolve(
+            &WorkerSelectionConfig::default(),
+            &PolicyOverrides::default(),
+        )
+        .unwrap();
+    let err = resolved
+        .build_named("needs-limit", WorkerRole::Aggregated, "m")
+        .expect("a registered type is known")
+        .unwrap_err();
+    assert!(
+        matches!(err, ConfigError::NeedsParameters { .. }),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(text.contains("parameter `limit` is required"), "{text}");
+    assert!(text.contains("\"needs-limit\""), "{text}");
+    assert!(
+        resolved
+            .build_named("no-such-policy", WorkerRole::Aggregated, "m")
+            .is_none()
+    );
+    assert!(
+        resolved
+            .build_named("round-robin", WorkerRole::Aggregated, "m")
+            .unwrap()
+            .is_ok()
+    );
+
+    // Selected by a flag, the same type stops startup naming the flag and the parameter.
+    let flags = PolicyOverrides {
+        all_roles: flag("needs-limit", "--worker-selection-policy"),
+        ..Default::default()
+    };
+    let err = registry
+        .resolve(&WorkerSelectionConfig::default(), &flags)
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("(from --worker-selection-policy)"), "{text}");
+    assert!(text.contains("parameter `limit` is required"), "{text}");
 }
 
 #[test]

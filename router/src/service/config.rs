@@ -5,11 +5,12 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use kvroute_common::cli::Origins;
 use kvroute_common::config::{ConfigError, EtcdArgs, NamespaceArgs, NatsArgs};
 use kvroute_common::telemetry::TelemetryArgs;
 
 use crate::eligibility::{BusyThresholds, PrefillLimit};
-use crate::registry::PolicyOverrides;
+use crate::registry::{Override, PolicyOverrides};
 use crate::select::HostConfig;
 use crate::session::{AffinityMode, SessionConfig};
 
@@ -185,6 +186,11 @@ pub struct RouterConfig {
         default_value_t = 1000
     )]
     pub max_lag_ms: u64,
+
+    /// Where each flag's value came from (the binary records it after parsing), so errors
+    /// name the environment variable of a value that came from one.
+    #[arg(skip)]
+    pub origins: Origins,
 }
 
 impl RouterConfig {
@@ -200,14 +206,13 @@ impl RouterConfig {
                 "must be 1-128 characters of [A-Za-z0-9_-] (it is a NATS subject token)",
             ));
         }
-        if let Some(path) = &self.policy_config
-            && !path.is_file()
-        {
-            return Err(ConfigError::new(
-                "policy-config",
-                format!("file {} does not exist", path.display()),
-            ));
+        if let Some(path) = &self.policy_config {
+            kvroute_common::config::check_file("policy-config", path)?;
         }
+        kvroute_common::jetstream::validate_replicas(
+            "session-bucket-replicas",
+            self.session_bucket_replicas,
+        )?;
         let positive = [
             ("index-query-timeout-ms", self.index_query_timeout_ms),
             ("index-query-attempts", u64::from(self.index_query_attempts)),
@@ -216,10 +221,6 @@ impl RouterConfig {
             ("load-report-interval-ms", self.load_report_interval_ms),
             ("prediction-confirm-ms", self.prediction_confirm_ms),
             ("prediction-max-age-secs", self.prediction_max_age_secs),
-            (
-                "session-bucket-replicas",
-                self.session_bucket_replicas as u64,
-            ),
             ("max-in-flight", self.max_in_flight as u64),
         ];
         for (field, value) in positive {
@@ -290,12 +291,17 @@ impl RouterConfig {
         }
     }
 
-    /// The selections given outside the YAML.
+    /// The selections given outside the YAML, each with where it came from.
     pub fn policy_overrides(&self) -> PolicyOverrides {
+        let selection = |flag: &str, value: &Option<String>| {
+            value
+                .as_ref()
+                .map(|name| Override::new(name, self.origins.label(flag)))
+        };
         PolicyOverrides {
-            prefill: self.prefill_policy.clone(),
-            decode: self.decode_policy.clone(),
-            env: self.worker_selection_policy.clone(),
+            prefill: selection("prefill-policy", &self.prefill_policy),
+            decode: selection("decode-policy", &self.decode_policy),
+            all_roles: selection("worker-selection-policy", &self.worker_selection_policy),
         }
     }
 }
@@ -344,8 +350,54 @@ mod tests {
     fn role_flags_and_the_all_roles_selection_become_overrides() {
         let c = parse(&["--prefill-policy", "p", "--worker-selection-policy", "all"]);
         let o = c.policy_overrides();
-        assert_eq!(o.prefill.as_deref(), Some("p"));
+        assert_eq!(o.prefill, Some(Override::new("p", "--prefill-policy")));
         assert_eq!(o.decode, None);
-        assert_eq!(o.env.as_deref(), Some("all"));
+        assert_eq!(
+            o.all_roles,
+            Some(Override::new("all", "--worker-selection-policy"))
+        );
+    }
+
+    #[test]
+    fn overrides_from_the_environment_name_their_variable() {
+        use kvroute_common::cli::Origin;
+        let mut c = parse(&["--decode-policy", "d", "--worker-selection-policy", "w"]);
+        c.origins = Origins::from_pairs([
+            ("decode-policy", Origin::Env("KVROUTE_DECODE_POLICY".into())),
+            ("worker-selection-policy", Origin::CommandLine),
+        ]);
+        let o = c.policy_overrides();
+        assert_eq!(o.decode, Some(Override::new("d", "KVROUTE_DECODE_POLICY")));
+        assert_eq!(
+            o.all_roles,
+            Some(Override::new("w", "--worker-selection-policy"))
+        );
+    }
+
+    #[test]
+    fn both_replica_counts_are_range_checked() {
+        for args in [
+            &["--session-bucket-replicas", "9"][..],
+            &["--session-bucket-replicas", "0"][..],
+        ] {
+            let err = parse(args).validate().unwrap_err();
+            assert_eq!(err.field, "session-bucket-replicas", "{args:?}");
+            assert!(err.message.contains("between 1 and 5"), "{err}");
+        }
+        assert!(
+            parse(&["--session-bucket-replicas", "5"])
+                .validate()
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn a_directory_for_the_policy_file_is_named_as_one() {
+        let dir = std::env::temp_dir();
+        let err = parse(&["--policy-config", dir.to_str().unwrap()])
+            .validate()
+            .unwrap_err();
+        assert_eq!(err.field, "policy-config");
+        assert!(err.message.ends_with("is a directory, not a file"), "{err}");
     }
 }

@@ -45,7 +45,7 @@ fn status(router: &Router) -> serde_json::Value {
             let s = router.policies.resolved().selection(role);
             (
                 role.to_string(),
-                serde_json::json!({"instance": s.instance, "source": s.source.to_string()}),
+                serde_json::json!({"instance": s.instance, "source": s.origin}),
             )
         })
         .collect();

@@ -21,9 +21,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
-use anyhow::Context as _;
-use async_nats::jetstream;
 use kvroute_common::discovery::watch_workers;
+use kvroute_common::jetstream::require_jetstream;
 use kvroute_common::names::Names;
 use kvroute_common::ops::{InFlight, spawn_watchdog, watchdog_observer};
 use kvroute_indexer::service::{LocalReplica, LocalReplicaConfig};
@@ -35,22 +34,27 @@ use self::metrics::RouterMetrics;
 use self::overlap::OverlapSource;
 use self::policies::{Policies, PolicySlot};
 use self::sessions_kv::{BucketConfig, KvSessionStore};
-use crate::registry::{ConfigError as PolicyConfigError, PolicyRegistry, WorkerSelectionConfig};
+use crate::registry::{
+    ConfigError as PolicyConfigError, PolicyFileError, PolicyRegistry, WorkerSelectionConfig,
+};
 use crate::select::HostConfig;
 use crate::session::SessionTable;
 
-/// Why the router could not start; each names what is wrong.
+/// Why the router could not start; each names what is wrong and where it came from.
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
     #[error(transparent)]
     Config(#[from] kvroute_common::config::ConfigError),
-    #[error("--policy-config {path}: {source}")]
+    /// The policy file cannot be used; `flag` is `--policy-config` or its variable.
+    #[error("{flag} {path}: {source}")]
     PolicyFile {
+        flag: String,
         path: String,
-        source: std::io::Error,
+        source: Box<PolicyFileError>,
     },
-    #[error("--policy-config: {0}")]
-    Policy(#[from] PolicyConfigError),
+    /// A selection given by a flag or variable (the message names which).
+    #[error("{0}")]
+    Policy(Box<PolicyConfigError>),
 }
 
 /// The checked configuration with the policies resolved: everything that can fail before
@@ -65,19 +69,29 @@ impl Prepared {
     /// Validates `config` and resolves every role's policy against `registry` (unknown
     /// types, duplicate instances and bad parameters stop here).
     pub fn new(config: RouterConfig, registry: &PolicyRegistry) -> Result<Self, StartupError> {
-        config.validate()?;
+        config.validate().map_err(|e| config.origins.attribute(e))?;
+        let file_error = |source: PolicyFileError| StartupError::PolicyFile {
+            flag: config.origins.label("policy-config"),
+            path: config
+                .policy_config
+                .as_deref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            source: Box::new(source),
+        };
         let yaml = match &config.policy_config {
-            Some(path) => {
-                let text =
-                    std::fs::read_to_string(path).map_err(|source| StartupError::PolicyFile {
-                        path: path.display().to_string(),
-                        source,
-                    })?;
-                WorkerSelectionConfig::from_yaml(&text)?
-            }
+            Some(path) => WorkerSelectionConfig::from_file(path).map_err(file_error)?,
             None => WorkerSelectionConfig::default(),
         };
-        let policies = registry.resolve(&yaml, &config.policy_overrides())?;
+        let policies = registry
+            .resolve(&yaml, &config.policy_overrides())
+            .map_err(|e| {
+                if e.in_file() && config.policy_config.is_some() {
+                    file_error(PolicyFileError::Content(e))
+                } else {
+                    StartupError::Policy(Box::new(e))
+                }
+            })?;
         Ok(Self { config, policies })
     }
 }
@@ -136,8 +150,8 @@ pub async fn run(
     let router_id = config.router_id();
     let names = Names::new(&config.namespace.namespace);
     let (nats, connection_events) = config.nats.connect_observed(&router_id).await?;
+    let js = require_jetstream(&nats, &config.nats.urls.join(",")).await?;
     let etcd = config.etcd.connect().await?;
-    let js = jetstream::new(nats.clone());
     let sessions_config = config.sessions();
     let store = KvSessionStore::open(
         &js,
@@ -147,8 +161,7 @@ pub async fn run(
             replicas: config.session_bucket_replicas,
         },
     )
-    .await
-    .context("opening the sessions bucket")?;
+    .await?;
     let (overlap, replica_task) = match config.overlap_mode {
         OverlapMode::Remote => (
             OverlapSource::remote(nats.clone(), &names, config.index_query_policy()),
@@ -168,7 +181,7 @@ pub async fn run(
     };
     for role in kvroute_common::messages::WorkerRole::ALL {
         let s = policies.selection(role);
-        tracing::info!(%role, policy = s.instance, source = %s.source, "worker-selection policy");
+        tracing::info!(%role, policy = s.instance, source = %s.origin, "worker-selection policy");
     }
     let seed = config.seed.unwrap_or_else(rand::random);
     let router = Arc::new(Router {
@@ -192,9 +205,12 @@ pub async fn run(
         max_in_flight: config.max_in_flight,
     });
 
-    let (addr, http_task) =
-        kvroute_common::ops::serve_http(config.http_addr, Arc::new(http::Http(router.clone())))
-            .await?;
+    let (addr, http_task) = kvroute_common::ops::serve_http(
+        "http-addr",
+        config.http_addr,
+        Arc::new(http::Http(router.clone())),
+    )
+    .await?;
     tracing::info!(router_id, %addr, "router http listening");
     let watch_task = tokio::spawn(feeds::watch_workers(
         router.clone(),
@@ -230,27 +246,23 @@ pub async fn run(
 }
 
 /// The whole `main` of a router binary linking `registry`'s policy types: parse flags (with
-/// `KVROUTE_*` env fallbacks), set up logging, prepare (exit 2 with the message on a bad
-/// configuration), run until SIGTERM or Ctrl-C.
-pub async fn main_with(registry: PolicyRegistry, name: &str) -> anyhow::Result<()> {
-    use clap::{CommandFactory as _, FromArgMatches as _};
+/// `KVROUTE_*` env fallbacks), set up logging, prepare (a bad configuration exits with
+/// status 2 and one line naming it), run until SIGTERM or Ctrl-C; errors end it with one
+/// line and a status of kvroute's exit table (`kvroute_common::ops::exit`).
+pub fn main_with(registry: PolicyRegistry, name: &str) -> std::process::ExitCode {
+    use clap::CommandFactory as _;
+    use kvroute_common::ops::exit;
     let types = registry.types().collect::<Vec<_>>().join(", ");
     let command = RouterConfig::command()
         .bin_name(name.to_owned())
         .after_help(format!(
             "Policy types (for --policy-config, the selection flags and a request's `policy`): {types}"
         ));
-    let config = match RouterConfig::from_arg_matches(&command.get_matches()) {
-        Ok(config) => config,
-        Err(e) => e.exit(),
-    };
-    kvroute_common::telemetry::init(&config.telemetry);
-    let prepared = match Prepared::new(config, &registry) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("{name}: {e}");
-            std::process::exit(2);
-        }
-    };
-    run(prepared, kvroute_common::ops::shutdown_signal()).await
+    exit::run_command(name, command, |mut config: RouterConfig, origins| {
+        config.origins = origins;
+        kvroute_common::telemetry::init(&config.telemetry);
+        let prepared = Prepared::new(config, &registry)
+            .map_err(|e| exit::with_status(exit::Status::BadConfig, e))?;
+        exit::block_on(run(prepared, kvroute_common::ops::shutdown_signal()))
+    })
 }

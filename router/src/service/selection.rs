@@ -18,6 +18,7 @@ use super::reply;
 use super::{PolicySlot, Router};
 use crate::eligibility::EligibilityError;
 use crate::pipeline::WorkerInputs;
+use crate::registry::ConfigError;
 use crate::select::{SelectFailure, SelectInput, select};
 use crate::signals::{Overlap, SignalSnapshot};
 use crate::worker::WorkerRank;
@@ -124,7 +125,14 @@ impl Router {
                 request.policy.as_deref(),
                 &self.host,
             )
-            .map_err(|e| reply::error(ErrorCode::Unavailable, e.to_string(), Some(request_id)))?
+            .map_err(|e| {
+                // A type that cannot run without parameters is the request's mistake.
+                let code = match e {
+                    ConfigError::NeedsParameters { .. } => ErrorCode::BadRequest,
+                    _ => ErrorCode::Unavailable,
+                };
+                reply::error(code, e.to_string(), Some(request_id))
+            })?
             .ok_or_else(|| {
                 reply::error(
                     ErrorCode::BadRequest,

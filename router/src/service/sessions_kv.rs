@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
 use kvroute_common::codec::{decode, encode};
+use kvroute_common::jetstream::JetStreamError;
 use kvroute_common::messages::{SchemaVersion, SessionBindingRecord};
 use kvroute_common::names::Names;
+use kvroute_common::ops::exit::describe;
 
 use crate::session::{Revision, SessionBinding, SessionStore, StoreError, Versioned, WriteOutcome};
 
@@ -36,12 +38,13 @@ impl std::fmt::Debug for KvSessionStore {
 }
 
 impl KvSessionStore {
-    /// Opens the bucket, creating it if absent (an existing bucket is used as it is).
+    /// Opens the bucket, creating it if absent (an existing bucket is used as it is). A
+    /// refused creation names `--session-bucket-replicas` and keeps the server's cause.
     pub async fn open(
         js: &jetstream::Context,
         names: &Names,
         config: BucketConfig,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self, JetStreamError> {
         let bucket = names.sessions_bucket();
         let kv = match js.get_key_value(&bucket).await {
             Ok(kv) => kv,
@@ -59,8 +62,17 @@ impl KvSessionStore {
                     .await;
                 match created {
                     Ok(kv) => kv,
-                    // Another replica created it meanwhile.
-                    Err(_) => js.get_key_value(&bucket).await?,
+                    // Another replica may have created it meanwhile.
+                    Err(refused) => match js.get_key_value(&bucket).await {
+                        Ok(kv) => kv,
+                        Err(_) => {
+                            return Err(JetStreamError::Refused {
+                                setting: format!("--session-bucket-replicas {}", config.replicas),
+                                what: format!("bucket {bucket}"),
+                                cause: describe(&refused),
+                            });
+                        }
+                    },
                 }
             }
         };

@@ -4,13 +4,16 @@
 
 use std::process::ExitCode;
 
+use kvroute_common::ops::exit;
 use kvroute_router::registry::PolicyRegistry;
+
+const BIN: &str = "kvroute-sim-custom";
 
 fn main() -> ExitCode {
     let mut registry = PolicyRegistry::with_builtins();
     if let Err(e) = kvroute_example_custom_policy::register(&mut registry) {
-        eprintln!("kvroute-sim-custom: {e}");
-        return ExitCode::from(2);
+        exit::report(BIN, &e.to_string());
+        return exit::Status::Failed.into();
     }
-    kvroute_mocker::sim::main_with(registry, "kvroute-sim-custom")
+    kvroute_mocker::sim::main_with(registry, BIN)
 }
