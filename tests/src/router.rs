@@ -64,7 +64,7 @@ impl RouterProcess {
     ) -> anyhow::Result<Self> {
         let program = kvroute_bin("kvroute-router", bin)?;
         let http_port = free_port();
-        let mut args = base_args(env);
+        let mut args = env.server_args();
         args.extend([
             "--router-id".into(),
             router_id.into(),
@@ -133,17 +133,6 @@ impl RouterProcess {
     }
 }
 
-fn base_args(env: &TestEnv) -> Vec<String> {
-    vec![
-        "--namespace".into(),
-        env.namespace.to_string(),
-        "--nats-url".into(),
-        env.nats.url(),
-        "--etcd-endpoints".into(),
-        env.etcd.endpoint(),
-    ]
-}
-
 /// Runs router binary `bin` expecting it to exit by itself (a startup failure): its exit
 /// code and stderr.
 pub fn router_exit(env: &TestEnv, bin: &str, extra: &[&str]) -> anyhow::Result<(i32, String)> {
@@ -158,7 +147,7 @@ pub fn router_exit_with(
     vars: &[(&str, &str)],
 ) -> anyhow::Result<(i32, String)> {
     let program = kvroute_bin("kvroute-router", bin)?;
-    let mut args = base_args(env);
+    let mut args = env.server_args();
     args.extend(["--http-addr".into(), "127.0.0.1:0".into()]);
     args.extend(extra.iter().map(|s| s.to_string()));
     let exited = crate::process::run_to_exit(&program, &args, vars, Duration::from_secs(30))?;

@@ -294,4 +294,17 @@ impl TestEnv {
             namespace,
         })
     }
+
+    /// The flags every kvroute process takes to use this environment: `--namespace`,
+    /// `--nats-url`, `--etcd-endpoints`.
+    pub fn server_args(&self) -> Vec<String> {
+        vec![
+            "--namespace".into(),
+            self.namespace.to_string(),
+            "--nats-url".into(),
+            self.nats.url(),
+            "--etcd-endpoints".into(),
+            self.etcd.endpoint(),
+        ]
+    }
 }

@@ -251,31 +251,27 @@ async fn a_run_whose_requests_fail_exits_non_zero() {
     let dir = tempfile::tempdir().unwrap();
     let trace = write_trace(dir.path(), 20, 4, 10);
     let bin = kvroute_tests::kvroute_bin("kvroute-mocker", "kvroute-replay").unwrap();
-    let args: Vec<String> = [
-        "--trace",
-        &trace.display().to_string(),
-        "--limit",
-        "0",
-        "--model",
-        "m",
-        "--quiet",
-        "--modes",
-        "kv",
-        "--settle-ms",
-        "100",
-        "--select-attempts",
-        "2",
-        "--select-attempt-timeout-ms",
-        "100",
-        "--namespace",
-        env.namespace.as_str(),
-        "--nats-url",
-        &env.nats.url(),
-        "--etcd-endpoints",
-        &env.etcd.endpoint(),
-    ]
-    .map(str::to_owned)
-    .to_vec();
+    let mut args = env.server_args();
+    args.extend(
+        [
+            "--trace",
+            &trace.display().to_string(),
+            "--limit",
+            "0",
+            "--model",
+            "m",
+            "--quiet",
+            "--modes",
+            "kv",
+            "--settle-ms",
+            "100",
+            "--select-attempts",
+            "2",
+            "--select-attempt-timeout-ms",
+            "100",
+        ]
+        .map(str::to_owned),
+    );
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new(bin).args(args).output().unwrap()
     })

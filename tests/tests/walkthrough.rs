@@ -17,20 +17,14 @@ use uuid::Uuid;
 fn start_mocker(env: &TestEnv, workers: u32) -> kvroute_tests::ChildGuard {
     let bin = kvroute_bin("kvroute-mocker", "kvroute-mocker").unwrap();
     let http_port = free_port();
-    let args = [
-        "--workers",
-        &workers.to_string(),
-        "--http-addr",
-        &format!("127.0.0.1:{http_port}"),
-        "--namespace",
-        env.namespace.as_str(),
-        "--nats-url",
-        &env.nats.url(),
-        "--etcd-endpoints",
-        &env.etcd.endpoint(),
-    ]
-    .map(str::to_owned);
-    let spec = Supervised::new(bin, args.to_vec(), env.nats.data_dir().join("mocker.log"));
+    let mut args = env.server_args();
+    args.extend([
+        "--workers".to_owned(),
+        workers.to_string(),
+        "--http-addr".to_owned(),
+        format!("127.0.0.1:{http_port}"),
+    ]);
+    let spec = Supervised::new(bin, args, env.nats.data_dir().join("mocker.log"));
     let child = spec.spawn().unwrap();
     let start = std::time::Instant::now();
     while !matches!(http_get(http_port, "/readyz"), Some((200, _))) {
@@ -40,16 +34,14 @@ fn start_mocker(env: &TestEnv, workers: u32) -> kvroute_tests::ChildGuard {
     child
 }
 
-#[tokio::test]
-async fn a_soft_session_stays_until_its_worker_runs_more_than_busy_threshold() {
-    let env = TestEnv::start().unwrap();
-    let names = Names::new(&env.namespace);
-    let _mocker = start_mocker(&env, 2);
+/// The walkthrough's processes: 2 mocker workers, and `kvroute-router-custom` with `sticky.yaml`
+/// and soft affinity, once it knows both workers. Default flags otherwise: the router assumes
+/// 1 s report intervals, the mocker reports every 200 ms and on change.
+async fn start_walkthrough(env: &TestEnv) -> (kvroute_tests::ChildGuard, RouterProcess) {
+    let mocker = start_mocker(env, 2);
     let yaml = workspace_root().join("examples/custom-policy/sticky.yaml");
-    // Default flags otherwise: the router assumes 1 s report intervals, the mocker reports
-    // every 200 ms and on change.
     let router = RouterProcess::start_bin(
-        &env,
+        env,
         "kvroute-router-custom",
         "walkthrough",
         &[
@@ -60,12 +52,19 @@ async fn a_soft_session_stays_until_its_worker_runs_more_than_busy_threshold() {
         ],
     )
     .unwrap();
-    // Both workers known to the router.
     let start = std::time::Instant::now();
     while router.metric("kvroute_router_workers") < 2.0 {
         assert!(start.elapsed() < Duration::from_secs(20), "workers seen");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    (mocker, router)
+}
+
+#[tokio::test]
+async fn a_soft_session_stays_until_its_worker_runs_more_than_busy_threshold() {
+    let env = TestEnv::start().unwrap();
+    let names = Names::new(&env.namespace);
+    let _fleet = start_walkthrough(&env).await;
     let nats = env.nats.connect().await.unwrap();
     let mut seen = Vec::new();
     for i in 0..5u32 {
@@ -181,25 +180,7 @@ fn the_custom_catalog_runs_offline_and_is_named_in_help() {
 #[tokio::test]
 async fn the_walkthrough_commands_show_the_session_move() {
     let env = TestEnv::start().unwrap();
-    let _mocker = start_mocker(&env, 2);
-    let yaml = workspace_root().join("examples/custom-policy/sticky.yaml");
-    let router = RouterProcess::start_bin(
-        &env,
-        "kvroute-router-custom",
-        "walkthrough",
-        &[
-            "--policy-config",
-            yaml.to_str().unwrap(),
-            "--session-affinity",
-            "soft",
-        ],
-    )
-    .unwrap();
-    let start = std::time::Instant::now();
-    while router.metric("kvroute_router_workers") < 2.0 {
-        assert!(start.elapsed() < Duration::from_secs(20), "workers seen");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let _fleet = start_walkthrough(&env).await;
     let script = workspace_root().join("examples/python/kvroute_client.py");
     let args = [
         "--nats-url".to_owned(),
