@@ -15,6 +15,18 @@ use kvroute_mocker::fleet::{EngineArgs, Fleet, FleetConfig, StopMode};
 use kvroute_mocker::replay::{self, DEFAULT_FONT, ReplayArgs, RunReport};
 use kvroute_tests::TestEnv;
 
+/// A fleet of `workers` mocker workers in this process, registered in `env`.
+async fn start_fleet(env: &TestEnv, names: &Names, workers: u32, speedup: f64) -> Fleet {
+    Fleet::start(
+        &fleet_config(workers, speedup),
+        env.nats.connect().await.unwrap(),
+        env.etcd.connect().await.unwrap(),
+        names,
+    )
+    .await
+    .unwrap()
+}
+
 fn fleet_config(workers: u32, speedup: f64) -> FleetConfig {
     FleetConfig {
         workers,
@@ -81,14 +93,7 @@ fn args(env: &TestEnv, trace: &Path, extra: &[&str]) -> ReplayArgs {
 async fn kv_selection_beats_round_robin_and_the_report_is_written() {
     let env = TestEnv::start().unwrap();
     let names = Names::new(&env.namespace);
-    let fleet = Fleet::start(
-        &fleet_config(3, 50.0),
-        env.nats.connect().await.unwrap(),
-        env.etcd.connect().await.unwrap(),
-        &names,
-    )
-    .await
-    .unwrap();
+    let fleet = start_fleet(&env, &names, 3, 50.0).await;
     let dir = tempfile::tempdir().unwrap();
     let trace = write_trace(dir.path(), 48, 8, 200);
     let json_out = dir.path().join("report.json");
@@ -152,14 +157,7 @@ async fn a_worker_dying_mid_run_is_counted_and_routing_moves_on() {
     let env = TestEnv::start().unwrap();
     let names = Names::new(&env.namespace);
     // Real time (speedup 1): 80 requests over 8 s; worker 2 dies after about 1 s.
-    let mut fleet = Fleet::start(
-        &fleet_config(3, 1.0),
-        env.nats.connect().await.unwrap(),
-        env.etcd.connect().await.unwrap(),
-        &names,
-    )
-    .await
-    .unwrap();
+    let mut fleet = start_fleet(&env, &names, 3, 1.0).await;
     let dir = tempfile::tempdir().unwrap();
     let trace = write_trace(dir.path(), 80, 80, 100);
     let args = args(
@@ -209,14 +207,7 @@ async fn through_the_router_every_mode_runs_and_kv_beats_round_robin() {
     let env = TestEnv::start().unwrap();
     let names = Names::new(&env.namespace);
     let _indexer = kvroute_tests::IndexerProcess::start(&env, "ix-1", &[]).unwrap();
-    let fleet = Fleet::start(
-        &fleet_config(3, 50.0),
-        env.nats.connect().await.unwrap(),
-        env.etcd.connect().await.unwrap(),
-        &names,
-    )
-    .await
-    .unwrap();
+    let fleet = start_fleet(&env, &names, 3, 50.0).await;
     let dir = tempfile::tempdir().unwrap();
     let routers: Vec<_> = ["r1", "r2"]
         .iter()
@@ -240,14 +231,7 @@ async fn through_the_router_every_mode_runs_and_kv_beats_round_robin() {
 async fn a_run_whose_requests_fail_exits_non_zero() {
     let env = TestEnv::start().unwrap();
     let names = Names::new(&env.namespace);
-    let fleet = Fleet::start(
-        &fleet_config(1, 50.0),
-        env.nats.connect().await.unwrap(),
-        env.etcd.connect().await.unwrap(),
-        &names,
-    )
-    .await
-    .unwrap();
+    let fleet = start_fleet(&env, &names, 1, 50.0).await;
     let dir = tempfile::tempdir().unwrap();
     let trace = write_trace(dir.path(), 20, 4, 10);
     let bin = kvroute_tests::kvroute_bin("kvroute-mocker", "kvroute-replay").unwrap();

@@ -276,18 +276,10 @@ fn nats_without_jetstream_is_named_with_the_fix() {
 #[test]
 fn refused_stream_and_bucket_replicas_name_their_flag_and_keep_the_cause() {
     let env = TestEnv::start().unwrap();
-    let servers = [
-        "--namespace",
-        env.namespace.as_str(),
-        "--nats-url",
-        &env.nats.url(),
-        "--etcd-endpoints",
-        &env.etcd.endpoint(),
-        "--http-addr",
-        "127.0.0.1:0",
-    ];
+    let mut servers = env.server_args();
+    servers.extend(["--http-addr".to_owned(), "127.0.0.1:0".to_owned()]);
     let with = |extra: &[&'static str]| {
-        let mut args = servers.to_vec();
+        let mut args: Vec<&str> = servers.iter().map(String::as_str).collect();
         args.extend_from_slice(extra);
         args
     };
