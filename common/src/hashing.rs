@@ -4,7 +4,8 @@
 //! so an engine in any language can reproduce it:
 //! - *local* hash of a full block: XXH3-64 over the little-endian bytes of its `u32` token ids;
 //! - *sequence* hash chain: `seq[0] = local[0]`, `seq[i] = XXH3-64(LE(seq[i-1]) ‖ LE(local[i]))`;
-//! - both with seed [`BLOCK_HASH_SEED`] (1337), or with a LoRA adapter's seed ([`seed_for_lora`]);
+//! - local hashes with seed [`BLOCK_HASH_SEED`] (1337), or with a LoRA adapter's seed
+//!   ([`seed_for_lora`]); the sequence chain always with seed 1337;
 //! - a trailing partial block is never hashed.
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -20,12 +21,14 @@ pub const BLOCK_HASH_SEED: u64 = 1337;
 /// The seed used for blocks computed under a LoRA adapter.
 ///
 /// `None` or an empty name gives [`BLOCK_HASH_SEED`]; otherwise the seed is
-/// `XXH3-64(UTF-8 bytes of the adapter name, seed 1337)`. Two adapters therefore never share
-/// blocks with each other or with the base model.
+/// `1337 + XXH3-64(UTF-8 bytes of the adapter name, seed 0)`, wrapping — Dynamo's scheme
+/// (`dynamo_kv_hashing::compute_salt_hash`), checked against its code in
+/// `bench/peers/tests/hashing.rs`. Two adapters therefore never share blocks with each other or
+/// with the base model.
 pub fn seed_for_lora(lora_name: Option<&str>) -> u64 {
     match lora_name {
         None | Some("") => BLOCK_HASH_SEED,
-        Some(name) => xxh3_64_with_seed(name.as_bytes(), BLOCK_HASH_SEED),
+        Some(name) => BLOCK_HASH_SEED.wrapping_add(xxh3_64_with_seed(name.as_bytes(), 0)),
     }
 }
 
@@ -82,9 +85,9 @@ pub struct BlockHashes {
 
 impl BlockHashes {
     pub fn of_tokens(tokens: &[u32], block_size: usize, lora_name: Option<&str>) -> Self {
-        let seed = seed_for_lora(lora_name);
-        let local = local_block_hashes(tokens, block_size, seed);
-        let sequence = sequence_hashes(&local, seed);
+        let local = local_block_hashes(tokens, block_size, seed_for_lora(lora_name));
+        // The chain's seed does not depend on the adapter: local hashes already do.
+        let sequence = sequence_hashes(&local, BLOCK_HASH_SEED);
         Self { local, sequence }
     }
 }
@@ -102,15 +105,19 @@ mod tests {
         assert_eq!(h.local, vec![0x7ee2cbedc694ab46, 0xa8416cfd935bdb13]);
         assert_eq!(h.sequence, vec![0x7ee2cbedc694ab46, 0x83fb702f20e2ad65]);
 
-        assert_eq!(seed_for_lora(Some("sql-adapter")), 0x38f101e169a592a2);
+        // LoRA vectors as Dynamo's own functions produce them (bench/peers/tests/hashing.rs).
+        assert_eq!(seed_for_lora(Some("sql-adapter")), 0x88f0c7e6c82b85a4);
         let l = BlockHashes::of_tokens(&tokens, 4, Some("sql-adapter"));
-        assert_eq!(l.local, vec![0x87ae1cb53ab5a89d, 0x98f12fe97a82934b]);
-        assert_eq!(l.sequence, vec![0x87ae1cb53ab5a89d, 0x6a246fbde80b6c12]);
+        assert_eq!(l.local, vec![0xcdb0f5875b92d24a, 0x875b9f910b1422be]);
+        assert_eq!(l.sequence, vec![0xcdb0f5875b92d24a, 0x824638379cfbe8c0]);
 
         let tokens: Vec<u32> = (1..=32).collect();
         let h = BlockHashes::of_tokens(&tokens, 16, None);
         assert_eq!(h.local, vec![0xea06fc71a5ee6e88, 0x1fbf39bd106be0b5]);
         assert_eq!(h.sequence, vec![0xea06fc71a5ee6e88, 0xad01835a37dd294c]);
+        let l = BlockHashes::of_tokens(&tokens, 16, Some("adapter-a"));
+        assert_eq!(l.local, vec![0x3cbe841383bf26e8, 0xe10b57c2e132d7b1]);
+        assert_eq!(l.sequence, vec![0x3cbe841383bf26e8, 0x666207ac2c1acd0f]);
     }
 
     #[test]

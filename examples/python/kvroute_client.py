@@ -34,10 +34,10 @@ PROG = "kvroute_client"
 
 
 def seed_for_lora(lora_name=None):
-    """1337, or XXH3-64 of the adapter name's UTF-8 bytes with seed 1337."""
+    """1337, or 1337 + XXH3-64 of the adapter name's UTF-8 bytes with seed 0 (wrapping)."""
     if not lora_name:
         return SEED
-    return xxhash.xxh3_64_intdigest(lora_name.encode("utf-8"), SEED)
+    return (SEED + xxhash.xxh3_64_intdigest(lora_name.encode("utf-8"), 0)) % 2**64
 
 
 def local_block_hashes(tokens, block_size, lora_name=None):
@@ -51,8 +51,11 @@ def local_block_hashes(tokens, block_size, lora_name=None):
 
 
 def sequence_hashes(local, lora_name=None):
-    """seq[0] = local[0]; seq[i] = XXH3-64(LE(seq[i-1]) || LE(local[i]))."""
-    seed = seed_for_lora(lora_name)
+    """seq[0] = local[0]; seq[i] = XXH3-64(LE(seq[i-1]) || LE(local[i]), 1337).
+
+    The chain's seed is 1337 whatever the adapter: the local hashes already carry it."""
+    del lora_name
+    seed = SEED
     out = []
     for h in local:
         out.append(h if not out else xxhash.xxh3_64_intdigest(struct.pack("<QQ", out[-1], h), seed))

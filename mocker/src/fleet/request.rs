@@ -1,7 +1,7 @@
 //! A decoded [`GenerateRequest`] checked against the worker and turned into the engine's
 //! [`SimRequest`]; every refusal is a [`GenerateError`] with a stable code.
 
-use kvroute_common::hashing::{BlockHashes, seed_for_lora, sequence_hashes};
+use kvroute_common::hashing::{BLOCK_HASH_SEED, BlockHashes, sequence_hashes};
 use kvroute_common::messages::{GenerateError, GenerateErrorCode, GenerateRequest, SchemaVersion};
 use kvroute_common::{DecodeError, DpRank, RequestId};
 
@@ -94,7 +94,7 @@ pub fn to_sim_request(
                     local.len()
                 )));
             }
-            let sequence = sequence_hashes(local, seed_for_lora(lora));
+            let sequence = sequence_hashes(local, BLOCK_HASH_SEED);
             Ok(SimRequest {
                 request_id: id,
                 prompt_tokens: prompt_tokens as u32,
