@@ -158,7 +158,11 @@ pub fn decode_batch(kind: EngineKind, payload: &[u8]) -> Result<EngineBatch, Wir
     Ok(batch)
 }
 
-fn read_events(kind: EngineKind, r: &mut Reader<'_>, batch: &mut EngineBatch) -> Result<(), WireError> {
+fn read_events(
+    kind: EngineKind,
+    r: &mut Reader<'_>,
+    batch: &mut EngineBatch,
+) -> Result<(), WireError> {
     if r.peek()? != Kind::Array {
         return Err(WireError::BadEnvelope);
     }
@@ -238,7 +242,13 @@ const SGLANG_STORED: &[&str] = &[
     "session_id",
     "lora_name",
 ];
-const VLLM_REMOVED: &[&str] = &["block_hashes", "medium", "group_idx", "locality", "ownership"];
+const VLLM_REMOVED: &[&str] = &[
+    "block_hashes",
+    "medium",
+    "group_idx",
+    "locality",
+    "ownership",
+];
 const SGLANG_REMOVED: &[&str] = &["block_hashes", "medium"];
 
 fn read_event(kind: EngineKind, r: &mut Reader<'_>) -> Result<Option<EngineEvent>, EventError> {
@@ -252,7 +262,9 @@ fn read_event(kind: EngineKind, r: &mut Reader<'_>) -> Result<Option<EngineEvent
             for _ in 0..n {
                 match r.key()? {
                     Key::Str(b"type") => {
-                        let s = r.str_bytes().map_err(|_| EventError::Shape("bad_type_tag"))?;
+                        let s = r
+                            .str_bytes()
+                            .map_err(|_| EventError::Shape("bad_type_tag"))?;
                         tag = Some(tag_of(s));
                     }
                     _ => r.skip()?,
@@ -281,7 +293,9 @@ fn read_event(kind: EngineKind, r: &mut Reader<'_>) -> Result<Option<EngineEvent
             if n == 0 {
                 return Err(EventError::Shape("empty_event"));
             }
-            let s = r.str_bytes().map_err(|_| EventError::Shape("bad_type_tag"))?;
+            let s = r
+                .str_bytes()
+                .map_err(|_| EventError::Shape("bad_type_tag"))?;
             let Some(tag) = tag_of(s) else {
                 for _ in 1..n {
                     r.skip()?;
@@ -347,19 +361,32 @@ impl Fields {
                 self.token_ids = r.token_list().map_err(shape("bad_token_ids"))?;
             }
             (Tag::Stored, b"block_size") => {
-                let v = r.uint_or_nil().map_err(shape("bad_block_size"))?.unwrap_or(0);
-                self.block_size = u32::try_from(v).map_err(|_| EventError::Shape("bad_block_size"))?;
+                let v = r
+                    .uint_or_nil()
+                    .map_err(shape("bad_block_size"))?
+                    .unwrap_or(0);
+                self.block_size =
+                    u32::try_from(v).map_err(|_| EventError::Shape("bad_block_size"))?;
             }
-            (Tag::Stored, b"lora_id") => self.lora_id = r.int_or_nil().map_err(shape("bad_lora_id"))?,
-            (Tag::Stored, b"lora_name") => self.lora_name = r.str_or_nil().map_err(shape("bad_lora_name"))?,
-            (Tag::Stored, b"cache_salt") => self.cache_salt = r.str_or_nil().map_err(shape("bad_cache_salt"))?,
+            (Tag::Stored, b"lora_id") => {
+                self.lora_id = r.int_or_nil().map_err(shape("bad_lora_id"))?
+            }
+            (Tag::Stored, b"lora_name") => {
+                self.lora_name = r.str_or_nil().map_err(shape("bad_lora_name"))?
+            }
+            (Tag::Stored, b"cache_salt") => {
+                self.cache_salt = r.str_or_nil().map_err(shape("bad_cache_salt"))?
+            }
             (Tag::Stored, b"kv_cache_spec_kind") => {
-                self.kv_cache_spec_kind = r.str_or_nil().map_err(shape("bad_kv_cache_spec_kind"))?;
+                self.kv_cache_spec_kind =
+                    r.str_or_nil().map_err(shape("bad_kv_cache_spec_kind"))?;
             }
             (Tag::Stored, b"extra_keys") => {
                 self.raw_extra = r.extra_keys().map_err(shape("bad_extra_keys"))?;
             }
-            (Tag::Stored | Tag::Removed, b"medium") => self.medium = r.str_or_nil().map_err(shape("bad_medium"))?,
+            (Tag::Stored | Tag::Removed, b"medium") => {
+                self.medium = r.str_or_nil().map_err(shape("bad_medium"))?
+            }
             (Tag::Stored | Tag::Removed, b"group_idx") => {
                 self.group_idx = r.int_or_nil().map_err(shape("bad_group_idx"))?;
             }
@@ -375,13 +402,17 @@ impl Fields {
         match tag {
             Tag::Cleared => Ok(EngineEvent::AllCleared),
             Tag::Removed => Ok(EngineEvent::Removed(Removed {
-                block_hashes: self.block_hashes.ok_or(EventError::Shape("missing_block_hashes"))?,
+                block_hashes: self
+                    .block_hashes
+                    .ok_or(EventError::Shape("missing_block_hashes"))?,
                 medium: self.medium,
                 group_idx: self.group_idx,
                 locality: self.locality,
             })),
             Tag::Stored => {
-                let block_hashes = self.block_hashes.ok_or(EventError::Shape("missing_block_hashes"))?;
+                let block_hashes = self
+                    .block_hashes
+                    .ok_or(EventError::Shape("missing_block_hashes"))?;
                 if let Some(raw) = self.raw_extra.take() {
                     if !raw.is_empty() && raw.len() != block_hashes.len() {
                         return Err(EventError::Shape("extra_keys_length"));
@@ -476,7 +507,10 @@ impl<'a> Reader<'a> {
     }
 
     fn be(&mut self, n: usize) -> Result<u64, WireError> {
-        Ok(self.take(n)?.iter().fold(0u64, |acc, b| acc << 8 | u64::from(*b)))
+        Ok(self
+            .take(n)?
+            .iter()
+            .fold(0u64, |acc, b| acc << 8 | u64::from(*b)))
     }
 
     fn peek(&self) -> Result<Kind, WireError> {
@@ -662,7 +696,9 @@ impl<'a> Reader<'a> {
         }
         match self.raw_int()? {
             RawHash::Unsigned(v) => Ok(Some(v)),
-            RawHash::Signed(v) => u64::try_from(v).map(Some).map_err(|_| WireError::BadEnvelope),
+            RawHash::Signed(v) => u64::try_from(v)
+                .map(Some)
+                .map_err(|_| WireError::BadEnvelope),
             RawHash::Bytes(_) => Err(WireError::BadEnvelope),
         }
     }
@@ -672,7 +708,9 @@ impl<'a> Reader<'a> {
             return Ok(None);
         }
         match self.raw_int()? {
-            RawHash::Unsigned(v) => i64::try_from(v).map(Some).map_err(|_| WireError::BadEnvelope),
+            RawHash::Unsigned(v) => i64::try_from(v)
+                .map(Some)
+                .map_err(|_| WireError::BadEnvelope),
             RawHash::Signed(v) => Ok(Some(v)),
             RawHash::Bytes(_) => Err(WireError::BadEnvelope),
         }

@@ -40,7 +40,11 @@ fn vllm_batch_with_tagged_maps_and_omitted_rank() {
         Value::F64(1.5),
         Value::Array(vec![
             vllm_stored(ints(&[big, 7]), Value::Nil, &[1, 2, 3, 4]),
-            map(vec![("type", s("BlockRemoved")), ("block_hashes", ints(&[7])), ("medium", s("GPU"))]),
+            map(vec![
+                ("type", s("BlockRemoved")),
+                ("block_hashes", ints(&[7])),
+                ("medium", s("GPU")),
+            ]),
             map(vec![("type", s("AllBlocksCleared"))]),
         ]),
     ]);
@@ -48,7 +52,9 @@ fn vllm_batch_with_tagged_maps_and_omitted_rank() {
     assert_eq!(b.ts, 1.5);
     assert_eq!(b.dp_rank, None);
     assert!(b.skipped.is_empty());
-    let EngineEvent::Stored(st) = &b.events[0] else { panic!() };
+    let EngineEvent::Stored(st) = &b.events[0] else {
+        panic!()
+    };
     assert_eq!(st.block_hashes, vec![big, 7]);
     assert_eq!(st.parent_block_hash, None);
     assert_eq!(st.token_ids, vec![1, 2, 3, 4]);
@@ -57,7 +63,11 @@ fn vllm_batch_with_tagged_maps_and_omitted_rank() {
     assert!(st.extra_keys.is_empty());
     assert_eq!(
         b.events[1],
-        EngineEvent::Removed(Removed { block_hashes: vec![7], medium: Some("GPU".into()), ..Default::default() })
+        EngineEvent::Removed(Removed {
+            block_hashes: vec![7],
+            medium: Some("GPU".into()),
+            ..Default::default()
+        })
     );
     assert_eq!(b.events[2], EngineEvent::AllCleared);
 }
@@ -83,7 +93,9 @@ fn sglang_negative_hashes_and_map_envelope_with_attn_dp_rank() {
     let b = decode_batch(EngineKind::Sglang, &bytes(&batch)).unwrap();
     assert_eq!(b.dp_rank, Some(3));
     assert_eq!(b.ts, 17.0);
-    let EngineEvent::Stored(st) = &b.events[0] else { panic!() };
+    let EngineEvent::Stored(st) = &b.events[0] else {
+        panic!()
+    };
     assert_eq!(st.block_hashes, vec![(-3i64) as u64]);
     assert_eq!(st.parent_block_hash, Some(u64::MAX));
     assert_eq!(st.cache_salt.as_deref(), Some("tenant-a"));
@@ -102,9 +114,14 @@ fn bytes_hashes_reduce_by_xxh3() {
         Value::from(0),
     ]);
     let b = decode_batch(EngineKind::Vllm, &bytes(&batch)).unwrap();
-    let EngineEvent::Stored(st) = &b.events[0] else { panic!() };
+    let EngineEvent::Stored(st) = &b.events[0] else {
+        panic!()
+    };
     assert_eq!(st.block_hashes, vec![xxhash_rust::xxh3::xxh3_64(&h)]);
-    assert_eq!(st.parent_block_hash, Some(xxhash_rust::xxh3::xxh3_64(&[1, 2, 3])));
+    assert_eq!(
+        st.parent_block_hash,
+        Some(xxhash_rust::xxh3::xxh3_64(&[1, 2, 3]))
+    );
     assert_eq!(b.dp_rank, Some(0));
 }
 
@@ -129,15 +146,36 @@ fn positional_events_per_engine_with_extra_slots() {
         Value::Nil,
         s("a slot from the future"),
     ]);
-    let removed = Value::Array(vec![s("BlockRemoved"), ints(&[5]), s("CPU"), Value::from(1), Value::Nil, Value::Nil, Value::from(9)]);
-    let batch = Value::Array(vec![Value::F64(0.0), Value::Array(vec![vllm, removed, Value::Array(vec![s("AllBlocksCleared")])]), Value::from(1), s("extra")]);
+    let removed = Value::Array(vec![
+        s("BlockRemoved"),
+        ints(&[5]),
+        s("CPU"),
+        Value::from(1),
+        Value::Nil,
+        Value::Nil,
+        Value::from(9),
+    ]);
+    let batch = Value::Array(vec![
+        Value::F64(0.0),
+        Value::Array(vec![
+            vllm,
+            removed,
+            Value::Array(vec![s("AllBlocksCleared")]),
+        ]),
+        Value::from(1),
+        s("extra"),
+    ]);
     let b = decode_batch(EngineKind::Vllm, &bytes(&batch)).unwrap();
-    let EngineEvent::Stored(st) = &b.events[0] else { panic!() };
+    let EngineEvent::Stored(st) = &b.events[0] else {
+        panic!()
+    };
     assert_eq!(st.lora_name.as_deref(), Some("sql-adapter"));
     assert_eq!(st.medium.as_deref(), Some("CPU"));
     assert_eq!(st.group_idx, Some(1));
     assert_eq!(st.kv_cache_spec_kind.as_deref(), Some("full_attention"));
-    let EngineEvent::Removed(rm) = &b.events[1] else { panic!() };
+    let EngineEvent::Removed(rm) = &b.events[1] else {
+        panic!()
+    };
     assert_eq!(rm.group_idx, Some(1));
     assert_eq!(b.events[2], EngineEvent::AllCleared);
     assert_eq!(b.dp_rank, Some(1));
@@ -154,9 +192,15 @@ fn positional_events_per_engine_with_extra_slots() {
         s("session-1"),
         s("adapter-b"),
     ]);
-    let batch = Value::Array(vec![Value::F64(0.0), Value::Array(vec![sglang]), Value::Nil]);
+    let batch = Value::Array(vec![
+        Value::F64(0.0),
+        Value::Array(vec![sglang]),
+        Value::Nil,
+    ]);
     let b = decode_batch(EngineKind::Sglang, &bytes(&batch)).unwrap();
-    let EngineEvent::Stored(st) = &b.events[0] else { panic!() };
+    let EngineEvent::Stored(st) = &b.events[0] else {
+        panic!()
+    };
     assert_eq!(st.cache_salt.as_deref(), Some("salt"));
     assert_eq!(st.lora_name.as_deref(), Some("adapter-b"));
     assert_eq!(st.parent_block_hash, Some(4));
@@ -174,18 +218,29 @@ fn extra_keys_beyond_the_lora_name_are_kept_canonically() {
         }
         let batch = Value::Array(vec![Value::F64(0.0), Value::Array(vec![ev])]);
         let b = decode_batch(EngineKind::Vllm, &bytes(&batch)).unwrap();
-        let EngineEvent::Stored(st) = b.events[0].clone() else { panic!() };
+        let EngineEvent::Stored(st) = b.events[0].clone() else {
+            panic!()
+        };
         st
     };
     // Only the LoRA name: nothing extra.
-    let st = with(Value::Array(vec![Value::Array(vec![s("lo")]), Value::Array(vec![s("lo")])]), s("lo"));
+    let st = with(
+        Value::Array(vec![
+            Value::Array(vec![s("lo")]),
+            Value::Array(vec![s("lo")]),
+        ]),
+        s("lo"),
+    );
     assert!(st.extra_keys.is_empty());
     // No keys at all.
     let st = with(Value::Array(vec![Value::Nil, Value::Nil]), Value::Nil);
     assert!(st.extra_keys.is_empty());
     // A multimodal pair on the second block.
     let mm = Value::Array(vec![s("img-hash"), Value::from(3)]);
-    let st = with(Value::Array(vec![Value::Nil, Value::Array(vec![s("lo"), mm.clone()])]), s("lo"));
+    let st = with(
+        Value::Array(vec![Value::Nil, Value::Array(vec![s("lo"), mm.clone()])]),
+        s("lo"),
+    );
     assert_eq!(st.extra_keys.len(), 2);
     assert!(st.extra_keys[0].is_empty());
     assert!(!st.extra_keys[1].is_empty());
@@ -218,17 +273,29 @@ fn bad_events_are_skipped_with_a_reason_and_the_rest_kept() {
         Value::Array(vec![
             map(vec![("type", s("BlockEvicted"))]),
             map(vec![("block_hashes", ints(&[1]))]),
-            map(vec![("type", s("BlockRemoved")), ("block_hashes", s("not a list"))]),
+            map(vec![
+                ("type", s("BlockRemoved")),
+                ("block_hashes", s("not a list")),
+            ]),
             map(vec![("type", s("BlockStored")), ("token_ids", ints(&[1]))]),
             Value::from(5),
-            map(vec![("type", s("BlockRemoved")), ("block_hashes", ints(&[1]))]),
+            map(vec![
+                ("type", s("BlockRemoved")),
+                ("block_hashes", ints(&[1])),
+            ]),
         ]),
     ]);
     let b = decode_batch(EngineKind::Vllm, &bytes(&batch)).unwrap();
     assert_eq!(b.events.len(), 1);
     assert_eq!(
         b.skipped,
-        vec!["unknown_event_type", "missing_type_tag", "bad_block_hashes", "missing_block_hashes", "event_not_map_or_array"]
+        vec![
+            "unknown_event_type",
+            "missing_type_tag",
+            "bad_block_hashes",
+            "missing_block_hashes",
+            "event_not_map_or_array"
+        ]
     );
 }
 
@@ -236,24 +303,68 @@ fn bad_events_are_skipped_with_a_reason_and_the_rest_kept() {
 fn broken_envelopes_are_refused() {
     let ok = bytes(&Value::Array(vec![Value::F64(0.0), Value::Array(vec![])]));
     assert!(decode_batch(EngineKind::Vllm, &ok).is_ok());
-    assert_eq!(decode_batch(EngineKind::Vllm, &ok[..ok.len() - 1]), Err(WireError::Truncated));
+    assert_eq!(
+        decode_batch(EngineKind::Vllm, &ok[..ok.len() - 1]),
+        Err(WireError::Truncated)
+    );
     let mut trailing = ok.clone();
     trailing.push(0);
-    assert_eq!(decode_batch(EngineKind::Vllm, &trailing), Err(WireError::Trailing));
-    assert_eq!(decode_batch(EngineKind::Vllm, &[]), Err(WireError::Truncated));
-    assert_eq!(decode_batch(EngineKind::Vllm, &[0xc1]), Err(WireError::Invalid));
-    assert_eq!(decode_batch(EngineKind::Vllm, &bytes(&s("hello"))), Err(WireError::BadEnvelope));
-    assert_eq!(decode_batch(EngineKind::Vllm, &bytes(&Value::Array(vec![Value::F64(0.0)]))), Err(WireError::BadEnvelope));
-    assert_eq!(decode_batch(EngineKind::Vllm, &bytes(&map(vec![("ts", Value::F64(0.0))]))), Err(WireError::BadEnvelope));
+    assert_eq!(
+        decode_batch(EngineKind::Vllm, &trailing),
+        Err(WireError::Trailing)
+    );
+    assert_eq!(
+        decode_batch(EngineKind::Vllm, &[]),
+        Err(WireError::Truncated)
+    );
+    assert_eq!(
+        decode_batch(EngineKind::Vllm, &[0xc1]),
+        Err(WireError::Invalid)
+    );
+    assert_eq!(
+        decode_batch(EngineKind::Vllm, &bytes(&s("hello"))),
+        Err(WireError::BadEnvelope)
+    );
+    assert_eq!(
+        decode_batch(
+            EngineKind::Vllm,
+            &bytes(&Value::Array(vec![Value::F64(0.0)]))
+        ),
+        Err(WireError::BadEnvelope)
+    );
+    assert_eq!(
+        decode_batch(
+            EngineKind::Vllm,
+            &bytes(&map(vec![("ts", Value::F64(0.0))]))
+        ),
+        Err(WireError::BadEnvelope)
+    );
     // A huge declared length with no bytes behind it is a truncation, not an allocation.
-    assert_eq!(decode_batch(EngineKind::Vllm, &[0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff]), Err(WireError::Truncated));
+    assert_eq!(
+        decode_batch(
+            EngineKind::Vllm,
+            &[
+                0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff
+            ]
+        ),
+        Err(WireError::Truncated)
+    );
     // Deep nesting in an ignored field is bounded.
     let mut deep = Value::Nil;
     for _ in 0..100 {
         deep = Value::Array(vec![deep]);
     }
-    let batch = Value::Array(vec![Value::F64(0.0), Value::Array(vec![map(vec![("type", s("AllBlocksCleared")), ("x", deep)])])]);
-    assert_eq!(decode_batch(EngineKind::Vllm, &bytes(&batch)), Err(WireError::TooDeep));
+    let batch = Value::Array(vec![
+        Value::F64(0.0),
+        Value::Array(vec![map(vec![
+            ("type", s("AllBlocksCleared")),
+            ("x", deep),
+        ])]),
+    ]);
+    assert_eq!(
+        decode_batch(EngineKind::Vllm, &bytes(&batch)),
+        Err(WireError::TooDeep)
+    );
 }
 
 proptest::proptest! {
