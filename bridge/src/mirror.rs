@@ -353,24 +353,24 @@ impl RankMirror {
                 out.ignore("offload_unknown_block", 1);
                 continue;
             };
-            let was_held = node.held();
-            node.copies[t] += 1;
-            if node.copies[t] > 1 {
+            if node.copies[t] > 0 {
+                node.copies[t] += 1;
                 out.duplicate_copies += 1;
                 continue;
             }
-            if !was_held {
-                // A ghost's parent may be gone from every tier: the index would refuse it.
-                if let Some(p) = node.parent
-                    && !self.nodes.get(&p).is_some_and(Node::held)
-                {
-                    let node = self.nodes.get_mut(&hash).expect("present");
-                    node.copies[t] -= 1;
-                    out.ignore("parent_unknown", 1);
-                    continue;
-                }
+            // A store needs its parent held (a ghost parent is not): the index refuses it.
+            let parent = node.parent;
+            if let Some(p) = parent
+                && !self.nodes.get(&p).is_some_and(Node::held)
+            {
+                out.ignore("parent_unknown", 1);
+                continue;
+            }
+            let node = self.nodes.get_mut(&hash).expect("present");
+            if !node.held() {
                 self.held += 1;
             }
+            node.copies[t] = 1;
             let node = self.nodes.get_mut(&hash).expect("present");
             node.stamp = stamp;
             let (parent, tokens_hash) = (node.parent, node.tokens_hash);
@@ -464,7 +464,9 @@ impl RankMirror {
             if !seen.insert(h) {
                 continue;
             }
-            let Some(node) = self.nodes.remove(&h) else { continue };
+            let Some(node) = self.nodes.remove(&h) else {
+                continue;
+            };
             for tier in StorageTier::ALL {
                 if node.copies[tier.index()] > 0 {
                     out.push_removed(h, tier);
