@@ -1,1 +1,136 @@
-//! (In progress.)
+//! The engines' ZMQ sockets (libzmq through the `zmq` crate; blocking, so each rank has its own
+//! thread): the live SUB socket and the replay request over a DEALER.
+//!
+//! Live frames are `[topic, seq (8-byte big-endian), payload]`. A replay request is
+//! `["", start_seq (8-byte BE)]` to the engine's ROUTER; it answers one message per buffered
+//! batch from `start_seq` on — `["", topic, seq, payload]` (vLLM 0.32 and SGLang 0.5 send the
+//! topic; `["", seq, payload]` is accepted too) — and ends with seq −1 and an empty payload.
+
+use std::time::{Duration, Instant};
+
+/// Largest payload accepted (libzmq drops the connection of a peer sending more).
+pub const MAX_PAYLOAD_BYTES: i64 = 64 * 1024 * 1024;
+
+/// The seq of the replay's end marker (−1 as 8 big-endian bytes).
+const END_SEQ: u64 = u64::MAX;
+
+/// Why a live message was skipped (stable: metric label values).
+pub fn frames_error(frames: &[Vec<u8>]) -> Option<&'static str> {
+    match frames {
+        [_, seq, _] if seq.len() != 8 => Some("bad_seq_frame"),
+        [_, _, _] => None,
+        _ => Some("frame_count"),
+    }
+}
+
+pub fn seq_of(frame: &[u8]) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&frame[..8]);
+    u64::from_be_bytes(b)
+}
+
+/// A rank's live subscription.
+pub struct Subscriber {
+    socket: zmq::Socket,
+}
+
+impl std::fmt::Debug for Subscriber {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Subscriber")
+    }
+}
+
+impl Subscriber {
+    /// Connects (lazily: libzmq retries until the engine binds) and subscribes to `topic`.
+    pub fn connect(ctx: &zmq::Context, endpoint: &str, topic: &str) -> zmq::Result<Self> {
+        let socket = ctx.socket(zmq::SUB)?;
+        socket.set_rcvhwm(1_000_000)?;
+        socket.set_maxmsgsize(MAX_PAYLOAD_BYTES)?;
+        socket.set_reconnect_ivl(100)?;
+        socket.set_reconnect_ivl_max(2_000)?;
+        socket.set_linger(0)?;
+        socket.set_rcvtimeo(100)?;
+        socket.set_subscribe(topic.as_bytes())?;
+        socket.connect(endpoint)?;
+        Ok(Self { socket })
+    }
+
+    /// The next message, or `None` after the 100 ms receive timeout.
+    pub fn recv(&self) -> zmq::Result<Option<Vec<Vec<u8>>>> {
+        match self.socket.recv_multipart(0) {
+            Ok(frames) => Ok(Some(frames)),
+            Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Why a replay failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error("replay socket: {0}")]
+    Zmq(#[from] zmq::Error),
+    #[error("no end of replay within {0:?}")]
+    Timeout(Duration),
+    #[error("malformed replay message ({0} frames)")]
+    Malformed(usize),
+}
+
+/// Asks the engine's replay ROUTER for every buffered batch from `start` on: `(seq, payload)`
+/// in order. The engines answer a `start` older than their buffer from the oldest batch they
+/// kept, silently: the caller checks the first seq.
+pub fn replay(
+    ctx: &zmq::Context,
+    endpoint: &str,
+    start: u64,
+    timeout: Duration,
+) -> Result<Vec<(u64, Vec<u8>)>, ReplayError> {
+    let socket = ctx.socket(zmq::DEALER)?;
+    socket.set_linger(0)?;
+    socket.set_maxmsgsize(MAX_PAYLOAD_BYTES)?;
+    socket.set_rcvhwm(1_000_000)?;
+    socket.connect(endpoint)?;
+    socket.send_multipart([&b""[..], &start.to_be_bytes()[..]], 0)?;
+    let deadline = Instant::now() + timeout;
+    let mut out = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ReplayError::Timeout(timeout));
+        }
+        socket.set_rcvtimeo(left.as_millis().clamp(1, i32::MAX as u128) as i32)?;
+        let frames = match socket.recv_multipart(0) {
+            Ok(f) => f,
+            Err(zmq::Error::EAGAIN) => return Err(ReplayError::Timeout(timeout)),
+            Err(zmq::Error::EINTR) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        let (seq, payload) = match frames.as_slice() {
+            [empty, _topic, seq, payload] if empty.is_empty() && seq.len() == 8 => (seq, payload),
+            [empty, seq, payload] if empty.is_empty() && seq.len() == 8 => (seq, payload),
+            other => return Err(ReplayError::Malformed(other.len())),
+        };
+        let seq = seq_of(seq);
+        if seq == END_SEQ {
+            return Ok(out);
+        }
+        out.push((seq, payload.clone()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn live_frames_are_checked() {
+        assert_eq!(frames_error(&[vec![], vec![0; 8], vec![1]]), None);
+        assert_eq!(
+            frames_error(&[vec![], vec![0; 7], vec![1]]),
+            Some("bad_seq_frame")
+        );
+        assert_eq!(frames_error(&[vec![0; 8], vec![1]]), Some("frame_count"));
+        assert_eq!(frames_error(&[]), Some("frame_count"));
+        assert_eq!(seq_of(&5u64.to_be_bytes()), 5);
+    }
+}
