@@ -238,7 +238,18 @@ class Driver:
             "module": self.engine.kv_events.__file__,
             "rank_field": self.engine.rank_field,
             "ranks": ranks,
+            "events": {
+                kind: struct_shape(getattr(self.engine.kv_events, kind)) for kind in EVENT_TYPES
+            },
         }
+
+
+def struct_shape(cls):
+    """An event class's fields in order, and the defaults of those that have one."""
+    fields = cls.__struct_fields__
+    defaults = cls.__struct_defaults__
+    with_default = fields[len(fields) - len(defaults) :]
+    return {"fields": list(fields), "defaults": dict(zip(with_default, defaults))}
 
 
 def block_hash(value):
