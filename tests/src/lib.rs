@@ -3,8 +3,11 @@
 //!
 //! Binaries are found through `KVROUTE_NATS_SERVER` / `KVROUTE_ETCD`, then the repo's
 //! `.tools/bin/` (where `scripts/install-deps` puts nats-server), then `PATH`.
+//!
+//! `EnginePublisher` runs vLLM's and SGLang's own KV-event publishers (tests/engines/).
 
 mod bins;
+mod engine_publisher;
 mod http;
 mod load;
 mod ports;
@@ -14,6 +17,7 @@ mod servers;
 mod sim_worker;
 
 pub use bins::{IndexerProcess, kvroute_bin};
+pub use engine_publisher::{Engine, EngineOptions, EnginePublisher, RankEndpoints};
 pub use http::http_get;
 pub use load::{LoadPlan, LoadReport, Sent, steady_load};
 pub use ports::free_port;
