@@ -187,6 +187,10 @@ async fn run(
     stats: Arc<PublisherStats>,
 ) {
     let mut pending: Option<Command> = None;
+    // Event ids restart at 0 with every publisher (a new incarnation of the worker), so the
+    // message ids carry this publisher's own random token: JetStream's duplicate window must
+    // drop retries of one publisher's batches, never a restarted worker's first batches.
+    let incarnation = format!("{worker_id}-{:08x}", uuid::Uuid::new_v4().as_u128() as u32);
     loop {
         let cmd = match pending.take() {
             Some(cmd) => cmd,
@@ -217,7 +221,13 @@ async fn run(
             }
         }
         let n = events.len() as u64;
-        for chunk in split_for_wire(worker_id, dp_rank, events, config.max_batch_events) {
+        for chunk in split_for_wire(
+            worker_id,
+            &incarnation,
+            dp_rank,
+            events,
+            config.max_batch_events,
+        ) {
             publish_until_acked(&js, &subject, &chunk, &config, &stats).await;
         }
         stats.events_queued.fetch_sub(n, Ordering::Relaxed);
@@ -237,6 +247,7 @@ fn batch(worker_id: WorkerId, dp_rank: DpRank, events: Vec<KvEvent>) -> KvEventB
 /// Encoded batches of at most `max_events` events, each under the message size limit.
 fn split_for_wire(
     worker_id: WorkerId,
+    id_prefix: &str,
     dp_rank: DpRank,
     events: Vec<KvEvent>,
     max_events: usize,
@@ -254,7 +265,7 @@ fn split_for_wire(
         let mut b = batch(worker_id, dp_rank, events);
         match encode(&b) {
             Ok(bytes) => out.push((
-                format!("{worker_id}-{dp_rank}-{first}-{last}"),
+                format!("{id_prefix}-{dp_rank}-{first}-{last}"),
                 bytes,
                 count,
             )),

@@ -1,0 +1,378 @@
+//! kvroute-bridge's event path against the engines' own publisher code (vLLM 0.32 and SGLang
+//! 0.5.23 `ZmqEventPublisher`, run by tests/engines/engine_publisher.py): two data-parallel
+//! ranks, stored / removed / cleared, LoRA, offloaded tiers, a second physical copy, a gap
+//! replayed, a gap that cannot be replayed, an engine restart and a resync — each time an indexer
+//! fed through the bridge must hold exactly the state built from the same events by hand with
+//! kvroute's hashing.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_bridge::BridgeMetrics;
+use kvroute_bridge::config::{EngineKind, EngineSpec};
+use kvroute_bridge::relay::{Relay, RelaySettings};
+use kvroute_common::Names;
+use kvroute_common::hashing::{local_block_hashes, seed_for_lora};
+use kvroute_common::messages::{KvEventData, StorageTier, StoredBlock};
+use kvroute_common::worker::{PublisherConfig, RegistrationConfig, WorkerAgent, WorkerAgentConfig};
+use kvroute_indexer::{IndexConfig, RadixIndex};
+use kvroute_tests::{Engine, EngineOptions, EnginePublisher, IndexerProcess, TestEnv, sim_card};
+use serde_json::{Value, json};
+
+const WORKER: u64 = 77;
+const BS: u32 = 4;
+
+/// A running bridge event path for one engine: the relay and the worker agent it publishes
+/// through (what `kvroute-bridge` runs per engine, minus the HTTP side).
+struct Bridged {
+    relay: Relay,
+    agent: Option<WorkerAgent>,
+    metrics: Arc<BridgeMetrics>,
+}
+
+async fn bridge(env: &TestEnv, engine: &EnginePublisher) -> Bridged {
+    let kind = match engine.options.engine {
+        Engine::Vllm => EngineKind::Vllm,
+        Engine::Sglang => EngineKind::Sglang,
+    };
+    let rank0 = &engine.endpoints()[0];
+    let spec = EngineSpec {
+        name: "e".into(),
+        engine: kind,
+        engine_url: "http://127.0.0.1:9".into(),
+        zmq_endpoint: rank0.local.clone(),
+        zmq_replay_endpoint: rank0.replay.clone(),
+        zmq_topic: engine.options.topic.clone(),
+        worker_id: Some(WORKER),
+        dp_size: Some(2),
+        dp_start_rank: 0,
+        model: None,
+        block_size: None,
+        total_kv_blocks: None,
+        max_num_batched_tokens: None,
+        role: Default::default(),
+        taints: vec![],
+        labels: Default::default(),
+    };
+    let metrics = Arc::new(BridgeMetrics::default());
+    let relay = Relay::start(
+        &spec,
+        vec![0, 1],
+        RelaySettings {
+            mirror_max_blocks: 100_000,
+        },
+        metrics.clone(),
+    )
+    .unwrap();
+    let names = Names::new(&env.namespace);
+    let mut card = sim_card(&names, WORKER, "m");
+    card.block_size = BS;
+    card.dp_size = 2;
+    let config = WorkerAgentConfig {
+        registration: RegistrationConfig {
+            lease_ttl: Duration::from_secs(10),
+            retry_interval: Duration::from_millis(100),
+        },
+        publisher: PublisherConfig {
+            ack_timeout: Duration::from_millis(500),
+            retry_interval: Duration::from_millis(100),
+            ..Default::default()
+        },
+    };
+    let mut agent = WorkerAgent::start(
+        env.nats.connect().await.unwrap(),
+        env.etcd.connect().await.unwrap(),
+        &names,
+        card,
+        config,
+        relay.resync_source(),
+    )
+    .await
+    .unwrap();
+    agent.wait_registered().await;
+    relay.attach(agent.publisher().clone());
+    Bridged {
+        relay,
+        agent: Some(agent),
+        metrics,
+    }
+}
+
+impl Drop for Bridged {
+    fn drop(&mut self) {
+        self.relay.shutdown();
+        if let Some(a) = self.agent.take() {
+            a.abandon();
+        }
+    }
+}
+
+/// Hashes as each engine writes them: vLLM unsigned (some above i64::MAX), SGLang signed.
+fn h(engine: Engine, n: u64) -> Value {
+    match engine {
+        Engine::Vllm => json!(u64::MAX - n),
+        Engine::Sglang => json!(-(n as i64) - 1),
+    }
+}
+
+fn hv(engine: Engine, n: u64) -> u64 {
+    match engine {
+        Engine::Vllm => u64::MAX - n,
+        Engine::Sglang => (-(n as i64) - 1) as u64,
+    }
+}
+
+fn stored(
+    engine: Engine,
+    hashes: &[u64],
+    parent: Option<u64>,
+    tokens: &[u32],
+    medium: &str,
+    lora: Option<&str>,
+) -> Value {
+    let mut e = json!({
+        "type": "BlockStored",
+        "block_hashes": hashes.iter().map(|&n| h(engine, n)).collect::<Vec<_>>(),
+        "parent_block_hash": parent.map(|p| h(engine, p)),
+        "token_ids": tokens,
+        "block_size": if tokens.is_empty() { 0 } else { BS },
+        "lora_id": null,
+        "medium": medium,
+    });
+    // A required field of vLLM's struct (nil when unset), optional in SGLang's.
+    e["lora_name"] = json!(lora);
+    e
+}
+
+fn removed(engine: Engine, hashes: &[u64], medium: &str) -> Value {
+    json!({"type": "BlockRemoved", "block_hashes": hashes.iter().map(|&n| h(engine, n)).collect::<Vec<_>>(), "medium": medium})
+}
+
+/// kvroute's view of blocks `hashes` holding `tokens` (hand-built with kvroute's hashing).
+fn chain(
+    engine: Engine,
+    hashes: &[u64],
+    parent: Option<u64>,
+    tokens: &[u32],
+    tier: StorageTier,
+    lora: Option<&str>,
+) -> KvEventData {
+    let local = local_block_hashes(tokens, BS as usize, seed_for_lora(lora));
+    KvEventData::Stored {
+        parent_hash: parent.map(|p| hv(engine, p)),
+        blocks: hashes
+            .iter()
+            .zip(local)
+            .map(|(&n, t)| StoredBlock {
+                block_hash: hv(engine, n),
+                tokens_hash: t,
+            })
+            .collect(),
+        tier,
+    }
+}
+
+fn reference(events: &[(u32, KvEventData)]) -> u64 {
+    let mut index = RadixIndex::new(IndexConfig::default());
+    for rank in 0..2 {
+        index.apply(WORKER, rank, &KvEventData::Cleared).unwrap();
+    }
+    for (rank, e) in events {
+        index.apply(WORKER, *rank, e).unwrap();
+    }
+    index.digest()
+}
+
+async fn wait_digest(indexer: &IndexerProcess, want: u64, what: &str) {
+    let start = Instant::now();
+    loop {
+        if let Ok((_, d)) = indexer.position()
+            && d == want
+        {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{what}: indexer digest {:?} never became {want:#x}\n{}",
+            indexer.position(),
+            indexer.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn tokens(base: u32, blocks: u32) -> Vec<u32> {
+    (base..base + blocks * BS).collect()
+}
+
+/// Stored, removed, LoRA, offload to the host, a second copy, cleared — over two ranks.
+async fn full_history(engine: Engine) {
+    let env = TestEnv::start().unwrap();
+    let indexer = IndexerProcess::start(&env, "a", &[]).unwrap();
+    let mut publisher = EnginePublisher::start(EngineOptions::new(engine)).unwrap();
+    let bridged = bridge(&env, &publisher).await;
+    let e = engine;
+    let t1 = tokens(100, 2);
+    let t2 = tokens(200, 1);
+    let t3 = tokens(300, 1);
+    // Rank 0: a chain, a LoRA block, the chain offloaded to the host, a second copy of the chain
+    // stored and one copy removed, the LoRA block removed.
+    publisher
+        .publish(
+            0,
+            json!([
+                stored(e, &[1, 2], None, &t1, "GPU", None),
+                stored(e, &[3], None, &t2, "GPU", Some("sql-adapter"))
+            ]),
+        )
+        .unwrap();
+    publisher
+        .publish(
+            0,
+            json!([stored(e, &[1, 2], None, &[], "CPU_PINNED", None)]),
+        )
+        .unwrap();
+    publisher
+        .publish(
+            0,
+            json!([
+                stored(e, &[1, 2], None, &t1, "GPU", None),
+                removed(e, &[2], "GPU"),
+                removed(e, &[3], "GPU")
+            ]),
+        )
+        .unwrap();
+    // Rank 1: a chain, all cleared, another chain under a child.
+    publisher
+        .publish(
+            1,
+            json!([stored(e, &[10], None, &t2, "GPU", None), {"type": "AllBlocksCleared"}]),
+        )
+        .unwrap();
+    publisher
+        .publish(
+            1,
+            json!([
+                stored(e, &[11], None, &t3, "GPU", None),
+                stored(e, &[12], Some(11), &t2, "GPU", None)
+            ]),
+        )
+        .unwrap();
+    let expected = reference(&[
+        (0, chain(e, &[1, 2], None, &t1, StorageTier::Device, None)),
+        (0, chain(e, &[1, 2], None, &t1, StorageTier::Host, None)),
+        (1, chain(e, &[11], None, &t3, StorageTier::Device, None)),
+        (1, chain(e, &[12], Some(11), &t2, StorageTier::Device, None)),
+    ]);
+    wait_digest(&indexer, expected, "after the history").await;
+    assert!(
+        bridged
+            .metrics
+            .get("kvroute_bridge_duplicate_copies_total", "e", Some(0), "")
+            >= 2.0
+    );
+
+    // A resync (what an indexer asks after losing state) recreates the same state from the
+    // mirror alone: the engines cannot resend anything.
+    let (before, _) = indexer.position().unwrap();
+    let nats = env.nats.connect().await.unwrap();
+    let names = Names::new(&env.namespace);
+    nats.request(names.worker_resync(WORKER), "".into())
+        .await
+        .unwrap();
+    let start = Instant::now();
+    while indexer.position().unwrap().0 <= before {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the resync never reached the log"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_digest(&indexer, expected, "after a resync from the mirror").await;
+    let _ = (t1, bridged);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_history_through_the_bridge_matches_the_reference() {
+    full_history(Engine::Vllm).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_history_through_the_bridge_matches_the_reference() {
+    full_history(Engine::Sglang).await;
+}
+
+/// A batch lost on the PUB socket is fetched from the engine's replay buffer; without a replay
+/// endpoint the rank is cleared and rebuilt from the following events; an engine restart (seq
+/// back to 0) is a new incarnation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gaps_are_replayed_or_clear_the_rank_and_restarts_clear_it() {
+    let env = TestEnv::start().unwrap();
+    let indexer = IndexerProcess::start(&env, "a", &[]).unwrap();
+    let e = Engine::Vllm;
+    let (t1, t2, t3) = (tokens(100, 1), tokens(200, 1), tokens(300, 1));
+
+    // With replay.
+    let mut publisher = EnginePublisher::start(EngineOptions::new(e)).unwrap();
+    let bridged = bridge(&env, &publisher).await;
+    publisher
+        .publish(0, json!([stored(e, &[1], None, &t1, "GPU", None)]))
+        .unwrap();
+    publisher.drop_next(0).unwrap();
+    publisher
+        .publish(0, json!([stored(e, &[2], Some(1), &t2, "GPU", None)]))
+        .unwrap();
+    publisher
+        .publish(0, json!([stored(e, &[3], Some(2), &t3, "GPU", None)]))
+        .unwrap();
+    let expected = reference(&[
+        (0, chain(e, &[1], None, &t1, StorageTier::Device, None)),
+        (0, chain(e, &[2], Some(1), &t2, StorageTier::Device, None)),
+        (0, chain(e, &[3], Some(2), &t3, StorageTier::Device, None)),
+    ]);
+    wait_digest(&indexer, expected, "a dropped batch replayed").await;
+    assert_eq!(
+        bridged
+            .metrics
+            .get("kvroute_bridge_replays_total", "e", Some(0), "ok"),
+        1.0
+    );
+
+    // The engine restarts: its new seq 0 clears the rank.
+    publisher.restart().unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    publisher
+        .publish(0, json!([stored(e, &[5], None, &t2, "GPU", None)]))
+        .unwrap();
+    // Should the resubscription have missed seq 0, seq 1 still shows the restart (and replay
+    // brings seq 0 back).
+    publisher.publish(0, json!([])).unwrap();
+    let expected = reference(&[(0, chain(e, &[5], None, &t2, StorageTier::Device, None))]);
+    wait_digest(&indexer, expected, "a restarted engine").await;
+    drop(bridged);
+    drop(publisher);
+
+    // Without replay: the gap clears the rank, later events rebuild it.
+    let mut options = EngineOptions::new(e);
+    options.replay = false;
+    let mut publisher = EnginePublisher::start(options).unwrap();
+    let bridged = bridge(&env, &publisher).await;
+    publisher
+        .publish(0, json!([stored(e, &[1], None, &t1, "GPU", None)]))
+        .unwrap();
+    publisher.drop_next(0).unwrap();
+    publisher
+        .publish(0, json!([stored(e, &[2], Some(1), &t2, "GPU", None)]))
+        .unwrap();
+    publisher
+        .publish(0, json!([stored(e, &[4], None, &t3, "GPU", None)]))
+        .unwrap();
+    let expected = reference(&[(0, chain(e, &[4], None, &t3, StorageTier::Device, None))]);
+    wait_digest(&indexer, expected, "a gap without replay").await;
+    assert_eq!(
+        bridged
+            .metrics
+            .get("kvroute_bridge_ranks_cleared_total", "e", Some(0), ""),
+        1.0
+    );
+}
