@@ -60,6 +60,7 @@ fn card() -> WorkerCard {
         labels: BTreeMap::from([("zone".into(), "a".into())]),
         request_subject: "kvroute.default.worker.3.generate".into(),
         software_version: "0.1.0".into(),
+        http_url: None,
     }
 }
 
