@@ -28,6 +28,9 @@ use load::{Capacity, LoadSeqs, LoadTask};
 use report::Reporter;
 use requests::{RequestTask, RequestsHandle, Serving, StopMode};
 
+/// How long a registration waits for the card to reach etcd before probing goes on.
+const REGISTRATION_WAIT: Duration = Duration::from_secs(1);
+
 /// The supervisor's timing (from [`BridgeArgs`]).
 #[derive(Debug, Clone)]
 pub struct SupervisorSettings {
@@ -266,7 +269,7 @@ impl Supervisor {
                 return false;
             }
         };
-        let agent = match WorkerAgent::start(
+        let mut agent = match WorkerAgent::start(
             self.conn.nats.clone(),
             self.conn.etcd.clone(),
             &self.conn.names,
@@ -282,6 +285,9 @@ impl Supervisor {
                 return false;
             }
         };
+        // The card is usually in etcd within milliseconds; while etcd is unreachable the agent
+        // keeps trying in the background, and probing goes on.
+        let _ = tokio::time::timeout(REGISTRATION_WAIT, agent.wait_registered()).await;
         if new_incarnation {
             self.relay.new_incarnation();
         }
