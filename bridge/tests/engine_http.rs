@@ -36,6 +36,8 @@ fn state(load: Vec<(u64, u64, f64)>) -> EngineState {
         load,
         cached_tokens: Some(32),
         chunk_delay: Duration::from_millis(5),
+        max_context: 4096,
+        abort_after: None,
     }
 }
 
@@ -303,6 +305,16 @@ async fn a_vllm_engine_registers_reports_serves_and_comes_back_after_failing() {
         (e.code, e.request_id),
         (GenerateErrorCode::BadRequest, None)
     );
+    // The engine's own refusal keeps its status's meaning and its message.
+    let GenerateResponse::Error(e) = generate(&nats, &names, &request(4096, 1)).await else {
+        panic!("a prompt above the context length is refused");
+    };
+    assert_eq!(e.code, GenerateErrorCode::BadRequest);
+    assert!(
+        e.message.contains("maximum context length is 4096"),
+        "{}",
+        e.message
+    );
 
     let (status, _) = bridge.get("/readyz").await.unwrap();
     assert_eq!(status, 200);
@@ -332,7 +344,7 @@ async fn a_vllm_engine_registers_reports_serves_and_comes_back_after_failing() {
         "kvroute_bridge_registrations_total{engine=\"vllm-42\",event=\"registered\"} 1",
         "kvroute_bridge_registrations_total{engine=\"vllm-42\",event=\"new_incarnation\"} 1",
         "kvroute_bridge_registrations_total{engine=\"vllm-42\",event=\"deregistered\"} 1",
-        "kvroute_bridge_requests_total{engine=\"vllm-42\",outcome=\"bad_request\"} 2",
+        "kvroute_bridge_requests_total{engine=\"vllm-42\",outcome=\"bad_request\"} 3",
         "kvroute_bridge_requests_total{engine=\"vllm-42\",outcome=\"ok\"} 2",
         "kvroute_bridge_registered{engine=\"vllm-42\"} 1",
         "kvroute_bridge_engines_registered 1",
@@ -426,14 +438,23 @@ async fn an_sglang_engine_with_two_ranks() {
         panic!("rank 2 is not served");
     };
     assert_eq!(e.code, GenerateErrorCode::UnknownDpRank);
+    // An abort inside the stream is the worker's failure.
+    engine.set(|s| s.abort_after = Some(1));
+    let GenerateResponse::Error(e) = generate(&nats, &names, &request(8, 4)).await else {
+        panic!("an aborted stream fails the request");
+    };
+    assert_eq!(e.code, GenerateErrorCode::Unavailable);
+    assert!(e.message.contains("Generation aborted."), "{}", e.message);
+    engine.set(|s| s.abort_after = None);
 
     // Shutdown answers a request still running `cancelled`, and deregisters.
     engine.set(|s| s.chunk_delay = Duration::from_secs(1));
+    let before = engine.completions.lock().unwrap().len();
     let running = {
         let (nats, names, req) = (nats.clone(), names.clone(), request(8, 50));
         tokio::spawn(async move { generate(&nats, &names, &req).await })
     };
-    while engine.completions.lock().unwrap().len() < 2 {
+    while engine.completions.lock().unwrap().len() == before {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     bridge.shutdown().await;

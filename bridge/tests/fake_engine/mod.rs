@@ -35,6 +35,10 @@ pub struct EngineState {
     pub cached_tokens: Option<u64>,
     /// Pause before each streamed chunk.
     pub chunk_delay: Duration,
+    /// Longer prompts are refused with HTTP 400, as vLLM refuses them.
+    pub max_context: usize,
+    /// After this many chunks the stream carries an error chunk (an SGLang abort).
+    pub abort_after: Option<u64>,
 }
 
 /// A completion request the engine received.
@@ -255,12 +259,32 @@ async fn stream_completion(
 ) -> std::io::Result<()> {
     let prompt = body["prompt"].as_array().map_or(0, Vec::len) as u64;
     let max_tokens = body["max_tokens"].as_u64().unwrap_or(16);
+    if prompt as usize + max_tokens as usize > s.max_context {
+        let error = json!({"error": {"message": format!(
+            "This model's maximum context length is {} tokens. However, you requested {} tokens.",
+            s.max_context, prompt + max_tokens), "type": "BadRequestError", "param": null, "code": 400}})
+        .to_string();
+        let response = format!(
+            "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{error}",
+            error.len()
+        );
+        stream.write_all(response.as_bytes()).await?;
+        return stream.shutdown().await;
+    }
     stream
         .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\nconnection: close\r\n\r\n")
         .await?;
     let model = &s.model;
     for i in 0..max_tokens {
         tokio::time::sleep(s.chunk_delay).await;
+        if s.abort_after == Some(i) {
+            let error = json!({"error": {"object": "error", "message": "Generation aborted.",
+                "type": "SERVICE_UNAVAILABLE", "param": null, "code": 503}});
+            stream
+                .write_all(format!("data: {error}\n\ndata: [DONE]\n\n").as_bytes())
+                .await?;
+            return stream.shutdown().await;
+        }
         let finish = if i + 1 == max_tokens {
             json!("length")
         } else {
