@@ -105,6 +105,7 @@ impl EngineSupervisor {
             registered: registered.clone(),
             live: None,
             refusal: None,
+            logged_unhealthy: false,
             warned_no_cache_report: Arc::new(AtomicBool::new(false)),
         };
         let task = tokio::spawn(supervisor.run(stop_rx));
@@ -155,6 +156,8 @@ struct Supervisor {
     live: Option<Live>,
     /// Why the last registration was refused (logged when it changes).
     refusal: Option<String>,
+    /// A failed probe of the unregistered engine was logged (once until it registers).
+    logged_unhealthy: bool,
     warned_no_cache_report: Arc<AtomicBool>,
 }
 
@@ -201,10 +204,13 @@ impl Supervisor {
                     next
                 }
             };
-            if let Err(e) = &probe
-                && state.registered
-            {
-                tracing::debug!(engine = self.label, failures = state.failures, error = %e, "health probe failed");
+            if let Err(e) = &probe {
+                if state.registered {
+                    tracing::debug!(engine = self.label, failures = state.failures, error = %e, "health probe failed");
+                } else if !self.logged_unhealthy {
+                    self.logged_unhealthy = true;
+                    tracing::info!(engine = self.label, error = %e, "the engine is not healthy (yet): registering it when /health answers 200");
+                }
             }
             self.update_registered();
         }
@@ -323,6 +329,7 @@ impl Supervisor {
             requests,
         });
         self.refusal = None;
+        self.logged_unhealthy = false;
         self.conn.metrics.inc(
             names::REGISTRATIONS,
             &self.label,

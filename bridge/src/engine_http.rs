@@ -6,8 +6,9 @@
 //! Endpoints (vLLM 0.32 / SGLang 0.5.23): `GET /health` (200 = healthy, both);
 //! `GET /v1/models` (the served model is the first `data[].id`, both); vLLM `GET /metrics`
 //! (Prometheus: cache facts and per-rank load) and `GET /version`; SGLang `GET /server_info`
-//! (`/get_server_info` before 0.5.x: cache facts) and `GET /v1/loads` (per-rank load); both
-//! `POST /v1/completions` with `stream: true`.
+//! (cache facts; on a 404, its deprecated name `/get_server_info`, which older versions only
+//! have) and `GET /v1/loads` (per-rank load); both `POST /v1/completions` with `stream: true`,
+//! the data-parallel rank in vLLM's `X-data-parallel-rank` header or SGLang's body.
 
 pub mod prometheus;
 pub mod sglang;
@@ -165,8 +166,10 @@ pub fn completion_body(kind: EngineKind, req: &CompletionRequest) -> Value {
         "ignore_eos": true,
     });
     if let (EngineKind::Sglang, Some(rank)) = (kind, req.dp_rank) {
-        // SGLang takes the rank in the body (`data_parallel_rank` before 0.5.x, deprecated).
+        // SGLang takes the rank in the body: `routed_dp_rank` (0.5.23), and the deprecated
+        // `data_parallel_rank` that older versions know (0.5.23 maps it, ignored if both).
         body["routed_dp_rank"] = json!(rank);
+        body["data_parallel_rank"] = json!(rank);
     }
     body
 }
@@ -507,6 +510,16 @@ mod tests {
         );
         let sglang = completion_body(EngineKind::Sglang, &req);
         assert_eq!(sglang["routed_dp_rank"], json!(1));
+        assert_eq!(sglang["data_parallel_rank"], json!(1));
+        let one_rank = CompletionRequest {
+            dp_rank: None,
+            ..req
+        };
+        assert!(
+            completion_body(EngineKind::Sglang, &one_rank)
+                .get("routed_dp_rank")
+                .is_none()
+        );
     }
 
     #[test]

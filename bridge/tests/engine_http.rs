@@ -95,7 +95,10 @@ impl Bridge {
         }
     }
 
-    async fn get(&self, path: &str) -> Option<(u16, String)> {
+    async fn get(&mut self, path: &str) -> Option<(u16, String)> {
+        if self.task.is_finished() {
+            panic!("the bridge ended: {:?}", (&mut self.task).await);
+        }
         let (port, path) = (self.http_port, path.to_owned());
         tokio::task::spawn_blocking(move || http_get(port, &path))
             .await
@@ -193,7 +196,7 @@ async fn a_vllm_engine_registers_reports_serves_and_comes_back_after_failing() {
     let names = Names::new(&env.namespace);
     let mut loads = nats.subscribe(names.load(WORKER)).await.unwrap();
     let mut lifecycle = nats.subscribe(names.lifecycle(WORKER)).await.unwrap();
-    let bridge = Bridge::start(&env, &engine, "vllm", &[]);
+    let mut bridge = Bridge::start(&env, &engine, "vllm", &[]);
 
     // The card carries the engine's own facts.
     let (card, _) = wait_card(&mut etcd, &names, true, TIMEOUT).await;
@@ -380,7 +383,7 @@ async fn an_sglang_engine_with_two_ranks() {
     let mut etcd = env.etcd.connect().await.unwrap();
     let names = Names::new(&env.namespace);
     let mut loads = nats.subscribe(names.load(WORKER)).await.unwrap();
-    let bridge = Bridge::start(&env, &engine, "sglang", &[]);
+    let mut bridge = Bridge::start(&env, &engine, "sglang", &[]);
 
     let (card, _) = wait_card(&mut etcd, &names, true, TIMEOUT).await;
     let card = card.unwrap();
@@ -473,7 +476,7 @@ async fn an_engine_that_hides_its_cache_is_not_registered_until_it_tells() {
     let engine = FakeEngine::start(Kind::Vllm, s).await;
     let mut etcd = env.etcd.connect().await.unwrap();
     let names = Names::new(&env.namespace);
-    let bridge = Bridge::start(&env, &engine, "vllm", &["--block-size", "16"]);
+    let mut bridge = Bridge::start(&env, &engine, "vllm", &["--block-size", "16"]);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(
         read_card(&mut etcd, &names).await.is_none(),
