@@ -383,7 +383,7 @@ async fn an_sglang_engine_with_two_ranks() {
     let mut etcd = env.etcd.connect().await.unwrap();
     let names = Names::new(&env.namespace);
     let mut loads = nats.subscribe(names.load(WORKER)).await.unwrap();
-    let mut bridge = Bridge::start(&env, &engine, "sglang", &[]);
+    let bridge = Bridge::start(&env, &engine, "sglang", &[]);
 
     let (card, _) = wait_card(&mut etcd, &names, true, TIMEOUT).await;
     let card = card.unwrap();
