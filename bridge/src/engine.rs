@@ -291,13 +291,16 @@ impl Supervisor {
                 return false;
             }
         };
-        // The card is usually in etcd within milliseconds; while etcd is unreachable the agent
-        // keeps trying in the background, and probing goes on.
-        let _ = tokio::time::timeout(REGISTRATION_WAIT, agent.wait_registered()).await;
+        // Only now that the agent runs (it published `Cleared` for every rank): a failed start
+        // is retried at the next probe, and clearing the mirror twice would lose what the new
+        // incarnation stored in between.
         if new_incarnation {
             self.relay.new_incarnation();
         }
         self.relay.attach(agent.publisher().clone());
+        // The card is usually in etcd within milliseconds; while etcd is unreachable the agent
+        // keeps trying in the background, and probing goes on.
+        let _ = tokio::time::timeout(REGISTRATION_WAIT, agent.wait_registered()).await;
         let load = LoadTask {
             label: self.label.clone(),
             client: self.client.clone(),
