@@ -174,6 +174,9 @@ pub fn completion_body(kind: EngineKind, req: &CompletionRequest) -> Value {
     body
 }
 
+/// What SGLang's `/health` takes beyond a plain answer (see [`EngineClient::health_timeout`]).
+pub const SGLANG_HEALTH_DELAY: Duration = Duration::from_millis(1500);
+
 /// vLLM takes the data-parallel rank of a request in this header.
 pub const VLLM_DP_RANK_HEADER: &str = "X-data-parallel-rank";
 
@@ -218,11 +221,11 @@ impl EngineClient {
         format!("{}{path}", self.base)
     }
 
-    fn transport_error(&self, url: &str, e: &reqwest::Error) -> EngineError {
+    fn transport_error(&self, url: &str, e: &reqwest::Error, timeout: Duration) -> EngineError {
         if e.is_timeout() {
             EngineError::Timeout {
                 url: url.to_owned(),
-                timeout_ms: self.timeout.as_millis() as u64,
+                timeout_ms: timeout.as_millis() as u64,
             }
         } else {
             EngineError::Unreachable {
@@ -234,19 +237,23 @@ impl EngineClient {
 
     /// A GET within the timeout; a status other than 200 is an error carrying the body's start.
     async fn get(&self, path: &str) -> Result<String, EngineError> {
+        self.get_within(path, self.timeout).await
+    }
+
+    async fn get_within(&self, path: &str, timeout: Duration) -> Result<String, EngineError> {
         let url = self.url(path);
         let response = self
             .http
             .get(&url)
-            .timeout(self.timeout)
+            .timeout(timeout)
             .send()
             .await
-            .map_err(|e| self.transport_error(&url, &e))?;
+            .map_err(|e| self.transport_error(&url, &e, timeout))?;
         let status = response.status().as_u16();
         let body = read_limited(response, MAX_BODY_BYTES)
             .await
             .map_err(|e| match e {
-                ReadError::Transport(e) => self.transport_error(&url, &e),
+                ReadError::Transport(e) => self.transport_error(&url, &e, timeout),
                 ReadError::TooLarge => EngineError::BadResponse {
                     url: url.clone(),
                     reason: format!("body above {MAX_BODY_BYTES} bytes"),
@@ -272,7 +279,19 @@ impl EngineClient {
 
     /// `GET /health`: `Ok` on 200.
     pub async fn health(&self) -> Result<(), EngineError> {
-        self.get("/health").await.map(drop)
+        self.get_within("/health", self.health_timeout())
+            .await
+            .map(drop)
+    }
+
+    /// SGLang's `/health` runs a one-token generation and answers only after its first 1 s
+    /// check (`SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`, on by default; 503 after
+    /// `SGLANG_HEALTH_CHECK_TIMEOUT`, 20 s), so its probe gets that second on top.
+    pub fn health_timeout(&self) -> Duration {
+        match self.kind {
+            EngineKind::Vllm => self.timeout,
+            EngineKind::Sglang => self.timeout + SGLANG_HEALTH_DELAY,
+        }
     }
 
     /// The engine's model and cache facts. `Err` only when the engine answered none of the
@@ -359,7 +378,7 @@ impl EngineClient {
         let response = request
             .send()
             .await
-            .map_err(|e| self.transport_error(&url, &e))?;
+            .map_err(|e| self.transport_error(&url, &e, self.timeout))?;
         let status = response.status().as_u16();
         if status != 200 {
             let body = read_limited(response, 64 << 10).await.unwrap_or_default();
@@ -381,7 +400,7 @@ impl EngineClient {
         while !tally.done {
             let events = match body.next().await {
                 Some(Ok(bytes)) => decoder.feed(&bytes),
-                Some(Err(e)) => return Err(self.transport_error(&url, &e)),
+                Some(Err(e)) => return Err(self.transport_error(&url, &e, self.timeout)),
                 None => {
                     let last = decoder.finish();
                     if last.is_none() {
@@ -520,6 +539,18 @@ mod tests {
                 .get("routed_dp_rank")
                 .is_none()
         );
+    }
+
+    #[test]
+    fn sglang_health_probes_wait_for_its_generation() {
+        let t = Duration::from_millis(1000);
+        let vllm = EngineClient::new(EngineKind::Vllm, "http://e:8000/", t).unwrap();
+        assert_eq!(
+            (vllm.health_timeout(), vllm.base_url()),
+            (t, "http://e:8000")
+        );
+        let sglang = EngineClient::new(EngineKind::Sglang, "http://e:30000", t).unwrap();
+        assert_eq!(sglang.health_timeout(), t + SGLANG_HEALTH_DELAY);
     }
 
     #[test]
