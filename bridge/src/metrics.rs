@@ -44,6 +44,8 @@ pub mod names {
     pub const HEALTH: &str = "kvroute_bridge_health_probes_total";
     pub const REGISTERED: &str = "kvroute_bridge_registered";
     pub const REQUESTS: &str = "kvroute_bridge_requests_total";
+    pub const LOAD_REPORTS: &str = "kvroute_bridge_load_reports_total";
+    pub const REGISTRATIONS: &str = "kvroute_bridge_registrations_total";
 }
 
 fn help(name: &str) -> (&'static str, &'static str, &'static str) {
@@ -109,9 +111,15 @@ fn help(name: &str) -> (&'static str, &'static str, &'static str) {
             "",
         ),
         REQUESTS => (
-            "GenerateRequests forwarded to the engine, by outcome.",
+            "GenerateRequests answered, by outcome (ok or the error code).",
             "counter",
             "outcome",
+        ),
+        LOAD_REPORTS => ("WorkerLoad reports published.", "counter", ""),
+        REGISTRATIONS => (
+            "Registration events, by kind (registered, new_incarnation, deregistered, refused).",
+            "counter",
+            "event",
         ),
         _ => ("", "counter", ""),
     }

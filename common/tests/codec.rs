@@ -60,6 +60,7 @@ fn card() -> WorkerCard {
         labels: BTreeMap::from([("zone".into(), "a".into())]),
         request_subject: "kvroute.default.worker.3.generate".into(),
         software_version: "0.1.0".into(),
+        http_url: None,
     }
 }
 
@@ -266,6 +267,10 @@ fn round_trip<T: WireMessage + PartialEq + std::fmt::Debug>(msg: T) {
 fn every_message_round_trips() {
     round_trip(batch());
     round_trip(card());
+    round_trip(WorkerCard {
+        http_url: Some("http://10.0.0.7:8000".into()),
+        ..card()
+    });
     round_trip(load());
     round_trip(select_request());
     round_trip(select_reply());
@@ -291,6 +296,25 @@ fn every_message_round_trips() {
         action: ControlAction::WorkerRemoved { worker_id: 9 },
         replica_id: "i1".into(),
     });
+}
+
+#[test]
+fn a_card_without_an_http_url_does_not_carry_the_field() {
+    let keys = |card: &WorkerCard| {
+        let bytes = encode(card).unwrap();
+        let Value::Map(map) = rmpv::decode::read_value(&mut &bytes[..]).unwrap() else {
+            panic!("a map");
+        };
+        map.into_iter()
+            .filter_map(|(k, _)| k.as_str().map(str::to_owned))
+            .collect::<Vec<_>>()
+    };
+    assert!(!keys(&card()).iter().any(|k| k == "http_url"));
+    let with = WorkerCard {
+        http_url: Some("http://e:8000".into()),
+        ..card()
+    };
+    assert!(keys(&with).iter().any(|k| k == "http_url"));
 }
 
 /// Re-encodes `msg` as a generic map, lets `edit` change it, and returns the bytes.

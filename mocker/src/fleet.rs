@@ -177,6 +177,7 @@ fn card(config: &FleetConfig, worker_id: WorkerId, names: &Names) -> WorkerCard 
         .into(),
         request_subject: names.worker_requests(worker_id),
         software_version: format!("kvroute-mocker {}", env!("CARGO_PKG_VERSION")),
+        http_url: None,
     }
 }
 

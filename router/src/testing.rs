@@ -19,6 +19,7 @@ pub fn card(worker_id: WorkerId) -> WorkerCard {
         labels: Default::default(),
         request_subject: format!("worker.{worker_id}"),
         software_version: String::new(),
+        http_url: None,
     }
 }
 

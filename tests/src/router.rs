@@ -170,6 +170,7 @@ pub fn worker_card(names: &Names, worker_id: WorkerId, model: &str) -> WorkerCar
         labels: Default::default(),
         request_subject: names.worker_requests(worker_id),
         software_version: "sim".into(),
+        http_url: None,
     }
 }
 

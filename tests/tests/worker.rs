@@ -31,6 +31,7 @@ fn card(worker_id: u64, names: &Names) -> WorkerCard {
         labels: Default::default(),
         request_subject: names.worker_requests(worker_id),
         software_version: "test".into(),
+        http_url: None,
     }
 }
 

@@ -86,6 +86,11 @@ pub struct WorkerCard {
     pub request_subject: String,
     #[serde(default)]
     pub software_version: String,
+    /// The engine's own HTTP base URL (`http://host:port`, its OpenAI-compatible API), for
+    /// gateways that send the request to the engine directly; absent for workers that take
+    /// requests only on NATS (kvroute-mocker). Set by kvroute-bridge.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http_url: Option<String>,
 }
 
 fn one() -> u32 {

@@ -48,6 +48,7 @@ fn card(worker_id: u64) -> WorkerCard {
         labels: Default::default(),
         request_subject: format!("worker.{worker_id}"),
         software_version: String::new(),
+        http_url: None,
     }
 }
 

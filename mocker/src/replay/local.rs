@@ -218,6 +218,7 @@ mod tests {
             labels: Default::default(),
             request_subject: format!("w{worker_id}"),
             software_version: String::new(),
+            http_url: None,
         }
     }
 

@@ -81,6 +81,7 @@ pub fn sim_cards(engine: &EngineConfig, workers: u32) -> Vec<WorkerCard> {
             labels: Default::default(),
             request_subject: format!("sim.worker.{worker_id}"),
             software_version: format!("kvroute-sim {}", env!("CARGO_PKG_VERSION")),
+            http_url: None,
         })
         .collect()
 }

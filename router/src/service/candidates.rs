@@ -147,6 +147,7 @@ mod tests {
             labels: Default::default(),
             request_subject: format!("w.{id}"),
             software_version: String::new(),
+            http_url: None,
         }
     }
 

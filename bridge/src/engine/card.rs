@@ -1,0 +1,199 @@
+//! The engine's `WorkerCard`: the spec's overrides first, then what the engine reports.
+
+use kvroute_common::messages::WorkerCard;
+use kvroute_common::{DpRank, Names};
+
+use crate::config::EngineSpec;
+use crate::engine_http::EngineInfo;
+
+/// The card label naming the engine's kind (`vllm`, `sglang`).
+pub const ENGINE_LABEL: &str = "kvroute.bridge/engine";
+
+/// Facts neither the spec nor the engine gave; each names the flag and the YAML field to set.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the engine does not report its {}: set {}", what(.missing), how(.missing))]
+pub struct MissingFacts {
+    pub missing: Vec<Fact>,
+}
+
+/// A card field that has no default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fact {
+    Model,
+    BlockSize,
+    TotalKvBlocks,
+}
+
+impl Fact {
+    fn what(self) -> &'static str {
+        match self {
+            Fact::Model => "model",
+            Fact::BlockSize => "block size",
+            Fact::TotalKvBlocks => "KV cache blocks",
+        }
+    }
+    fn flag(self) -> &'static str {
+        match self {
+            Fact::Model => "--model (YAML: model)",
+            Fact::BlockSize => "--block-size (YAML: block_size)",
+            Fact::TotalKvBlocks => "--total-kv-blocks (YAML: total_kv_blocks)",
+        }
+    }
+}
+
+fn what(missing: &[Fact]) -> String {
+    missing
+        .iter()
+        .map(|f| f.what())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn how(missing: &[Fact]) -> String {
+    missing
+        .iter()
+        .map(|f| f.flag())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The card of `spec`'s engine serving `ranks` (consecutive, from `spec.dp_start_rank`).
+pub fn build_card(
+    spec: &EngineSpec,
+    info: &EngineInfo,
+    ranks: &[DpRank],
+    names: &Names,
+) -> Result<WorkerCard, MissingFacts> {
+    let model = spec.model.clone().or_else(|| info.model.clone());
+    let block_size = spec.block_size.or(info.block_size);
+    let total_kv_blocks = spec.total_kv_blocks.or(info.num_gpu_blocks);
+    let (Some(model), Some(block_size), Some(total_kv_blocks)) =
+        (&model, block_size, total_kv_blocks)
+    else {
+        let mut missing = Vec::new();
+        if model.is_none() {
+            missing.push(Fact::Model);
+        }
+        if block_size.is_none() {
+            missing.push(Fact::BlockSize);
+        }
+        if total_kv_blocks.is_none() {
+            missing.push(Fact::TotalKvBlocks);
+        }
+        return Err(MissingFacts { missing });
+    };
+    let worker_id = spec.worker_id();
+    let mut labels = spec.labels.clone();
+    labels.insert(ENGINE_LABEL.to_owned(), spec.engine.to_string());
+    let software_version = match &info.version {
+        Some(v) => format!("{} {v}", spec.engine),
+        None => spec.engine.to_string(),
+    };
+    Ok(WorkerCard {
+        v: Default::default(),
+        worker_id,
+        model: model.clone(),
+        role: spec.role,
+        block_size,
+        total_kv_blocks,
+        max_num_batched_tokens: spec
+            .max_num_batched_tokens
+            .or(info.max_num_batched_tokens)
+            .unwrap_or(0),
+        dp_start_rank: ranks.first().copied().unwrap_or(spec.dp_start_rank),
+        dp_size: (ranks.len() as u32).max(1),
+        taints: spec.taints.clone(),
+        labels,
+        request_subject: names.worker_requests(worker_id),
+        software_version,
+        http_url: Some(spec.engine_url.trim().trim_end_matches('/').to_owned()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_common::Namespace;
+
+    fn spec(yaml: &str) -> EngineSpec {
+        serde_norway::from_str(&format!(
+            "engine: sglang\nengine_url: http://10.0.0.7:30000/\nzmq_endpoint: tcp://10.0.0.7:5557\n{yaml}"
+        ))
+        .unwrap()
+    }
+
+    fn names() -> Names {
+        Names::new(&Namespace::new("t").unwrap())
+    }
+
+    fn info() -> EngineInfo {
+        EngineInfo {
+            model: Some("Qwen/Qwen3-0.6B".into()),
+            block_size: Some(16),
+            num_gpu_blocks: Some(26624),
+            dp_size: Some(2),
+            max_num_batched_tokens: Some(8192),
+            version: Some("0.5.23".into()),
+            problems: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_engines_facts_fill_what_the_spec_leaves_open() {
+        let s = spec("labels: {zone: a}\ntaints: [gpu-h100]\n");
+        let card = build_card(&s, &info(), &[0, 1], &names()).unwrap();
+        assert_eq!(card.worker_id, s.worker_id());
+        assert_eq!(card.model, "Qwen/Qwen3-0.6B");
+        assert_eq!((card.block_size, card.total_kv_blocks), (16, 26624));
+        assert_eq!(card.max_num_batched_tokens, 8192);
+        assert_eq!((card.dp_start_rank, card.dp_size), (0, 2));
+        assert_eq!(card.software_version, "sglang 0.5.23");
+        assert_eq!(card.labels.get("zone").map(String::as_str), Some("a"));
+        assert_eq!(
+            card.labels.get(ENGINE_LABEL).map(String::as_str),
+            Some("sglang")
+        );
+        assert_eq!(card.taints, ["gpu-h100"]);
+        assert_eq!(card.request_subject, names().worker_requests(s.worker_id()));
+        assert_eq!(card.http_url.as_deref(), Some("http://10.0.0.7:30000"));
+    }
+
+    #[test]
+    fn the_spec_overrides_the_engine() {
+        let s = spec(
+            "model: served\nblock_size: 64\ntotal_kv_blocks: 100\nmax_num_batched_tokens: 2048\ndp_start_rank: 4\n",
+        );
+        let card = build_card(&s, &info(), &[4], &names()).unwrap();
+        assert_eq!(card.model, "served");
+        assert_eq!((card.block_size, card.total_kv_blocks), (64, 100));
+        assert_eq!(card.max_num_batched_tokens, 2048);
+        assert_eq!((card.dp_start_rank, card.dp_size), (4, 1));
+    }
+
+    #[test]
+    fn missing_facts_name_their_flags() {
+        let unknown = EngineInfo {
+            model: Some("m".into()),
+            ..EngineInfo::default()
+        };
+        let e = build_card(&spec(""), &unknown, &[0], &names()).unwrap_err();
+        assert_eq!(e.missing, [Fact::BlockSize, Fact::TotalKvBlocks]);
+        assert_eq!(
+            e.to_string(),
+            "the engine does not report its block size, KV cache blocks: set --block-size (YAML: block_size), --total-kv-blocks (YAML: total_kv_blocks)"
+        );
+        let card = build_card(
+            &spec("block_size: 16\ntotal_kv_blocks: 10\n"),
+            &unknown,
+            &[0],
+            &names(),
+        )
+        .unwrap();
+        assert_eq!(
+            (card.max_num_batched_tokens, card.software_version.as_str()),
+            (0, "sglang")
+        );
+        let e = build_card(&spec(""), &EngineInfo::default(), &[0], &names()).unwrap_err();
+        assert_eq!(e.missing[0], Fact::Model);
+    }
+}
