@@ -21,6 +21,13 @@ use serde_json::{Value, json};
 
 const WORKER: u64 = 77;
 const BS: u32 = 4;
+/// Indexer flags: state only in memory, so a purged log can only be recovered by resyncs.
+const NO_SNAPSHOTS: &[&str] = &[
+    "--snapshot-every-messages",
+    "0",
+    "--snapshot-interval-secs",
+    "0",
+];
 
 /// A running bridge event path for one engine: the relay and the worker agent it publishes
 /// through (what `kvroute-bridge` runs per engine, minus the HTTP side).
@@ -208,7 +215,7 @@ fn tokens(base: u32, blocks: u32) -> Vec<u32> {
 /// Stored, removed, LoRA, offload to the host, a second copy, cleared — over two ranks.
 async fn full_history(engine: Engine) {
     let env = TestEnv::start().unwrap();
-    let indexer = IndexerProcess::start(&env, "a", &[]).unwrap();
+    let indexer = IndexerProcess::start(&env, "a", NO_SNAPSHOTS).unwrap();
     let mut publisher = EnginePublisher::start(EngineOptions::new(engine)).unwrap();
     let bridged = bridge(&env, &publisher).await;
     let e = engine;
@@ -272,24 +279,28 @@ async fn full_history(engine: Engine) {
             >= 2.0
     );
 
-    // A resync (what an indexer asks after losing state) recreates the same state from the
-    // mirror alone: the engines cannot resend anything.
-    let (before, _) = indexer.position().unwrap();
+    // An indexer that lost its state and whose log was purged (no snapshots) asks every worker
+    // to resync: the bridge recreates the same state from its mirror alone — the engines cannot
+    // resend anything.
+    drop(indexer);
     let nats = env.nats.connect().await.unwrap();
     let names = Names::new(&env.namespace);
-    nats.request(names.worker_resync(WORKER), "".into())
+    let js = async_nats::jetstream::new(nats.clone());
+    js.get_stream(names.events_stream())
+        .await
+        .unwrap()
+        .purge()
         .await
         .unwrap();
-    let start = Instant::now();
-    while indexer.position().unwrap().0 <= before {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "the resync never reached the log"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    wait_digest(&indexer, expected, "after a resync from the mirror").await;
-    let _ = (t1, bridged);
+    let fresh = IndexerProcess::start(&env, "b", NO_SNAPSHOTS).unwrap();
+    wait_digest(
+        &fresh,
+        expected,
+        "a fresh indexer on a purged log, through the mirror",
+    )
+    .await;
+    assert!(fresh.log().contains("resync"), "{}", fresh.log());
+    drop(bridged);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
