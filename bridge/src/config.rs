@@ -129,6 +129,14 @@ impl EngineSpec {
         }
         self.zmq_endpoint_for(0)
             .map_err(|e| bad("zmq-endpoint", e))?;
+        if self.zmq_endpoint.trim().starts_with("inproc://") {
+            return Err(bad(
+                "zmq-endpoint",
+                "inproc:// endpoints exist only inside the engine's process: configure the \
+                 engine's endpoint as tcp:// or ipc://"
+                    .into(),
+            ));
+        }
         if let Some(Err(e)) = self.zmq_replay_endpoint_for(0) {
             return Err(bad("zmq-replay-endpoint", e));
         }
@@ -229,6 +237,9 @@ pub struct EngineFlags {
     /// Device KV blocks per rank (default: what the engine reports).
     #[arg(long, env = "KVROUTE_BRIDGE_TOTAL_KV_BLOCKS")]
     pub total_kv_blocks: Option<u64>,
+    /// The engine's per-step token budget (default: what the engine reports, else unknown).
+    #[arg(long, env = "KVROUTE_BRIDGE_MAX_NUM_BATCHED_TOKENS")]
+    pub max_num_batched_tokens: Option<u64>,
     /// The worker's role in (dis)aggregated serving.
     #[arg(long, env = "KVROUTE_BRIDGE_ROLE", default_value = "aggregated")]
     pub role: WorkerRole,
@@ -266,13 +277,17 @@ pub struct BridgeArgs {
     #[arg(long, env = "KVROUTE_BRIDGE_HEALTH_FAILURES", default_value_t = 3)]
     pub health_failures: u32,
     /// Timeout of one HTTP call to an engine (health, load, model info), in milliseconds.
+    /// SGLang's /health runs a one-token generation after a 1 s pause: its probes get 1.5 s
+    /// more.
     #[arg(long, env = "KVROUTE_BRIDGE_ENGINE_TIMEOUT_MS", default_value_t = 1000)]
     pub engine_timeout_ms: u64,
     /// TTL of each engine's etcd lease, in seconds (minimum 2).
     #[arg(long, env = "KVROUTE_BRIDGE_LEASE_TTL_SECS", default_value_t = 10)]
     pub lease_ttl_secs: u64,
-    /// Most blocks the mirror of one engine rank holds; beyond it the oldest chains are
-    /// dropped from the mirror and a resync no longer recreates them (counted).
+    /// Most blocks the mirror of one engine rank holds; beyond it the block stored longest ago
+    /// is evicted from the mirror and announced to kvroute as removed (counted as
+    /// `ignored{reason="mirror_full"}`), so kvroute never routes on blocks a resync could not
+    /// recreate. An engine's cache is far smaller; this bounds a misbehaving one.
     #[arg(
         long,
         env = "KVROUTE_BRIDGE_MIRROR_MAX_BLOCKS",
@@ -365,7 +380,7 @@ impl BridgeArgs {
             model: f.model.clone(),
             block_size: f.block_size,
             total_kv_blocks: f.total_kv_blocks,
-            max_num_batched_tokens: None,
+            max_num_batched_tokens: f.max_num_batched_tokens,
             role: f.role,
             taints: Vec::new(),
             labels: BTreeMap::new(),
