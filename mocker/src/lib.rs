@@ -6,6 +6,7 @@
 
 pub mod cache;
 pub mod engine;
+pub mod engine_face;
 pub mod fleet;
 pub mod replay;
 pub mod sim;

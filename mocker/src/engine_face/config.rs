@@ -1,0 +1,350 @@
+//! The engine face's flags: which engine every simulated worker impersonates, its event format,
+//! and the ports of each worker's sockets (worker i: base + i × stride, rank r: + r, the
+//! engines' own rule). Checked once by [`EngineFaceArgs::validate`]; errors name the flag.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+
+use kvroute_common::config::ConfigError;
+
+/// What a simulated worker looks like from outside.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum EngineApi {
+    /// A kvroute worker: card in etcd, events and load on NATS, requests on its subject.
+    #[default]
+    Kvroute,
+    /// vLLM: ZMQ KV events and the OpenAI server's HTTP API (`/metrics`); no NATS, no etcd.
+    Vllm,
+    /// SGLang: ZMQ KV events and its HTTP API (`/get_server_info`, `/v1/loads`).
+    Sglang,
+}
+
+impl EngineApi {
+    /// The engine impersonated, unless the worker is a plain kvroute worker.
+    pub fn face(self) -> Option<FaceEngine> {
+        match self {
+            EngineApi::Kvroute => None,
+            EngineApi::Vllm => Some(FaceEngine::Vllm),
+            EngineApi::Sglang => Some(FaceEngine::Sglang),
+        }
+    }
+}
+
+/// An engine the mocker can impersonate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FaceEngine {
+    Vllm,
+    Sglang,
+}
+
+impl FaceEngine {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FaceEngine::Vllm => "vllm",
+            FaceEngine::Sglang => "sglang",
+        }
+    }
+}
+
+/// How events are written inside a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum EventFormat {
+    /// Tagged maps (`{"type": "BlockStored", ...}`), as vLLM and SGLang write them today.
+    #[default]
+    Maps,
+    /// Tagged positional arrays (`["BlockStored", ...]`, every slot present), the older form.
+    Arrays,
+}
+
+/// Most data-parallel ranks one simulated worker runs.
+pub const MAX_DP_SIZE: u32 = 64;
+
+/// The flags of `--engine-api vllm|sglang` (ignored under `kvroute`).
+#[derive(Debug, Clone, PartialEq, clap::Args)]
+pub struct EngineFaceArgs {
+    /// What each simulated worker looks like: `kvroute` (a kvroute worker on NATS and etcd), or
+    /// `vllm` / `sglang`: that engine's ZMQ KV-event publisher and HTTP API, without NATS or
+    /// etcd (point kvroute-bridge at the endpoints printed at startup).
+    #[arg(long, env = "KVROUTE_MOCKER_ENGINE_API", value_enum, default_value_t)]
+    pub engine_api: EngineApi,
+    /// How events are written: `maps` (tagged maps, today's engines) or `arrays` (tagged
+    /// positional arrays, the older format).
+    #[arg(
+        long,
+        env = "KVROUTE_MOCKER_ENGINE_EVENT_FORMAT",
+        value_enum,
+        default_value_t
+    )]
+    pub engine_event_format: EventFormat,
+    /// HTTP port of worker 0 (worker i: + i × --engine-port-stride); 0: any free port.
+    #[arg(long, env = "KVROUTE_MOCKER_ENGINE_HTTP_PORT", default_value_t = 8000)]
+    pub engine_http_port: u16,
+    /// ZMQ PUB port of worker 0, rank 0 (rank r: + r); 0: any free port (one rank only).
+    #[arg(long, env = "KVROUTE_MOCKER_ENGINE_ZMQ_PORT", default_value_t = 5557)]
+    pub engine_zmq_port: u16,
+    /// ZMQ replay ROUTER port of worker 0, rank 0 (rank r: + r); 0: any free port (one rank
+    /// only).
+    #[arg(
+        long,
+        env = "KVROUTE_MOCKER_ENGINE_REPLAY_PORT",
+        default_value_t = 5558
+    )]
+    pub engine_replay_port: u16,
+    /// Port distance between consecutive workers, for all three kinds of port.
+    #[arg(long, env = "KVROUTE_MOCKER_ENGINE_PORT_STRIDE", default_value_t = 10)]
+    pub engine_port_stride: u16,
+    /// Data-parallel ranks per worker: each rank is its own simulated engine (queue, batch,
+    /// cache) with its own PUB and replay sockets; the worker's HTTP server serves them all.
+    #[arg(long, env = "KVROUTE_MOCKER_ENGINE_DP_SIZE", default_value_t = 1)]
+    pub engine_dp_size: u32,
+    /// The ZMQ topic every batch is published under (the engines' `topic`; default empty).
+    #[arg(long, env = "KVROUTE_MOCKER_ENGINE_TOPIC", default_value = "")]
+    pub engine_topic: String,
+    /// Address every socket binds (ZMQ and HTTP).
+    #[arg(
+        long,
+        env = "KVROUTE_MOCKER_ENGINE_BIND_HOST",
+        default_value = "127.0.0.1"
+    )]
+    pub engine_bind_host: IpAddr,
+    /// Batches each rank keeps for replay requests (the engines' `buffer_steps`).
+    #[arg(
+        long,
+        env = "KVROUTE_MOCKER_ENGINE_REPLAY_BUFFER",
+        default_value_t = 10_000
+    )]
+    pub engine_replay_buffer: usize,
+}
+
+impl Default for EngineFaceArgs {
+    fn default() -> Self {
+        Self {
+            engine_api: EngineApi::Kvroute,
+            engine_event_format: EventFormat::Maps,
+            engine_http_port: 8000,
+            engine_zmq_port: 5557,
+            engine_replay_port: 5558,
+            engine_port_stride: 10,
+            engine_dp_size: 1,
+            engine_topic: String::new(),
+            engine_bind_host: IpAddr::from([127, 0, 0, 1]),
+            engine_replay_buffer: 10_000,
+        }
+    }
+}
+
+/// The ports of one worker (0: chosen by the OS when binding).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerPorts {
+    pub http: u16,
+    /// Per rank.
+    pub zmq: Vec<u16>,
+    /// Per rank.
+    pub replay: Vec<u16>,
+}
+
+impl EngineFaceArgs {
+    /// Checks the face's settings for a fleet of `workers`; nothing to check under `kvroute`.
+    pub fn validate(&self, workers: u32) -> Result<(), ConfigError> {
+        if self.engine_api == EngineApi::Kvroute {
+            return Ok(());
+        }
+        if self.engine_dp_size == 0 || self.engine_dp_size > MAX_DP_SIZE {
+            return Err(ConfigError::new(
+                "engine-dp-size",
+                format!("must be 1..={MAX_DP_SIZE}, got {}", self.engine_dp_size),
+            ));
+        }
+        if self.engine_port_stride == 0 {
+            return Err(ConfigError::new("engine-port-stride", "must be at least 1"));
+        }
+        if self.engine_replay_buffer == 0 {
+            return Err(ConfigError::new(
+                "engine-replay-buffer",
+                "must be at least 1",
+            ));
+        }
+        for (flag, base) in [
+            ("engine-zmq-port", self.engine_zmq_port),
+            ("engine-replay-port", self.engine_replay_port),
+        ] {
+            if base == 0 && self.engine_dp_size > 1 {
+                return Err(ConfigError::new(
+                    flag,
+                    format!(
+                        "0 (any free port) needs --engine-dp-size 1: rank r is found at base + r, got {} ranks",
+                        self.engine_dp_size
+                    ),
+                ));
+            }
+        }
+        self.check_ports(workers)
+    }
+
+    /// Every fixed port of every worker and rank: within the u16 range and used once.
+    fn check_ports(&self, workers: u32) -> Result<(), ConfigError> {
+        let mut owners: HashMap<u32, (&'static str, u32, Option<u32>)> = HashMap::new();
+        let stride = u32::from(self.engine_port_stride);
+        for worker in 0..workers {
+            let kinds = [
+                ("engine-http-port", self.engine_http_port, None),
+                ("engine-zmq-port", self.engine_zmq_port, Some(())),
+                ("engine-replay-port", self.engine_replay_port, Some(())),
+            ];
+            for (flag, base, per_rank) in kinds {
+                if base == 0 {
+                    continue;
+                }
+                let ranks = per_rank.map_or(1, |()| self.engine_dp_size);
+                for r in 0..ranks {
+                    let port = u32::from(base) + worker * stride + r;
+                    let rank = per_rank.map(|()| r);
+                    let here = describe(worker, rank);
+                    if port > u32::from(u16::MAX) {
+                        return Err(ConfigError::new(
+                            flag,
+                            format!("{base}: {here} would need port {port}, above 65535"),
+                        ));
+                    }
+                    if let Some((other_flag, w, other_rank)) =
+                        owners.insert(port, (flag, worker, rank))
+                    {
+                        return Err(ConfigError::new(
+                            flag,
+                            format!(
+                                "{base}: port {port} of {here} is also --{other_flag}'s port for {} (change a base port or --engine-port-stride)",
+                                describe(w, other_rank)
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The ports of worker `index` (0-based).
+    pub fn worker_ports(&self, index: u32) -> WorkerPorts {
+        let offset = index * u32::from(self.engine_port_stride);
+        let port = |base: u16, rank: u32| -> u16 {
+            if base == 0 {
+                0
+            } else {
+                (u32::from(base) + offset + rank) as u16
+            }
+        };
+        WorkerPorts {
+            http: port(self.engine_http_port, 0),
+            zmq: (0..self.engine_dp_size)
+                .map(|r| port(self.engine_zmq_port, r))
+                .collect(),
+            replay: (0..self.engine_dp_size)
+                .map(|r| port(self.engine_replay_port, r))
+                .collect(),
+        }
+    }
+}
+
+fn describe(worker: u32, rank: Option<u32>) -> String {
+    match rank {
+        Some(r) => format!("worker {worker} rank {r}"),
+        None => format!("worker {worker}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vllm() -> EngineFaceArgs {
+        EngineFaceArgs {
+            engine_api: EngineApi::Vllm,
+            ..EngineFaceArgs::default()
+        }
+    }
+
+    #[test]
+    fn defaults_fit_a_large_fleet_and_kvroute_checks_nothing() {
+        vllm().validate(1024).unwrap();
+        let kvroute = EngineFaceArgs {
+            engine_dp_size: 0,
+            ..EngineFaceArgs::default()
+        };
+        kvroute.validate(2).unwrap();
+    }
+
+    #[test]
+    fn ports_follow_worker_stride_and_rank() {
+        let args = EngineFaceArgs {
+            engine_dp_size: 2,
+            engine_replay_port: 5600,
+            ..vllm()
+        };
+        args.validate(3).unwrap();
+        let p = args.worker_ports(2);
+        assert_eq!(p.http, 8020);
+        assert_eq!(p.zmq, vec![5577, 5578]);
+        assert_eq!(p.replay, vec![5620, 5621]);
+        let any = EngineFaceArgs {
+            engine_http_port: 0,
+            engine_zmq_port: 0,
+            engine_replay_port: 0,
+            ..vllm()
+        };
+        any.validate(4).unwrap();
+        assert_eq!(any.worker_ports(3).zmq, vec![0]);
+    }
+
+    #[test]
+    fn overlapping_ranges_name_both_flags() {
+        // Two ranks at 5557..5559 collide with the replay range starting at 5558.
+        let err = EngineFaceArgs {
+            engine_dp_size: 2,
+            ..vllm()
+        }
+        .validate(1)
+        .unwrap_err();
+        assert_eq!(err.field, "engine-replay-port");
+        assert!(err.message.contains("--engine-zmq-port"), "{err}");
+        assert!(err.message.contains("worker 0 rank 1"), "{err}");
+        // More ranks than the stride: worker 1's ranks meet worker 0's.
+        let err = EngineFaceArgs {
+            engine_dp_size: 12,
+            engine_replay_port: 7000,
+            ..vllm()
+        }
+        .validate(2)
+        .unwrap_err();
+        assert_eq!(err.field, "engine-zmq-port");
+        assert!(err.message.contains("worker 1 rank 0"), "{err}");
+        let err = EngineFaceArgs {
+            engine_http_port: 65_530,
+            ..vllm()
+        }
+        .validate(2)
+        .unwrap_err();
+        assert_eq!(err.field, "engine-http-port");
+        assert!(err.message.contains("65540"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_name_the_flag() {
+        let bad = |edit: fn(&mut EngineFaceArgs)| {
+            let mut a = vllm();
+            edit(&mut a);
+            a.validate(2).unwrap_err().field
+        };
+        assert_eq!(bad(|a| a.engine_dp_size = 0), "engine-dp-size");
+        assert_eq!(bad(|a| a.engine_dp_size = 65), "engine-dp-size");
+        assert_eq!(bad(|a| a.engine_port_stride = 0), "engine-port-stride");
+        assert_eq!(bad(|a| a.engine_replay_buffer = 0), "engine-replay-buffer");
+        assert_eq!(
+            bad(|a| {
+                a.engine_zmq_port = 0;
+                a.engine_dp_size = 2;
+                a.engine_replay_port = 6000;
+            }),
+            "engine-zmq-port"
+        );
+    }
+}
