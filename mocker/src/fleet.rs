@@ -28,7 +28,7 @@ pub use request::to_sim_request;
 pub use run::{MockerArgs, run};
 pub use worker::StopMode;
 
-use metrics::FleetHttp;
+pub(crate) use metrics::FleetHttp;
 use worker::{WorkerHandle, WorkerSettings};
 
 /// The card label that tells clients (the replay tool) the fleet's time compression.

@@ -9,6 +9,7 @@ use kvroute_common::WorkerId;
 use kvroute_common::config::ConfigError;
 
 use crate::engine::EngineConfig;
+use crate::engine_face::EngineFaceArgs;
 
 /// The simulated engine's flags (defaults: [`EngineConfig::default`], a mid-size model on one GPU).
 #[derive(Debug, Clone, clap::Args)]
@@ -148,6 +149,8 @@ pub struct FleetConfig {
     /// Do not create the events stream when it is missing (leave that to the indexers).
     #[arg(long, env = "KVROUTE_MOCKER_NO_CREATE_STREAM")]
     pub no_create_stream: bool,
+    #[command(flatten)]
+    pub face: EngineFaceArgs,
 }
 
 impl Default for FleetConfig {
@@ -163,6 +166,7 @@ impl Default for FleetConfig {
             load_interval_ms: 200,
             http_addr: None,
             no_create_stream: false,
+            face: EngineFaceArgs::default(),
         }
     }
 }
@@ -208,7 +212,7 @@ impl FleetConfig {
         if self.load_interval_ms == 0 {
             return Err(ConfigError::new("load-interval-ms", "must be positive"));
         }
-        Ok(())
+        self.face.validate(self.workers)
     }
 
     pub fn lease_ttl(&self) -> Duration {
