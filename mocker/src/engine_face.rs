@@ -32,7 +32,7 @@ use tokio::task::JoinHandle;
 
 pub use block_tokens::BlockTokens;
 pub use config::{EngineApi, EngineFaceArgs, EventFormat, FaceEngine, MAX_DP_SIZE, WorkerPorts};
-pub use openai::{DEFAULT_MAX_TOKENS, render_chat, tokenize};
+pub use openai::{DEFAULT_MAX_TOKENS, tokenize};
 pub use wire::{EventWriter, MissingTokens};
 
 use crate::engine::EngineConfig;

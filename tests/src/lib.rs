@@ -7,6 +7,7 @@
 //! `EnginePublisher` runs vLLM's and SGLang's own KV-event publishers (tests/engines/).
 
 mod bins;
+mod engine_face;
 mod engine_publisher;
 mod http;
 mod load;
@@ -17,6 +18,9 @@ mod servers;
 mod sim_worker;
 
 pub use bins::{IndexerProcess, kvroute_bin};
+pub use engine_face::{
+    Batch, EngineFace, Sub, decode_batch, face_config, field, map_keys, python_json, replay,
+};
 pub use engine_publisher::{Engine, EngineOptions, EnginePublisher, RankEndpoints};
 pub use http::http_get;
 pub use load::{LoadPlan, LoadReport, Sent, steady_load};
