@@ -38,7 +38,7 @@ pub use wire::{EventWriter, MissingTokens};
 use crate::engine::EngineConfig;
 use crate::fleet::{FleetConfig, FleetMetrics};
 use http::WorkerFace;
-use rank::Rank;
+use rank::{Rank, RankConfig};
 use zmq::{Publisher, PublisherConfig};
 
 /// The vLLM release whose wire format and API are impersonated (`/version`).
@@ -90,7 +90,7 @@ impl fmt::Display for WorkerEndpoints {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "worker {} ({}, {} dp ranks): --engine {} --engine-url {} --zmq-endpoint {} --zmq-replay-endpoint {} --dp-size {}",
+            "worker {} ({}, dp size {}): --engine {} --engine-url {} --zmq-endpoint {} --zmq-replay-endpoint {} --dp-size {}",
             self.index,
             self.engine.as_str(),
             self.zmq.len(),
@@ -160,14 +160,13 @@ impl EngineFleet {
                         name: format!("{index}-{r}"),
                     },
                 )?;
-                let rank = Arc::new(Rank::new(
-                    r,
-                    engine.clone(),
-                    config.speedup,
+                let rank_config = RankConfig {
+                    rank: r,
+                    engine: engine.clone(),
+                    speedup: config.speedup,
                     writer,
-                    publisher,
-                    metrics.clone(),
-                ));
+                };
+                let rank = Arc::new(Rank::new(rank_config, publisher, metrics.clone()));
                 drivers.push(tokio::spawn(rank.clone().drive(stop_rx.clone())));
                 ranks.push(rank);
             }

@@ -481,7 +481,7 @@ fn the_binary_prints_each_workers_bridge_flags() {
         std::thread::sleep(Duration::from_millis(100));
     };
     for (i, line) in lines.iter().enumerate() {
-        assert!(line.starts_with(&format!("kvroute-mocker: worker {i} (sglang, 1 dp ranks): --engine sglang --engine-url http://127.0.0.1:")), "{line}");
+        assert!(line.starts_with(&format!("kvroute-mocker: worker {i} (sglang, dp size 1): --engine sglang --engine-url http://127.0.0.1:")), "{line}");
         for flag in [
             "--zmq-endpoint tcp://127.0.0.1:",
             "--zmq-replay-endpoint tcp://127.0.0.1:",

@@ -38,16 +38,14 @@ pub(crate) async fn completions(
         Ok(p) => p,
         Err(e) => return face.error(StatusCode::BAD_REQUEST, e),
     };
-    run(
-        face,
-        &headers,
-        Api::Completion,
-        req.model.as_deref(),
-        &req.common,
-        req.max_tokens,
+    let asked = Asked {
+        api: Api::Completion,
+        model: req.model.as_deref(),
+        common: &req.common,
+        max_tokens: req.max_tokens,
         prompts,
-    )
-    .await
+    };
+    run(face, &headers, asked).await
 }
 
 pub(crate) async fn chat(
@@ -63,16 +61,24 @@ pub(crate) async fn chat(
         Ok(t) => t,
         Err(e) => return face.error(StatusCode::BAD_REQUEST, e),
     };
-    run(
-        face,
-        &headers,
-        Api::Chat,
-        req.model.as_deref(),
-        &req.common,
-        req.max_completion_tokens.or(req.max_tokens),
-        vec![openai::tokenize(&text)],
-    )
-    .await
+    let asked = Asked {
+        api: Api::Chat,
+        model: req.model.as_deref(),
+        common: &req.common,
+        max_tokens: req.max_completion_tokens.or(req.max_tokens),
+        prompts: vec![openai::tokenize(&text)],
+    };
+    run(face, &headers, asked).await
+}
+
+/// What a completion or chat request asks for, parsed.
+struct Asked<'r> {
+    api: Api,
+    model: Option<&'r str>,
+    common: &'r CommonFields,
+    max_tokens: Option<u32>,
+    /// As token ids.
+    prompts: Vec<Vec<u32>>,
 }
 
 /// A request's prompts submitted to the engine, and what its answer needs.
@@ -86,29 +92,22 @@ struct Job {
     progress: mpsc::UnboundedReceiver<Progress>,
 }
 
-async fn run(
-    face: Arc<WorkerFace>,
-    headers: &HeaderMap,
-    api: Api,
-    model: Option<&str>,
-    common: &CommonFields,
-    max_tokens: Option<u32>,
-    prompts: Vec<Vec<u32>>,
-) -> Response {
-    let progress = match submit(&face, headers, model, common, max_tokens, &prompts) {
+async fn run(face: Arc<WorkerFace>, headers: &HeaderMap, asked: Asked<'_>) -> Response {
+    let progress = match submit(&face, headers, &asked) {
         Ok(p) => p,
         Err(e) => return face.refuse(e),
     };
+    let api = asked.api;
     let job = Job {
         api,
         id: format!("{}{}", api.id_prefix(), uuid::Uuid::new_v4().simple()),
         created: unix_now().as_secs(),
-        prompt_tokens: prompts.iter().map(|p| p.len() as u64).collect(),
+        prompt_tokens: asked.prompts.iter().map(|p| p.len() as u64).collect(),
         progress,
         face,
     };
-    if common.streaming() {
-        stream(job, common.include_usage())
+    if asked.common.streaming() {
+        stream(job, asked.common.include_usage())
     } else {
         full(job).await
     }
@@ -118,17 +117,15 @@ async fn run(
 fn submit(
     face: &WorkerFace,
     headers: &HeaderMap,
-    model: Option<&str>,
-    common: &CommonFields,
-    max_tokens: Option<u32>,
-    prompts: &[Vec<u32>],
+    asked: &Asked<'_>,
 ) -> Result<mpsc::UnboundedReceiver<Progress>, ApiError> {
-    face.check_model(model)?;
+    face.check_model(asked.model)?;
+    let common = asked.common;
     common.check().map_err(ApiError::bad_request)?;
-    let max_tokens = openai::max_tokens(max_tokens).map_err(ApiError::bad_request)?;
+    let max_tokens = openai::max_tokens(asked.max_tokens).map_err(ApiError::bad_request)?;
     let (tx, progress) = mpsc::unbounded_channel();
     let pinned = common.routed_dp_rank.or(common.data_parallel_rank);
-    for (index, prompt) in prompts.iter().enumerate() {
+    for (index, prompt) in asked.prompts.iter().enumerate() {
         let rank = face.pick_rank(headers, pinned)?;
         // On a refusal, earlier prompts of the request run on; their progress goes nowhere.
         rank.submit(prompt, max_tokens, index, tx.clone())

@@ -58,6 +58,8 @@ pub enum EventFormat {
 
 /// Most data-parallel ranks one simulated worker runs.
 pub const MAX_DP_SIZE: u32 = 64;
+/// Most ranks in one process: each has a ZMQ thread.
+pub const MAX_RANKS: u32 = 4096;
 
 /// The flags of `--engine-api vllm|sglang` (ignored under `kvroute`).
 #[derive(Debug, Clone, PartialEq, clap::Args)]
@@ -153,6 +155,15 @@ impl EngineFaceArgs {
             return Err(ConfigError::new(
                 "engine-dp-size",
                 format!("must be 1..={MAX_DP_SIZE}, got {}", self.engine_dp_size),
+            ));
+        }
+        if workers.saturating_mul(self.engine_dp_size) > MAX_RANKS {
+            return Err(ConfigError::new(
+                "engine-dp-size",
+                format!(
+                    "{} ranks per worker × {workers} workers is more than {MAX_RANKS} ranks (each has its own ZMQ thread)",
+                    self.engine_dp_size
+                ),
             ));
         }
         if self.engine_port_stride == 0 {
@@ -337,6 +348,15 @@ mod tests {
         assert_eq!(bad(|a| a.engine_dp_size = 0), "engine-dp-size");
         assert_eq!(bad(|a| a.engine_dp_size = 65), "engine-dp-size");
         assert_eq!(bad(|a| a.engine_port_stride = 0), "engine-port-stride");
+        let too_many = EngineFaceArgs {
+            engine_dp_size: 8,
+            engine_port_stride: 20,
+            engine_replay_port: 30_000,
+            engine_http_port: 0,
+            ..vllm()
+        };
+        too_many.validate(512).unwrap();
+        assert_eq!(too_many.validate(513).unwrap_err().field, "engine-dp-size");
         assert_eq!(bad(|a| a.engine_replay_buffer = 0), "engine-replay-buffer");
         assert_eq!(
             bad(|a| {

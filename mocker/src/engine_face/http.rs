@@ -211,7 +211,7 @@ async fn loads(State(face): State<Arc<WorkerFace>>, Query(q): Query<LoadsQuery>)
         .filter(|r| q.dp_rank.is_none_or(|want| r.rank == want))
         .map(|r| r.snapshot())
         .collect();
-    axum::Json(info::sglang_loads(&face.settings, &snaps)).into_response()
+    axum::Json(info::sglang_loads(&face.settings, &snaps, unix_now())).into_response()
 }
 
 /// vLLM's `/reset_prefix_cache`, SGLang's `/flush_cache`: every rank empties its cache and

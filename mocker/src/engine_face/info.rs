@@ -4,10 +4,11 @@
 //! `/get_server_info` and `/v1/loads` (sglang/srt/entrypoints/http_server.py, v1_loads.py).
 
 use std::fmt::Write as _;
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use super::rank::{RankSnapshot, unix_now};
+use super::rank::RankSnapshot;
 use super::{FaceSettings, SGLANG_VERSION};
 
 /// vLLM's `/metrics`: scheduler gauges, cache and token counters, and `cache_config_info`.
@@ -219,13 +220,12 @@ pub(crate) fn sglang_server_info(face: &FaceSettings) -> Value {
     })
 }
 
-/// SGLang's `/v1/loads`: one `LoadSnapshot.to_dict()` per rank (core fields, then the memory,
-/// disaggregation and queues sections a plain server fills).
-pub(crate) fn sglang_loads(face: &FaceSettings, ranks: &[RankSnapshot]) -> Value {
+/// SGLang's `/v1/loads` at `now` (since the Unix epoch): one `LoadSnapshot.to_dict()` per rank
+/// (core fields, then the memory, disaggregation and queues sections a plain server fills).
+pub(crate) fn sglang_loads(face: &FaceSettings, ranks: &[RankSnapshot], now: Duration) -> Value {
     let c = &face.engine;
     let page = u64::from(c.block_size);
     let capacity = c.num_blocks * page;
-    let now = unix_now();
     let loads: Vec<Value> = ranks
         .iter()
         .map(|s| {
@@ -308,7 +308,7 @@ fn escape(v: &str) -> String {
 }
 
 /// `datetime.now(timezone.utc).isoformat()`: `2026-01-31T12:34:56.789012+00:00`.
-pub(crate) fn iso8601(since_epoch: std::time::Duration) -> String {
+pub(crate) fn iso8601(since_epoch: Duration) -> String {
     let secs = since_epoch.as_secs();
     let (days, rem) = (secs / 86_400, secs % 86_400);
     // Days since 1970-01-01 to a civil date (H. Hinnant's algorithm).
@@ -333,7 +333,6 @@ pub(crate) fn iso8601(since_epoch: std::time::Duration) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     #[test]
     fn iso_dates() {

@@ -33,7 +33,7 @@ pub(crate) enum Progress {
 }
 
 /// Counters since the rank started (the engines' cumulative metrics).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct RankCounters {
     /// Prompt tokens of requests whose prefill is done.
     pub prompt_tokens: u64,
@@ -44,8 +44,6 @@ pub(crate) struct RankCounters {
     pub generation_tokens: u64,
     /// Requests finished (all at `max_tokens`: finish reason `length`).
     pub finished: u64,
-    /// Sum of the simulated TTFTs of finished prefills, in seconds.
-    pub ttft_sum: f64,
 }
 
 /// A rank's state at one moment, for `/metrics` and `/v1/loads`.
@@ -75,6 +73,16 @@ struct Core {
     counters: RankCounters,
 }
 
+/// What a rank is: its index, its engine's parameters, its clock's speed and its event form.
+#[derive(Debug, Clone)]
+pub(crate) struct RankConfig {
+    pub rank: u32,
+    pub engine: EngineConfig,
+    /// Simulated seconds per wall second.
+    pub speedup: f64,
+    pub writer: EventWriter,
+}
+
 /// One rank, shared by the HTTP handlers and its driver task.
 #[derive(Debug)]
 pub(crate) struct Rank {
@@ -96,14 +104,13 @@ pub(crate) struct Busy {
 }
 
 impl Rank {
-    pub fn new(
-        rank: u32,
-        engine_config: EngineConfig,
-        speedup: f64,
-        writer: EventWriter,
-        publisher: Publisher,
-        metrics: Arc<FleetMetrics>,
-    ) -> Self {
+    pub fn new(config: RankConfig, publisher: Publisher, metrics: Arc<FleetMetrics>) -> Self {
+        let RankConfig {
+            rank,
+            engine: engine_config,
+            speedup,
+            writer,
+        } = config;
         let core = Core {
             engine: Engine::new(engine_config.clone()).expect("the fleet config was validated"),
             clock: SimClock::start(speedup),
@@ -272,7 +279,6 @@ impl Rank {
                 c.prompt_tokens += prompt;
                 c.cached_tokens += cached_tokens;
                 c.computed_tokens += prompt.saturating_sub(cached_tokens);
-                c.ttft_sum += ttft.as_secs_f64();
             }
             EngineOutput::Finished { output_tokens, .. } => {
                 self.metrics.requests_finished.inc("ok");
