@@ -214,6 +214,13 @@ impl EngineFleet {
                 healthy: AtomicBool::new(true),
             });
             let app = http::router(state);
+            // Streamed chunks go out at once, as from the engines' own servers (uvicorn sets
+            // TCP_NODELAY): with Nagle's algorithm a first chunk waits for the previous write's
+            // delayed ACK, adding ~40 ms to every time to first token.
+            let listener =
+                axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+                    let _ = tcp.set_nodelay(true);
+                });
             let http = tokio::spawn(async move {
                 if let Err(e) = axum::serve(listener, app).await {
                     tracing::error!(error = %e, "engine HTTP server stopped");
