@@ -7,6 +7,7 @@
 //! `EnginePublisher` runs vLLM's and SGLang's own KV-event publishers (tests/engines/).
 
 mod bins;
+pub mod cpu;
 mod engine_face;
 mod engine_publisher;
 mod http;

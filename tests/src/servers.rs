@@ -133,6 +133,11 @@ impl NatsServer {
         self.dir.path()
     }
 
+    /// The server's process id while it runs.
+    pub fn pid(&self) -> Option<i32> {
+        self.child.as_ref().map(ChildGuard::pid)
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.spec.log).unwrap_or_default()
     }
@@ -235,6 +240,11 @@ impl EtcdServer {
 
     pub fn data_dir(&self) -> &Path {
         self.dir.path()
+    }
+
+    /// The server's process id while it runs.
+    pub fn pid(&self) -> Option<i32> {
+        self.child.as_ref().map(ChildGuard::pid)
     }
 
     pub fn log(&self) -> String {
