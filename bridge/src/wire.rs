@@ -254,9 +254,36 @@ const SGLANG_REMOVED: &[&str] = &["block_hashes", "medium"];
 fn read_event(kind: EngineKind, r: &mut Reader<'_>) -> Result<Option<EngineEvent>, EventError> {
     match r.peek()? {
         Kind::Map => {
-            // The tag may come anywhere: remember where the map starts, find `type`, then read
-            // the fields knowing the variant.
             let start = r.pos;
+            let n = r.map_len()?;
+            // The engines' encoder (msgspec) writes the tag first: then one pass reads it all.
+            if n > 0 {
+                let after_len = r.pos;
+                if let Key::Str(b"type") = r.key()? {
+                    let s = r
+                        .str_bytes()
+                        .map_err(|_| EventError::Shape("bad_type_tag"))?;
+                    let Some(tag) = tag_of(s) else {
+                        for _ in 1..n {
+                            r.skip()?;
+                            r.skip()?;
+                        }
+                        return Ok(None);
+                    };
+                    let mut fields = Fields::default();
+                    for _ in 1..n {
+                        match r.key()? {
+                            Key::Str(name) => fields.read(tag, name, r)?,
+                            Key::Other => r.skip()?,
+                        }
+                    }
+                    return fields.finish(tag).map(Some);
+                }
+                r.pos = after_len;
+            }
+            // Elsewhere the tag may come anywhere: find `type`, then read the fields knowing
+            // the variant.
+            r.pos = start;
             let n = r.map_len()?;
             let mut tag = None;
             for _ in 0..n {
