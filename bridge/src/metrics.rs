@@ -69,7 +69,7 @@ fn help(name: &str) -> (&'static str, &'static str, &'static str) {
             "outcome",
         ),
         CLEARED => (
-            "Times a rank was cleared because its gap could not be replayed.",
+            "Times a rank was cleared: a gap that could not be replayed, or an undecodable batch.",
             "counter",
             "",
         ),

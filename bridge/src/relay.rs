@@ -304,12 +304,27 @@ impl RankWorker {
             .set(names::MIRROR_BLOCKS, &self.label, Some(self.rank), 0.0);
     }
 
+    /// Decodes and applies one batch. A batch that cannot be decoded (or is over
+    /// [`zmq_io::MAX_BATCH_BYTES`]) is counted and skipped — and since what it said is lost,
+    /// the rank is cleared, as for a gap that cannot be replayed: kvroute must not keep blocks
+    /// whose removal may have been in it.
     fn apply(&self, payload: &[u8], received: Instant) {
         self.metrics
             .inc(names::BATCHES, &self.label, Some(self.rank), "");
-        let batch = match decode_batch(self.kind, payload) {
+        let decoded = if payload.len() > zmq_io::MAX_BATCH_BYTES {
+            Err("oversize")
+        } else {
+            decode_batch(self.kind, payload).map_err(|e| e.reason())
+        };
+        let batch = match decoded {
             Ok(b) => b,
-            Err(e) => return self.count_error(e.reason()),
+            Err(reason) => {
+                self.count_error(reason);
+                tracing::warn!(engine = %self.label, rank = self.rank, reason, "undecodable batch: clearing the rank");
+                self.metrics
+                    .inc(names::CLEARED, &self.label, Some(self.rank), "");
+                return self.clear_rank();
+            }
         };
         for reason in &batch.skipped {
             self.count_error(reason);

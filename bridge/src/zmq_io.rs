@@ -8,8 +8,13 @@
 
 use std::time::{Duration, Instant};
 
-/// Largest payload accepted (libzmq drops the connection of a peer sending more).
+/// Largest message libzmq accepts at all: it drops the connection of a peer sending more (a
+/// guard for memory; the engine reconnects and the seq gap that follows is replayed).
 pub const MAX_PAYLOAD_BYTES: i64 = 64 * 1024 * 1024;
+
+/// Largest batch payload decoded; a larger one is counted (`oversize`) and skipped. The
+/// engines' batches are a few KB to a few MB.
+pub const MAX_BATCH_BYTES: usize = 16 * 1024 * 1024;
 
 /// The seq of the replay's end marker (−1 as 8 big-endian bytes).
 const END_SEQ: u64 = u64::MAX;
