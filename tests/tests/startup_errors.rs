@@ -11,8 +11,9 @@ use kvroute_tests::{Exited, NatsServer, TestEnv, free_port, kvroute_bin, run_to_
 const LIMIT: Duration = Duration::from_secs(60);
 
 /// Every binary, with the package it comes from.
-const BINS: [(&str, &str); 7] = [
+const BINS: [(&str, &str); 8] = [
     ("kvroute-router", "kvroute-router"),
+    ("kvroute-bridge", "kvroute-bridge"),
     ("kvroute-router-custom", "kvroute-example-custom-policy"),
     ("kvroute-indexer", "kvroute-indexer"),
     ("kvroute-mocker", "kvroute-mocker"),
@@ -70,6 +71,7 @@ fn every_binary_reports_bad_usage_in_one_line_with_status_2() {
         ("kvroute-router", "--max-in-flight"),
         ("kvroute-indexer", "--max-lag-ms"),
         ("kvroute-mocker", "--workers"),
+        ("kvroute-bridge", "--load-interval-ms"),
         ("kvroute-replay", "--limit"),
         ("kvroute-sim", "--workers"),
     ] {
@@ -176,11 +178,23 @@ fn unreachable_nats_is_retried_until_the_deadline_then_exits_4_naming_flag_and_u
         "kvroute-router",
         "kvroute-indexer",
         "kvroute-mocker",
+        "kvroute-bridge",
         "kvroute-replay",
     ] {
         let mut args = vec!["--nats-url", &url, "--nats-connect-timeout-ms", "1000"];
         if bin == "kvroute-replay" {
             args.extend(["--trace", trace.as_str()]);
+        } else if bin == "kvroute-bridge" {
+            args.extend([
+                "--engine",
+                "vllm",
+                "--engine-url",
+                "http://127.0.0.1:9",
+                "--zmq-endpoint",
+                "tcp://127.0.0.1:9",
+                "--http-addr",
+                "127.0.0.1:0",
+            ]);
         } else {
             args.extend(["--http-addr", "127.0.0.1:0"]);
         }
