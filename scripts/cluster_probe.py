@@ -7,6 +7,8 @@ object on stdout.
                                    the worker recorded in F
   departure --workers 1,2 --since T   seconds from T (Unix time) until the routers answer
                                    `pinned_unavailable` for each worker
+  arrival   --workers 1,2 --since T   seconds from T until the routers select each worker
+                                   again (a selection pinned to it succeeds)
   indexers  --status URL,URL       poll the replicas' /status until they report the same
                                    applied_seq; compare the digests there
   replay    --report F             selection success from kvroute-replay's JSON report
@@ -109,6 +111,29 @@ async def departure(args):
     print(json.dumps({"gone_after_s": gone, "still_routed": sorted(pending),
                       "last_answer": {str(k): v for k, v in last.items()},
                       "max_s": max(gone.values()) if gone and not pending else None}))
+    return 0 if not pending else 1
+
+
+async def arrival(args):
+    nc = await connect(args.nats)
+    client = kvroute_client.SelectClient(nc, args.namespace)
+    pending = {int(w) for w in args.workers.split(",") if w}
+    back, last = {}, {}
+    deadline = args.since + args.timeout
+    while pending and time.time() < deadline:
+        for w in sorted(pending):
+            reply = await select_retrying(client, {
+                "model": args.model, "token_ids": session_prompt(w % 1000),
+                "pin": {"worker_id": w}})
+            last[w] = reply.get("code") or reply.get("status")
+            if reply.get("status") == "ok" and reply.get("worker_id") == w:
+                back[w] = round(time.time() - args.since, 2)
+                pending.discard(w)
+        await asyncio.sleep(0.1)
+    await nc.close()
+    print(json.dumps({"back_after_s": back, "still_unroutable": sorted(pending),
+                      "last_answer": {str(k): v for k, v in last.items()},
+                      "max_s": max(back.values()) if back and not pending else None}))
     return 0 if not pending else 1
 
 
@@ -263,6 +288,10 @@ def main():
     d.add_argument("--workers", required=True)
     d.add_argument("--since", type=float, required=True)
     d.add_argument("--timeout", type=float, default=30)
+    a = sub.add_parser("arrival")
+    a.add_argument("--workers", required=True)
+    a.add_argument("--since", type=float, required=True)
+    a.add_argument("--timeout", type=float, default=30)
     i = sub.add_parser("indexers")
     i.add_argument("--status", required=True)
     i.add_argument("--timeout", type=float, default=60)
@@ -280,6 +309,8 @@ def main():
         return asyncio.run(sessions(args))
     if args.cmd == "departure":
         return asyncio.run(departure(args))
+    if args.cmd == "arrival":
+        return asyncio.run(arrival(args))
     if args.cmd == "indexers":
         return indexers(args)
     if args.cmd == "steady":
