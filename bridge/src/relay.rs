@@ -206,6 +206,8 @@ struct RankWorker {
 
 impl RankWorker {
     fn run(self, subscriber: Subscriber, running: &AtomicBool) {
+        // Subscribed first, so live batches queue while the history is fetched.
+        let mut replayed = self.catch_up();
         while running.load(Ordering::Relaxed) {
             let frames = match subscriber.recv() {
                 Ok(Some(f)) => f,
@@ -222,6 +224,21 @@ impl RankWorker {
                 continue;
             }
             let seq = zmq_io::seq_of(&frames[1]);
+            // Live batches queued during the start-up catch-up that it already applied: the same
+            // seq with the same bytes (a restarted engine's batch differs, by its timestamp at
+            // least).
+            if !replayed.is_empty() {
+                if replayed.get(&seq) == Some(&xxhash_rust::xxh3::xxh3_64(&frames[2])) {
+                    self.metrics.inc(
+                        names::IGNORED,
+                        &self.label,
+                        Some(self.rank),
+                        "already_replayed",
+                    );
+                    continue;
+                }
+                replayed.clear();
+            }
             let verdict = self.state.lock().expect("rank lock").tracker.observe(seq);
             match verdict {
                 Verdict::Apply => {}
@@ -245,6 +262,50 @@ impl RankWorker {
             }
             self.apply(&frames[2], received);
         }
+    }
+
+    /// At start, fetches the engine's whole replay buffer, so the engine's cache is known
+    /// without waiting for its next batch (an engine at rest may send none for a long time).
+    /// Returns the seqs applied with a hash of their bytes. An engine that is not up yet, or
+    /// has no replay socket, leaves this to the first live batch.
+    fn catch_up(&self) -> hashbrown::HashMap<u64, u64> {
+        let mut applied = hashbrown::HashMap::new();
+        let Some(endpoint) = &self.replay else {
+            return applied;
+        };
+        let batches = match zmq_io::replay(&self.ctx, endpoint, 0, REPLAY_TIMEOUT) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::info!(engine = %self.label, rank = self.rank, error = %e, "no history from the engine at start; the first batch decides");
+                return applied;
+            }
+        };
+        let Some(&(first, _)) = batches.first() else {
+            return applied;
+        };
+        let last = batches.last().map_or(first, |(s, _)| *s);
+        if first > 0 {
+            // The buffer no longer starts at the engine's first batch: what came before is
+            // unknown to routing until the engine stores it again.
+            self.metrics
+                .inc(names::REPLAYS, &self.label, Some(self.rank), "not_covered");
+            tracing::warn!(engine = %self.label, rank = self.rank, first, "the engine's history is only partly buffered");
+        } else {
+            self.metrics
+                .inc(names::REPLAYS, &self.label, Some(self.rank), "ok");
+        }
+        let now = Instant::now();
+        for (seq, payload) in &batches {
+            self.apply(payload, now);
+            applied.insert(*seq, xxhash_rust::xxh3::xxh3_64(payload));
+        }
+        self.state
+            .lock()
+            .expect("rank lock")
+            .tracker
+            .resume(last.saturating_add(1));
+        tracing::info!(engine = %self.label, rank = self.rank, batches = batches.len(), next = last + 1, "caught up with the engine's buffered history");
+        applied
     }
 
     fn count_error(&self, reason: &str) {

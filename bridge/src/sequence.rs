@@ -39,6 +39,12 @@ impl SeqTracker {
         verdict
     }
 
+    /// Continues after batches up to `next - 1` were applied from the engine's replay buffer
+    /// (the bridge catching up when it starts).
+    pub fn resume(&mut self, next: u64) {
+        self.next = Some(next);
+    }
+
     /// Forgets the numbering (the engine restarted by other signs).
     pub fn reset(&mut self) {
         self.next = None;

@@ -342,12 +342,12 @@ async fn gaps_are_replayed_or_clear_the_rank_and_restarts_clear_it() {
         (0, chain(e, &[3], Some(2), &t3, StorageTier::Device, None)),
     ]);
     wait_digest(&indexer, expected, "a dropped batch replayed").await;
-    assert_eq!(
-        bridged
-            .metrics
-            .get("kvroute_bridge_replays_total", "e", Some(0), "ok"),
-        1.0
-    );
+    // One gap (the dropped batch), filled from the replay socket (the start-up catch-up may
+    // have fetched the first batch too).
+    let m = |name: &'static str, extra: &str| bridged.metrics.get(name, "e", Some(0), extra);
+    assert_eq!(m("kvroute_bridge_gaps_total", ""), 1.0);
+    assert!(m("kvroute_bridge_replays_total", "ok") >= 1.0);
+    assert_eq!(m("kvroute_bridge_ranks_cleared_total", ""), 0.0);
 
     // The engine restarts: its new seq 0 clears the rank.
     publisher.restart().unwrap();
@@ -385,5 +385,67 @@ async fn gaps_are_replayed_or_clear_the_rank_and_restarts_clear_it() {
             .metrics
             .get("kvroute_bridge_ranks_cleared_total", "e", Some(0), ""),
         1.0
+    );
+}
+
+/// A bridge started (or restarted) next to an engine that already has a history learns it from
+/// the engine's replay buffer at once, without waiting for the engine's next batch — an engine
+/// at rest may send none for a long time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bridge_started_late_learns_the_history_without_a_new_batch() {
+    let env = TestEnv::start().unwrap();
+    let indexer = IndexerProcess::start(&env, "a", NO_SNAPSHOTS).unwrap();
+    let e = Engine::Sglang;
+    let (t1, t2) = (tokens(100, 2), tokens(200, 1));
+    let mut publisher = EnginePublisher::start(EngineOptions::new(e)).unwrap();
+    publisher
+        .publish(0, json!([stored(e, &[1, 2], None, &t1, "GPU", None)]))
+        .unwrap();
+    publisher
+        .publish(1, json!([stored(e, &[3], None, &t2, "GPU", None)]))
+        .unwrap();
+    publisher
+        .publish(0, json!([removed(e, &[2], "GPU")]))
+        .unwrap();
+    let bridged = bridge(&env, &publisher).await;
+    let local = local_block_hashes(&t1, BS as usize, seed_for_lora(None));
+    let expected = reference(&[
+        (
+            0,
+            KvEventData::Stored {
+                parent_hash: None,
+                blocks: vec![StoredBlock {
+                    block_hash: hv(e, 1),
+                    tokens_hash: local[0],
+                }],
+                tier: StorageTier::Device,
+            },
+        ),
+        (1, chain(e, &[3], None, &t2, StorageTier::Device, None)),
+    ]);
+    wait_digest(&indexer, expected, "the engine's history, learnt at start").await;
+    assert_eq!(
+        bridged
+            .metrics
+            .get("kvroute_bridge_replays_total", "e", Some(0), "ok"),
+        1.0
+    );
+    assert_eq!(
+        bridged
+            .metrics
+            .get("kvroute_bridge_gaps_total", "e", Some(0), ""),
+        0.0
+    );
+    // The engine goes on; its next batch continues the numbering.
+    publisher
+        .publish(0, json!([removed(e, &[1], "GPU")]))
+        .unwrap();
+    let expected = reference(&[(1, chain(e, &[3], None, &t2, StorageTier::Device, None))]);
+    wait_digest(&indexer, expected, "the next batch after the catch-up").await;
+    assert_eq!(
+        bridged
+            .metrics
+            .get("kvroute_bridge_gaps_total", "e", Some(0), ""),
+        0.0
     );
 }
