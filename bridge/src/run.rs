@@ -181,29 +181,10 @@ async fn discover_dp_size(client: &EngineClient, label: &str, retry: Duration) -
     }
 }
 
-/// Creates the events stream if nobody has yet (the bridge may start before any indexer);
-/// an existing stream is left as it is.
+/// Creates the events stream with the default settings if nobody has yet.
 async fn ensure_events_stream(js: &jetstream::Context, names: &Names) -> anyhow::Result<()> {
-    use kvroute_common::jetstream::JetStreamError;
-    let settings = kvroute_common::events_stream::StreamArgs::default();
-    let (_, mismatched) =
-        kvroute_common::events_stream::ensure_events_stream(js, names, &settings)
-            .await
-            .map_err(|e| match e {
-                // The bridge has no --stream-* flags: it creates the stream with the defaults.
-                JetStreamError::Refused { what, cause, .. } => JetStreamError::Refused {
-                    setting: "kvroute-bridge's default stream settings (1 replica; start an indexer with --stream-* first, or pass --no-create-stream)".into(),
-                    what,
-                    cause,
-                },
-                other => other,
-            })?;
-    for m in mismatched {
-        tracing::warn!(
-            stream = names.events_stream(),
-            "events stream setting differs from the defaults: {m}"
-        );
-    }
+    kvroute_common::events_stream::ensure_default_events_stream(js, names, "kvroute-bridge")
+        .await?;
     Ok(())
 }
 

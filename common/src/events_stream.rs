@@ -179,3 +179,32 @@ impl StreamArgs {
         )
     }
 }
+/// For processes without `--stream-*` flags (workers, the bridge): creates the events stream
+/// with the default settings if nobody has yet — they may start before any indexer — and
+/// leaves an existing one as it is, warning about settings that differ. A refusal names `bin`'s
+/// defaults and the way out.
+pub async fn ensure_default_events_stream(
+    js: &jetstream::Context,
+    names: &Names,
+    bin: &str,
+) -> Result<(), JetStreamError> {
+    let (_, mismatched) = ensure_events_stream(js, names, &StreamArgs::default())
+        .await
+        .map_err(|e| match e {
+            JetStreamError::Refused { what, cause, .. } => JetStreamError::Refused {
+                setting: format!(
+                    "{bin}'s default stream settings (1 replica; start an indexer with --stream-* first, or pass --no-create-stream)"
+                ),
+                what,
+                cause,
+            },
+            other => other,
+        })?;
+    for m in mismatched {
+        tracing::warn!(
+            stream = names.events_stream(),
+            "events stream setting differs from the defaults: {m}"
+        );
+    }
+    Ok(())
+}

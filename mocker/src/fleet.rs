@@ -181,28 +181,9 @@ fn card(config: &FleetConfig, worker_id: WorkerId, names: &Names) -> WorkerCard 
     }
 }
 
-/// Creates the events stream if nobody has yet (a fleet may start before any indexer).
-/// An existing stream is left as it is.
+/// Creates the events stream with the default settings if nobody has yet.
 pub async fn ensure_events_stream(js: &jetstream::Context, names: &Names) -> anyhow::Result<()> {
-    use kvroute_common::jetstream::JetStreamError;
-    let settings = kvroute_common::events_stream::StreamArgs::default();
-    let (_, mismatched) =
-        kvroute_common::events_stream::ensure_events_stream(js, names, &settings)
-            .await
-            .map_err(|e| match e {
-                // The mocker has no --stream-* flags: it creates the stream with the defaults.
-                JetStreamError::Refused { what, cause, .. } => JetStreamError::Refused {
-                    setting: "kvroute-mocker's default stream settings (1 replica; start an indexer with --stream-* first, or pass --no-create-stream)".into(),
-                    what,
-                    cause,
-                },
-                other => other,
-            })?;
-    for m in mismatched {
-        tracing::warn!(
-            stream = names.events_stream(),
-            "events stream setting differs from the defaults: {m}"
-        );
-    }
+    kvroute_common::events_stream::ensure_default_events_stream(js, names, "kvroute-mocker")
+        .await?;
     Ok(())
 }

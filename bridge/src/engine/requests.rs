@@ -28,12 +28,7 @@ use crate::metrics::{BridgeMetrics, names};
 
 /// The error reply for a request that could not be decoded.
 pub fn decode_error(e: &DecodeError) -> GenerateError {
-    let code = match e {
-        DecodeError::TooLarge { .. } => GenerateErrorCode::TooLarge,
-        DecodeError::UnsupportedVersion { .. } => GenerateErrorCode::UnsupportedVersion,
-        DecodeError::Empty { .. } | DecodeError::Malformed { .. } => GenerateErrorCode::BadRequest,
-    };
-    error(None, code, e.to_string())
+    GenerateError::undecodable(e)
 }
 
 fn error(
@@ -41,12 +36,7 @@ fn error(
     code: GenerateErrorCode,
     message: impl Into<String>,
 ) -> GenerateError {
-    GenerateError {
-        v: SchemaVersion::CURRENT,
-        request_id,
-        code,
-        message: message.into(),
-    }
+    GenerateError::new(request_id, code, message)
 }
 
 /// The worker a request is checked against.

@@ -157,6 +157,19 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn negative_or_non_finite_loads_stay_unknown_not_zero() {
+        let v: Value = serde_json::from_str(
+            r#"{"loads": [{"dp_rank": 0, "num_running_reqs": -1, "num_waiting_reqs": 2.0, "token_usage": -0.5, "num_used_tokens": -3.5}]}"#,
+        )
+        .unwrap();
+        let l = load(&v, &[0]).remove(0).1;
+        assert_eq!(
+            (l.running, l.waiting, l.kv_usage, l.used_tokens),
+            (None, Some(2), None, None)
+        );
+    }
+
+    #[test]
     fn loads_per_rank() {
         let loads = load(&serde_json::from_str(LOADS).unwrap(), &[0, 1, 2]);
         assert_eq!(

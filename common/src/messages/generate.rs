@@ -96,6 +96,34 @@ pub struct GenerateError {
     pub message: String,
 }
 
+impl GenerateError {
+    pub fn new(
+        request_id: Option<RequestId>,
+        code: GenerateErrorCode,
+        message: impl Into<String>,
+    ) -> Self {
+        Self {
+            v: SchemaVersion::CURRENT,
+            request_id,
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// The answer to a request that could not be decoded (no request id is known).
+    pub fn undecodable(e: &crate::codec::DecodeError) -> Self {
+        use crate::codec::DecodeError;
+        let code = match e {
+            DecodeError::TooLarge { .. } => GenerateErrorCode::TooLarge,
+            DecodeError::UnsupportedVersion { .. } => GenerateErrorCode::UnsupportedVersion,
+            DecodeError::Empty { .. } | DecodeError::Malformed { .. } => {
+                GenerateErrorCode::BadRequest
+            }
+        };
+        Self::new(None, code, e.to_string())
+    }
+}
+
 /// Why a request failed. Stable on the wire (snake_case).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -2,19 +2,14 @@
 //! [`SimRequest`]; every refusal is a [`GenerateError`] with a stable code.
 
 use kvroute_common::hashing::{BLOCK_HASH_SEED, BlockHashes, sequence_hashes};
-use kvroute_common::messages::{GenerateError, GenerateErrorCode, GenerateRequest, SchemaVersion};
+use kvroute_common::messages::{GenerateError, GenerateErrorCode, GenerateRequest};
 use kvroute_common::{DecodeError, DpRank, RequestId};
 
 use crate::engine::{SimRequest, SubmitError};
 
 /// The error reply for a request that could not be decoded.
 pub fn decode_error(e: &DecodeError) -> GenerateError {
-    let code = match e {
-        DecodeError::TooLarge { .. } => GenerateErrorCode::TooLarge,
-        DecodeError::UnsupportedVersion { .. } => GenerateErrorCode::UnsupportedVersion,
-        DecodeError::Empty { .. } | DecodeError::Malformed { .. } => GenerateErrorCode::BadRequest,
-    };
-    error(None, code, e.to_string())
+    GenerateError::undecodable(e)
 }
 
 /// The error reply for a request the engine refused.
@@ -34,12 +29,7 @@ pub fn error(
     code: GenerateErrorCode,
     message: impl Into<String>,
 ) -> GenerateError {
-    GenerateError {
-        v: SchemaVersion::CURRENT,
-        request_id,
-        code,
-        message: message.into(),
-    }
+    GenerateError::new(request_id, code, message)
 }
 
 /// Checks `req` against a worker serving `dp_rank` with `block_size`-token blocks.
