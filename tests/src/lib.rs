@@ -10,6 +10,7 @@ mod bins;
 pub mod cpu;
 mod engine_face;
 mod engine_publisher;
+mod gateway;
 mod http;
 mod load;
 mod ports;
@@ -23,6 +24,7 @@ pub use engine_face::{
     Batch, EngineFace, Sub, decode_batch, face_config, field, map_keys, python_json, replay,
 };
 pub use engine_publisher::{Engine, EngineOptions, EnginePublisher, RankEndpoints};
+pub use gateway::{GatewayProcess, GatewayStack, STACK_MODEL, http_card, model_dir, register};
 pub use http::http_get;
 pub use load::{LoadPlan, LoadReport, Sent, steady_load};
 pub use ports::free_port;

@@ -1,0 +1,65 @@
+//! What every request handler shares.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvroute_common::client::SelectClient;
+
+use crate::directory::Directory;
+use crate::lifecycle::Lifecycle;
+use crate::metrics::Metrics;
+use crate::models::Models;
+use crate::reservations::Reservations;
+
+/// Settings the handlers read.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub max_body_bytes: usize,
+    pub max_prompt_tokens: usize,
+    pub response_timeout: Duration,
+    pub forward_token_ids: bool,
+    pub retry_after_secs: u64,
+    pub access_log: bool,
+}
+
+/// The gateway's shared state.
+#[derive(Debug)]
+pub struct App {
+    pub settings: Settings,
+    pub models: Models,
+    pub directory: Directory,
+    pub select: SelectClient,
+    /// To the engines.
+    pub http: reqwest::Client,
+    pub lifecycle: Lifecycle,
+    pub metrics: Arc<Metrics>,
+    pub reservations: Mutex<Reservations>,
+    /// `None`: no authentication.
+    pub api_keys: Option<HashSet<String>>,
+    pub nats: async_nats::Client,
+}
+
+impl App {
+    /// Whether the gateway can route: NATS connected and the worker cards read.
+    pub fn ready(&self) -> Result<(), &'static str> {
+        if self.nats.connection_state() != async_nats::connection::State::Connected {
+            return Err("not connected to NATS");
+        }
+        if !self.directory.loaded() {
+            return Err("worker cards not read from etcd yet");
+        }
+        Ok(())
+    }
+}
+
+/// The HTTP client to the engines: no overall timeout (streams last as long as generation),
+/// a connect timeout, no proxy from the environment, TCP_NODELAY.
+pub fn engine_client(connect_timeout: Duration) -> reqwest::Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .connect_timeout(connect_timeout)
+        .tcp_nodelay(true)
+        .no_proxy()
+        .pool_idle_timeout(Duration::from_secs(60))
+        .build()
+}

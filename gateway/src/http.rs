@@ -1,0 +1,233 @@
+//! The HTTP routes: OpenAI endpoints and the selection API under `/v1` (behind the API keys
+//! when configured, bodies read up to `--max-body-bytes`), `/health` `/healthz` `/readyz`
+//! `/metrics` (open). Every error is OpenAI-shaped JSON.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::{Body, to_bytes};
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use bytes::Bytes;
+use serde_json::json;
+
+use crate::app::App;
+use crate::error::ApiError;
+use crate::openai::Api;
+use crate::{proxy, select_api};
+
+/// The gateway's routes.
+pub fn router(app: Arc<App>) -> Router {
+    let api = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/v1/select", post(select))
+        .route("/v1/select_and_reserve", post(select_and_reserve))
+        .route(
+            "/v1/reservations/{id}/prefill_complete",
+            post(prefill_complete),
+        )
+        .route("/v1/reservations/{id}", delete(release))
+        .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
+    Router::new()
+        .merge(api)
+        .route("/health", get(readyz))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(app)
+}
+
+/// `Authorization: Bearer <key>` with one of the configured keys (compared in constant time).
+async fn authenticate(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
+    let Some(keys) = &app.api_keys else {
+        return next.run(request).await;
+    };
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let refused = match given {
+        None => Some("You didn't provide an API key: send `Authorization: Bearer <key>`."),
+        Some(given) => {
+            let mut ok = false;
+            for key in keys {
+                ok |= constant_time_eq(key.as_bytes(), given.as_bytes());
+            }
+            (!ok).then_some("Incorrect API key provided.")
+        }
+    };
+    match refused {
+        None => next.run(request).await,
+        Some(message) => {
+            let endpoint = endpoint_label(request.uri().path());
+            app.metrics.requests.inc([endpoint, "unknown", "401"]);
+            ApiError::unauthorized(message).into_response()
+        }
+    }
+}
+
+/// The `endpoint` label of a path.
+fn endpoint_label(path: &str) -> &'static str {
+    match path {
+        "/v1/completions" => Api::Completions.label(),
+        "/v1/chat/completions" => Api::Chat.label(),
+        "/v1/models" => "models",
+        "/v1/select" => "select",
+        "/v1/select_and_reserve" => "select_and_reserve",
+        p if p.starts_with("/v1/reservations/") => "reservations",
+        _ => "other",
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The body, up to the limit (413 beyond, OpenAI-shaped).
+async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let limit = app.settings.max_body_bytes;
+    let too_large = || {
+        ApiError::too_large(format!(
+            "the request body is larger than this gateway's limit of {limit} bytes"
+        ))
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(too_large());
+    }
+    to_bytes(body, limit).await.map_err(|e| {
+        let text = proxy::error_chain(&e);
+        if text.contains("length limit") {
+            too_large()
+        } else {
+            ApiError::invalid(format!("reading the request body: {text}"))
+        }
+    })
+}
+
+async fn openai(app: Arc<App>, api: Api, headers: HeaderMap, body: Body) -> Response {
+    match read_body(&app, &headers, body).await {
+        Ok(bytes) => proxy::handle(app, api, headers, bytes).await,
+        Err(e) => {
+            app.metrics
+                .requests
+                .inc([api.label(), "unknown", &e.status.as_u16().to_string()]);
+            e.into_response()
+        }
+    }
+}
+
+async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    openai(app, Api::Completions, headers, body).await
+}
+
+async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    openai(app, Api::Chat, headers, body).await
+}
+
+async fn select_common(app: Arc<App>, headers: HeaderMap, body: Body, reserve: bool) -> Response {
+    match read_body(&app, &headers, body).await {
+        Ok(bytes) => select_api::select(app, headers, bytes, reserve).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn select(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    select_common(app, headers, body, false).await
+}
+
+async fn select_and_reserve(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    select_common(app, headers, body, true).await
+}
+
+async fn prefill_complete(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    select_api::prefill_complete(&app, &id)
+}
+
+async fn release(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    select_api::release(&app, &id)
+}
+
+/// `GET /v1/models`: the models registered workers with an HTTP API serve, as OpenAI lists
+/// them (`owned_by` says whether this gateway tokenizes it).
+async fn models(State(app): State<Arc<App>>) -> Response {
+    let data: Vec<_> = app
+        .directory
+        .models()
+        .into_iter()
+        .map(|(name, workers)| {
+            json!({
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "kvroute",
+                "kvroute": {
+                    "workers": workers,
+                    "tokenizer": app.models.get(&name).is_some(),
+                },
+            })
+        })
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+/// Ready: connected to NATS and the worker cards read (503 naming what is missing).
+async fn readyz(State(app): State<Arc<App>>) -> Response {
+    match app.ready() {
+        Ok(()) => (StatusCode::OK, "ready\n").into_response(),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n")).into_response(),
+    }
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        app.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn not_found(request: Request) -> Response {
+    ApiError::not_found(format!(
+        "no such endpoint: {} {}",
+        request.method(),
+        request.uri().path()
+    ))
+    .into_response()
+}
+
+async fn method_not_allowed(request: Request) -> Response {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        code: "method_not_allowed",
+        ..ApiError::invalid(format!(
+            "{} is not allowed on {}",
+            request.method(),
+            request.uri().path()
+        ))
+    }
+    .into_response()
+}

@@ -1,0 +1,355 @@
+//! The request path of `/v1/completions` and `/v1/chat/completions`: parse → tokenize → select
+//! (kvroute routers over NATS) → forward to the chosen worker's HTTP API → relay the answer.
+//!
+//! A connect failure, a refused connection or a 5xx before the first byte is retried once on
+//! another worker (the failed one excluded through `allowed_workers`, as a new kvroute request:
+//! the first decision is released with `finished`). A failure after the first byte ends the
+//! stream with an error event. Every forwarded request has a decision, and its load is released
+//! by the request's [`InFlight`] guard — at the end, on failure, or when the client leaves.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use kvroute_common::WorkerId;
+use kvroute_common::messages::{SelectReply, SelectRequest, WorkerRole};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+use crate::app::App;
+use crate::directory::Upstream;
+use crate::error::ApiError;
+use crate::lifecycle::Placement;
+use crate::models::{INLINE_TOKENIZE_BYTES, prompt_bytes, prompt_tokens};
+use crate::openai::{Api, Parsed, Prompt};
+use crate::relay::{InFlight, Outcome, relay};
+use crate::request_id::{self, RequestIds};
+
+/// Answer headers naming the placement.
+pub const WORKER_HEADER: &str = "x-kvroute-worker-id";
+pub const DECISION_HEADER: &str = "x-kvroute-decision-id";
+pub const OVERLAP_HEADER: &str = "x-kvroute-overlap-blocks";
+/// vLLM's data-parallel rank header (SGLang takes `routed_dp_rank` in the body).
+const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+/// Workers tried per request: the first choice and one retry.
+const ATTEMPTS: u32 = 2;
+
+/// Serves one OpenAI request.
+pub async fn handle(app: Arc<App>, api: Api, headers: HeaderMap, body: Bytes) -> Response {
+    let started = Instant::now();
+    let ids = RequestIds::from_headers(&headers, Uuid::new_v4());
+    let mut outcome = Outcome::new(api.label(), &ids);
+    let mut response = match forward(&app, api, &headers, &body, &ids, started, &mut outcome).await
+    {
+        Ok(r) => r,
+        Err(e) => {
+            outcome.status = e.status.as_u16();
+            outcome.error = Some(e.code);
+            outcome.record(&app, started, None);
+            e.into_response()
+        }
+    };
+    if let Ok(v) = HeaderValue::from_str(&ids.header) {
+        response
+            .headers_mut()
+            .insert(HeaderName::from_static(request_id::HEADER), v);
+    }
+    response
+}
+
+/// Why sending to a worker failed.
+enum SendError {
+    /// Nothing reached the worker, or it failed before answering: try another.
+    Retryable { reason: &'static str, message: String },
+    /// No answer within `--response-timeout-ms`.
+    Timeout,
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn forward(
+    app: &Arc<App>,
+    api: Api,
+    headers: &HeaderMap,
+    raw: &Bytes,
+    ids: &RequestIds,
+    started: Instant,
+    outcome: &mut Outcome,
+) -> Result<Response, ApiError> {
+    let parsed = Parsed::from_body(api, raw, headers)?;
+    let serving = app
+        .directory
+        .serving(&parsed.model, WorkerRole::Aggregated);
+    if serving.http.is_empty() {
+        return Err(no_worker(app, &parsed.model, serving.without_http));
+    }
+    outcome.model = parsed.model.clone();
+    let tokens = tokenize(app, &parsed).await?;
+    if tokens.len() > app.settings.max_prompt_tokens {
+        return Err(ApiError {
+            code: "context_length_exceeded",
+            ..ApiError::invalid_param(
+                "messages",
+                format!(
+                    "the prompt has {} tokens, more than this gateway's limit of {}",
+                    tokens.len(),
+                    app.settings.max_prompt_tokens
+                ),
+            )
+        });
+    }
+    outcome.prompt_tokens = tokens.len();
+    let mut request = SelectRequest {
+        model: parsed.model.clone(),
+        role: WorkerRole::Aggregated,
+        token_ids: Some(tokens),
+        session: parsed.session.clone(),
+        expected_output_tokens: parsed.max_tokens,
+        policy: parsed.policy.clone(),
+        ..SelectRequest::default()
+    };
+    let mut excluded: Vec<WorkerId> = Vec::new();
+    let mut last_error = None;
+    for attempt in 0..ATTEMPTS {
+        let allowed: Vec<WorkerId> = serving
+            .http
+            .iter()
+            .copied()
+            .filter(|w| !excluded.contains(w))
+            .collect();
+        if allowed.is_empty() {
+            break;
+        }
+        // Workers without an HTTP API may be registered for the model: only the others.
+        request.allowed_workers =
+            (serving.without_http > 0 || !excluded.is_empty()).then_some(allowed);
+        request.request_id = Some(if attempt == 0 {
+            ids.kvroute
+        } else {
+            ids.retry(attempt)
+        });
+        let reply = select(app, &request).await?;
+        outcome.attempts = attempt + 1;
+        outcome.worker = Some(reply.worker_id);
+        outcome.overlap_blocks = reply.overlap_blocks.values().copied().max().unwrap_or(0);
+        let placement = Placement {
+            request_id: reply.request_id,
+            worker_id: reply.worker_id,
+            dp_rank: reply.dp_rank,
+        };
+        let guard = InFlight::new(app.clone(), placement, started, outcome.clone());
+        let Some(upstream) = app.directory.upstream(reply.worker_id) else {
+            // Chosen, then gone from etcd before we could send: as if it refused.
+            guard.abandon("worker_gone");
+            app.metrics.retries.inc(["worker_gone"]);
+            excluded.push(reply.worker_id);
+            last_error = Some(ApiError::bad_gateway(format!(
+                "worker {} left before the request reached it",
+                reply.worker_id
+            )));
+            continue;
+        };
+        let body = upstream_body(&parsed, raw, &request, &upstream, reply.dp_rank, app);
+        match send(app, api, &upstream, ids, reply.dp_rank, body).await {
+            Ok(answer) if answer.status().is_server_error() => {
+                let status = answer.status();
+                let text = answer.text().await.unwrap_or_default();
+                guard.abandon("status_5xx");
+                app.metrics.retries.inc(["status_5xx"]);
+                excluded.push(reply.worker_id);
+                last_error = Some(ApiError::bad_gateway(format!(
+                    "worker {} answered {status}: {}",
+                    reply.worker_id,
+                    text.chars().take(512).collect::<String>()
+                )));
+            }
+            Ok(answer) => return Ok(respond(answer, guard, &reply).await),
+            Err(SendError::Timeout) => {
+                guard.abandon("timeout");
+                return Err(ApiError::timeout(
+                    "upstream_timeout",
+                    format!(
+                        "worker {} did not answer within {} ms",
+                        reply.worker_id,
+                        app.settings.response_timeout.as_millis()
+                    ),
+                ));
+            }
+            Err(SendError::Retryable { reason, message }) => {
+                guard.abandon(reason);
+                app.metrics.retries.inc([reason]);
+                excluded.push(reply.worker_id);
+                last_error = Some(ApiError::bad_gateway(format!(
+                    "worker {} ({}) failed: {message}",
+                    reply.worker_id, upstream.base_url
+                )));
+            }
+        }
+    }
+    Err(last_error.unwrap_or_else(|| ApiError::bad_gateway("no worker could take the request")))
+}
+
+/// Why no worker of `model` can take requests here.
+fn no_worker(app: &App, model: &str, without_http: usize) -> ApiError {
+    let retry = app.settings.retry_after_secs;
+    if without_http > 0 {
+        return ApiError::unavailable(
+            "no_http_worker",
+            format!(
+                "the workers of model `{model}` take requests only over NATS (their cards carry \
+                 no HTTP URL); run engines behind kvroute-bridge to serve them here"
+            ),
+            retry,
+        );
+    }
+    if let Err(why) = app.ready() {
+        return ApiError::unavailable("not_ready", format!("the gateway is not ready: {why}"), retry);
+    }
+    ApiError::model_not_found(model)
+}
+
+async fn tokenize(app: &Arc<App>, parsed: &Parsed) -> Result<Vec<u32>, ApiError> {
+    let model = app.models.get(&parsed.model).cloned();
+    let at = Instant::now();
+    let tokens = if prompt_bytes(parsed) <= INLINE_TOKENIZE_BYTES {
+        prompt_tokens(model.as_deref(), parsed)?
+    } else {
+        let parsed = parsed.clone();
+        tokio::task::spawn_blocking(move || prompt_tokens(model.as_deref(), &parsed))
+            .await
+            .map_err(|e| ApiError::internal(format!("tokenizing: {e}")))??
+    };
+    if !matches!(parsed.prompts.first(), Some(Prompt::Tokens(_))) {
+        app.metrics.tokenize.observe(parsed.api.label(), at.elapsed());
+    }
+    Ok(tokens)
+}
+
+async fn select(app: &App, request: &SelectRequest) -> Result<SelectReply, ApiError> {
+    let at = Instant::now();
+    let result = app.select.select(request.clone()).await;
+    app.metrics.select.observe(&request.model, at.elapsed());
+    result.map(|s| s.reply).map_err(|f| {
+        ApiError::from_select(&f, &request.model, app.settings.retry_after_secs)
+    })
+}
+
+/// The body for the engine: the client's bytes, unless kvroute's extension must go, the prompt
+/// is sent as token ids, or an SGLang rank goes in the body.
+fn upstream_body(
+    parsed: &Parsed,
+    raw: &Bytes,
+    request: &SelectRequest,
+    upstream: &Upstream,
+    dp_rank: u32,
+    app: &App,
+) -> Bytes {
+    let sglang_rank = upstream.engine == "sglang" && upstream.dp_size > 1;
+    let as_ids = app.settings.forward_token_ids
+        && parsed.api == Api::Completions
+        && matches!(parsed.prompts.as_slice(), [Prompt::Text(_)]);
+    if !parsed.edited && !sglang_rank && !as_ids {
+        return raw.clone();
+    }
+    let mut body = parsed.body.clone();
+    if as_ids && let Some(ids) = &request.token_ids {
+        body.insert("prompt".into(), json!(ids));
+    }
+    if sglang_rank {
+        body.insert("routed_dp_rank".into(), Value::from(dp_rank));
+    }
+    Bytes::from(serde_json::to_vec(&body).expect("a JSON map serializes"))
+}
+
+async fn send(
+    app: &App,
+    api: Api,
+    upstream: &Upstream,
+    ids: &RequestIds,
+    dp_rank: u32,
+    body: Bytes,
+) -> Result<reqwest::Response, SendError> {
+    let url = format!("{}{}", upstream.base_url, api.path());
+    let mut request = app
+        .http
+        .post(url)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(request_id::HEADER, &ids.header)
+        .body(body);
+    if upstream.dp_size > 1 {
+        request = request.header(DP_RANK_HEADER, dp_rank.to_string());
+    }
+    match tokio::time::timeout(app.settings.response_timeout, request.send()).await {
+        Err(_) => Err(SendError::Timeout),
+        Ok(Ok(answer)) => Ok(answer),
+        Ok(Err(e)) => Err(SendError::Retryable {
+            reason: if e.is_connect() { "connect" } else { "send" },
+            message: error_chain(&e),
+        }),
+    }
+}
+
+/// The error and its causes, on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    s
+}
+
+/// The engine's answer to the client: streamed through as it comes, or read whole.
+async fn respond(answer: reqwest::Response, mut guard: InFlight, reply: &SelectReply) -> Response {
+    let status = StatusCode::from_u16(answer.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let content_type = answer.headers().get(reqwest::header::CONTENT_TYPE).cloned();
+    let streamed = content_type
+        .as_ref()
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    guard.set_status(status.as_u16());
+    let mut response = if streamed && status.is_success() {
+        guard.start_stream();
+        Response::new(relay(answer, guard))
+    } else {
+        let body = answer.bytes().await;
+        match body {
+            Ok(bytes) => {
+                if status.is_success() {
+                    guard.finish_whole(&bytes);
+                } else {
+                    guard.fail_quietly();
+                }
+                Response::new(Body::from(bytes))
+            }
+            Err(e) => {
+                guard.abandon("mid_stream");
+                return ApiError::bad_gateway(format!(
+                    "worker {} failed while answering: {}",
+                    reply.worker_id,
+                    error_chain(&e)
+                ))
+                .into_response();
+            }
+        }
+    };
+    *response.status_mut() = status;
+    let h = response.headers_mut();
+    if let Some(ct) = content_type {
+        h.insert(header::CONTENT_TYPE, ct);
+    }
+    if streamed {
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    }
+    h.insert(WORKER_HEADER, HeaderValue::from(reply.worker_id));
+    if let Ok(v) = HeaderValue::from_str(&reply.decision_id.to_string()) {
+        h.insert(DECISION_HEADER, v);
+    }
+    let overlap = reply.overlap_blocks.values().copied().max().unwrap_or(0);
+    h.insert(OVERLAP_HEADER, HeaderValue::from(overlap));
+    response
+}

@@ -1,0 +1,347 @@
+//! One forwarded request from its decision to its end: the [`InFlight`] guard publishes the
+//! lifecycle events (`prefill_done` at the first streamed byte, `finished` when the request
+//! ends however it ends — its `Drop` runs when the client disconnects too), records the
+//! metrics and writes the access log line; [`relay`] streams the engine's answer through with
+//! backpressure (a chunk is read from the engine only when the client took the last one).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use bytes::Bytes;
+use futures::StreamExt;
+use kvroute_common::WorkerId;
+
+use crate::app::App;
+use crate::error::ApiError;
+use crate::lifecycle::Placement;
+use crate::request_id::RequestIds;
+
+/// What the access log line and the request metrics say.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub endpoint: &'static str,
+    /// The model asked for, once known to be served (else `unknown`, to bound label values).
+    pub model: String,
+    pub request_id: String,
+    pub status: u16,
+    pub worker: Option<WorkerId>,
+    pub prompt_tokens: usize,
+    pub overlap_blocks: u32,
+    /// Workers tried.
+    pub attempts: u32,
+    pub output_tokens: u64,
+    pub error: Option<&'static str>,
+}
+
+impl Outcome {
+    pub fn new(endpoint: &'static str, ids: &RequestIds) -> Self {
+        Self {
+            endpoint,
+            model: "unknown".into(),
+            request_id: ids.header.clone(),
+            status: 0,
+            worker: None,
+            prompt_tokens: 0,
+            overlap_blocks: 0,
+            attempts: 0,
+            output_tokens: 0,
+            error: None,
+        }
+    }
+
+    /// Counts the request and logs it.
+    pub fn record(&self, app: &App, started: Instant, ttft: Option<Duration>) {
+        let elapsed = started.elapsed();
+        let status = self.status.to_string();
+        app.metrics
+            .requests
+            .inc([self.endpoint, &self.model, &status]);
+        if self.worker.is_some() {
+            app.metrics.e2e.observe(&self.model, elapsed);
+        }
+        if app.settings.access_log {
+            tracing::info!(
+                target: "kvroute_gateway::access",
+                request_id = self.request_id,
+                endpoint = self.endpoint,
+                model = self.model,
+                status = self.status,
+                worker = self.worker,
+                prompt_tokens = self.prompt_tokens,
+                overlap_blocks = self.overlap_blocks,
+                attempts = self.attempts,
+                output_tokens = self.output_tokens,
+                ttft_ms = ttft.map(|d| d.as_secs_f64() * 1000.0),
+                duration_ms = elapsed.as_secs_f64() * 1000.0,
+                error = self.error,
+                "request"
+            );
+        }
+    }
+}
+
+/// A request placed on a worker, until it ends.
+#[derive(Debug)]
+pub struct InFlight {
+    app: Arc<App>,
+    placement: Placement,
+    started: Instant,
+    outcome: Outcome,
+    streaming: bool,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    events: u64,
+    usage_tokens: Option<u64>,
+    saw_done: bool,
+    ended: bool,
+    /// The attempt failed before reaching the client: only the lifecycle event is due.
+    abandoned: bool,
+}
+
+impl InFlight {
+    pub fn new(
+        app: Arc<App>,
+        placement: Placement,
+        started: Instant,
+        outcome: Outcome,
+    ) -> Self {
+        app.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
+        Self {
+            app,
+            placement,
+            started,
+            outcome,
+            streaming: false,
+            first: None,
+            last: None,
+            events: 0,
+            usage_tokens: None,
+            saw_done: false,
+            ended: false,
+            abandoned: false,
+        }
+    }
+
+    /// This attempt failed before the client saw anything (another may follow): release the
+    /// decision, count why.
+    pub fn abandon(mut self, reason: &'static str) {
+        self.app.metrics.upstream_failures.inc([reason]);
+        self.abandoned = true;
+    }
+
+    pub fn set_status(&mut self, status: u16) {
+        self.outcome.status = status;
+    }
+
+    pub fn start_stream(&mut self) {
+        self.streaming = true;
+        self.app
+            .metrics
+            .streams_in_flight
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A whole (non-streamed) answer arrived.
+    pub fn finish_whole(&mut self, body: &[u8]) {
+        self.outcome.output_tokens = serde_json::from_slice::<serde_json::Value>(body)
+            .ok()
+            .and_then(|v| v["usage"]["completion_tokens"].as_u64())
+            .unwrap_or(0);
+        self.ended = true;
+    }
+
+    /// The answer is over with nothing to report: a stream that ended with `[DONE]`, or an
+    /// engine's refusal (a 4xx) passed to the client as it is.
+    pub fn fail_quietly(&mut self) {
+        self.ended = true;
+    }
+
+    fn on_chunk(&mut self, chunk: &[u8]) {
+        let now = Instant::now();
+        match self.last {
+            None => {
+                self.first = Some(now);
+                self.app
+                    .metrics
+                    .ttft
+                    .observe(&self.outcome.model, now - self.started);
+                self.app.lifecycle.prefill_done(self.placement);
+            }
+            Some(last) => self.app.metrics.itl.observe(&self.outcome.model, now - last),
+        }
+        self.last = Some(now);
+        let sse = SseScan::of(chunk);
+        self.events += sse.data_events;
+        self.saw_done |= sse.done;
+        if let Some(n) = sse.completion_tokens {
+            self.usage_tokens = Some(n);
+        }
+    }
+
+    fn fail(&mut self, reason: &'static str) {
+        if self.outcome.error.is_none() {
+            self.outcome.error = Some(reason);
+            self.app.metrics.upstream_failures.inc([reason]);
+        }
+        self.ended = true;
+    }
+
+    /// Output tokens: the usage chunk's count, else the content events (a chat's first event
+    /// is its role).
+    fn output_tokens(&self) -> u64 {
+        if let Some(n) = self.usage_tokens {
+            return n;
+        }
+        if self.streaming {
+            let role = u64::from(self.outcome.endpoint == "chat");
+            return self
+                .events
+                .saturating_sub(u64::from(self.saw_done) + role);
+        }
+        self.outcome.output_tokens
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let output = self.output_tokens();
+        self.app.lifecycle.finished(self.placement, output);
+        let metrics = &self.app.metrics;
+        metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if self.streaming {
+            metrics.streams_in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
+        if self.abandoned {
+            return;
+        }
+        if !self.ended && self.outcome.error.is_none() {
+            // Dropped before the end: the client went away (axum dropped the body or the
+            // handler), which also drops the engine connection, so the engine aborts.
+            self.outcome.error = Some("client_gone");
+            metrics.upstream_failures.inc(["client_gone"]);
+        }
+        self.outcome.output_tokens = output;
+        let ttft = self.first.map(|f| f - self.started);
+        self.outcome.record(&self.app, self.started, ttft);
+    }
+}
+
+/// What one chunk of a server-sent-event stream holds.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct SseScan {
+    data_events: u64,
+    done: bool,
+    completion_tokens: Option<u64>,
+}
+
+impl SseScan {
+    fn of(chunk: &[u8]) -> Self {
+        let mut scan = Self::default();
+        for line in chunk.split(|b| *b == b'\n') {
+            let Some(data) = line.strip_prefix(b"data:") else {
+                continue;
+            };
+            scan.data_events += 1;
+            let data = data.trim_ascii();
+            if data == b"[DONE]" {
+                scan.done = true;
+            } else if let Some(n) = usage_tokens(data) {
+                scan.completion_tokens = Some(n);
+            }
+        }
+        scan
+    }
+}
+
+/// `usage.completion_tokens` of a chunk that has one (the usage chunk of
+/// `stream_options.include_usage`); parsed only when the bytes mention it.
+fn usage_tokens(data: &[u8]) -> Option<u64> {
+    const KEY: &[u8] = b"\"completion_tokens\"";
+    data.windows(KEY.len()).position(|w| w == KEY)?;
+    let v: serde_json::Value = serde_json::from_slice(data).ok()?;
+    v["usage"]["completion_tokens"].as_u64()
+}
+
+/// The engine's streamed answer, relayed chunk by chunk. An engine error or an end without
+/// `data: [DONE]` ends the stream with an error event, never a hang.
+pub fn relay(answer: reqwest::Response, guard: InFlight) -> Body {
+    struct State {
+        upstream: futures::stream::BoxStream<'static, reqwest::Result<Bytes>>,
+        guard: InFlight,
+        over: bool,
+    }
+    let state = State {
+        upstream: answer.bytes_stream().boxed(),
+        guard,
+        over: false,
+    };
+    let stream = futures::stream::unfold(state, |mut s| async move {
+        if s.over {
+            return None;
+        }
+        match s.upstream.next().await {
+            Some(Ok(chunk)) => {
+                s.guard.on_chunk(&chunk);
+                Some((Ok::<Bytes, Infallible>(chunk), s))
+            }
+            Some(Err(e)) => {
+                s.over = true;
+                s.guard.fail("mid_stream");
+                let event = error_event(&format!(
+                    "the worker failed mid-stream: {}",
+                    crate::proxy::error_chain(&e)
+                ));
+                Some((Ok(event), s))
+            }
+            None if s.guard.saw_done => {
+                s.guard.fail_quietly(); // ended as it should; the guard's drop records it
+                drop(s);
+                None
+            }
+            None => {
+                s.over = true;
+                s.guard.fail("mid_stream");
+                let event = error_event("the worker ended the stream before the answer was complete");
+                Some((Ok(event), s))
+            }
+        }
+    });
+    Body::from_stream(stream)
+}
+
+/// An OpenAI-style error as a server-sent event.
+fn error_event(message: &str) -> Bytes {
+    let e = ApiError::bad_gateway(message);
+    Bytes::from(format!("data: {}\n\n", e.body()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_chunks_are_counted() {
+        let chunk = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[{\"text\":\"b\"}]}\n\n";
+        assert_eq!(
+            SseScan::of(chunk),
+            SseScan {
+                data_events: 2,
+                done: false,
+                completion_tokens: None
+            }
+        );
+        let end = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":7}}\n\ndata: [DONE]\n\n";
+        assert_eq!(
+            SseScan::of(end),
+            SseScan {
+                data_events: 2,
+                done: true,
+                completion_tokens: Some(7)
+            }
+        );
+        assert_eq!(SseScan::of(b": keep-alive\n\n"), SseScan::default());
+    }
+}

@@ -1,0 +1,340 @@
+//! The HTTP selection API (`gateway/openapi.yaml`), for gateways that forward requests
+//! themselves: `POST /v1/select` (the worker for a prompt; the decision's load is released at
+//! once, so the engine's own load reports count the request), `POST /v1/select_and_reserve`
+//! (the worker, its load held until released or expired), `POST
+//! /v1/reservations/{id}/prefill_complete` and `DELETE /v1/reservations/{id}`.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use axum::Json;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use kvroute_common::messages::{SelectReply, SelectRequest, now_ms};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use uuid::Uuid;
+
+use crate::app::App;
+use crate::error::ApiError;
+use crate::lifecycle::Placement;
+use crate::models::prompt_tokens;
+use crate::openai::{Api, Parsed, Prompt};
+use crate::request_id::RequestIds;
+use crate::reservations::{Full, Reserved};
+
+/// The body of `/v1/select` and `/v1/select_and_reserve`: the fields of kvroute's
+/// `SelectRequest` (PROTOCOL.md) in JSON, the prompt as `token_ids`, `block_hashes` (with
+/// `block_size`), `text` or `messages` (tokenized here with the model's tokenizer).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SelectBody {
+    model: String,
+    #[serde(default)]
+    request_id: Option<Uuid>,
+    #[serde(default)]
+    token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    block_hashes: Option<Vec<u64>>,
+    #[serde(default)]
+    block_size: Option<u32>,
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default)]
+    messages: Option<Vec<Value>>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    lora_name: Option<String>,
+    #[serde(default)]
+    session: Option<kvroute_common::messages::SessionContext>,
+    #[serde(default)]
+    allowed_workers: Option<Vec<u64>>,
+    #[serde(default)]
+    pin: Option<kvroute_common::messages::Pin>,
+    #[serde(default)]
+    dp_rank_range: Option<kvroute_common::messages::DpRankRange>,
+    #[serde(default)]
+    tolerated_taints: Vec<String>,
+    #[serde(default)]
+    required_taints: Vec<String>,
+    #[serde(default)]
+    preferred_taints: Vec<String>,
+    #[serde(default)]
+    expected_output_tokens: Option<u32>,
+    #[serde(default)]
+    priority: Option<i32>,
+    #[serde(default)]
+    temperature: Option<f64>,
+    #[serde(default)]
+    policy: Option<String>,
+}
+
+/// The answer: the router's `SelectReply` in JSON, the worker's HTTP URL when its card has one,
+/// and for a reservation its id and expiry.
+#[derive(Debug, Serialize)]
+struct SelectAnswer {
+    #[serde(flatten)]
+    reply: SelectReply,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    http_url: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reservation_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    expires_at_ms: Option<u64>,
+}
+
+/// `POST /v1/select` (`reserve` false) and `POST /v1/select_and_reserve`.
+pub async fn select(app: Arc<App>, headers: HeaderMap, body: Bytes, reserve: bool) -> Response {
+    let started = Instant::now();
+    let endpoint = if reserve { "select_and_reserve" } else { "select" };
+    let (status, response) = match run_select(&app, &headers, &body, reserve).await {
+        Ok(answer) => (StatusCode::OK, Json(answer).into_response()),
+        Err(e) => (e.status, e.into_response()),
+    };
+    app.metrics
+        .requests
+        .inc([endpoint, "-", &status.as_u16().to_string()]);
+    app.metrics.select.observe("-", started.elapsed());
+    response
+}
+
+async fn run_select(
+    app: &Arc<App>,
+    headers: &HeaderMap,
+    body: &Bytes,
+    reserve: bool,
+) -> Result<SelectAnswer, ApiError> {
+    let b: SelectBody = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("the body is not a selection request: {e}")))?;
+    let prompt = [
+        b.token_ids.is_some(),
+        b.block_hashes.is_some(),
+        b.text.is_some(),
+        b.messages.is_some(),
+    ]
+    .iter()
+    .filter(|x| **x)
+    .count();
+    if prompt != 1 {
+        return Err(ApiError::invalid(
+            "give the prompt as exactly one of token_ids, block_hashes, text or messages",
+        ));
+    }
+    if b.block_hashes.is_some() != b.block_size.is_some() {
+        return Err(ApiError::invalid_param(
+            "block_size",
+            "block_hashes need block_size (and block_size is only for block_hashes)",
+        ));
+    }
+    let token_ids = match (&b.text, &b.messages) {
+        (Some(text), _) => Some(tokenize_text(app, &b.model, Api::Completions, json_text(text))?),
+        (_, Some(messages)) => {
+            let mut body = Map::new();
+            body.insert("model".into(), b.model.clone().into());
+            body.insert("messages".into(), Value::Array(messages.clone()));
+            if let Some(g) = b.add_generation_prompt {
+                body.insert("add_generation_prompt".into(), g.into());
+            }
+            if let Some(t) = &b.tools {
+                body.insert("tools".into(), t.clone());
+            }
+            Some(tokenize_text(app, &b.model, Api::Chat, Value::Object(body))?)
+        }
+        _ => b.token_ids.clone(),
+    };
+    if let Some(ids) = &token_ids {
+        if ids.is_empty() {
+            return Err(ApiError::invalid_param("token_ids", "the prompt is empty"));
+        }
+        if ids.len() > app.settings.max_prompt_tokens {
+            return Err(ApiError::invalid(format!(
+                "the prompt has {} tokens, more than this gateway's limit of {}",
+                ids.len(),
+                app.settings.max_prompt_tokens
+            )));
+        }
+    }
+    let ids = RequestIds::from_headers(headers, b.request_id.unwrap_or_else(Uuid::new_v4));
+    let request = SelectRequest {
+        request_id: Some(b.request_id.unwrap_or(ids.kvroute)),
+        model: b.model.clone(),
+        token_ids,
+        block_hashes: b.block_hashes,
+        block_size: b.block_size,
+        lora_name: b.lora_name,
+        session: b.session,
+        allowed_workers: b.allowed_workers,
+        pin: b.pin,
+        dp_rank_range: b.dp_rank_range,
+        tolerated_taints: b.tolerated_taints,
+        required_taints: b.required_taints,
+        preferred_taints: b.preferred_taints,
+        expected_output_tokens: b.expected_output_tokens,
+        priority: b.priority,
+        temperature: b.temperature,
+        policy: b.policy,
+        ..SelectRequest::default()
+    };
+    let reply = app
+        .select
+        .select(request)
+        .await
+        .map_err(|f| ApiError::from_select(&f, &b.model, app.settings.retry_after_secs))?
+        .reply;
+    let placement = Placement {
+        request_id: reply.request_id,
+        worker_id: reply.worker_id,
+        dp_rank: reply.dp_rank,
+    };
+    let http_url = app.directory.upstream(reply.worker_id).map(|u| u.base_url);
+    if !reserve {
+        // Not held: the engine's own reports count the request once it arrives.
+        app.lifecycle.finished(placement, 0);
+        return Ok(SelectAnswer {
+            reply,
+            http_url,
+            reservation_id: None,
+            expires_at_ms: None,
+        });
+    }
+    let reserved = Reserved {
+        request_id: reply.request_id,
+        worker_id: reply.worker_id,
+        dp_rank: reply.dp_rank,
+    };
+    let inserted = {
+        let mut table = app.reservations.lock().expect("reservations lock");
+        let r = table.insert(reserved, now_ms());
+        app.metrics
+            .reservations_held
+            .store(table.len() as i64, Ordering::Relaxed);
+        r
+    };
+    match inserted {
+        Ok(expires_at_ms) => Ok(SelectAnswer {
+            reply,
+            http_url,
+            reservation_id: Some(reserved.id()),
+            expires_at_ms: Some(expires_at_ms),
+        }),
+        Err(Full) => {
+            app.lifecycle.finished(placement, 0);
+            Err(ApiError::too_many(
+                "too_many_reservations",
+                "this gateway holds its maximum of reservations (--max-reservations); release some",
+                app.settings.retry_after_secs,
+            ))
+        }
+    }
+}
+
+fn json_text(text: &str) -> Value {
+    Value::String(text.to_owned())
+}
+
+/// Token ids of a text prompt or a chat, with the model's tokenizer.
+fn tokenize_text(app: &App, model: &str, api: Api, input: Value) -> Result<Vec<u32>, ApiError> {
+    let (prompts, messages, body) = match (api, input) {
+        (Api::Completions, Value::String(t)) => (vec![Prompt::Text(t)], Vec::new(), Map::new()),
+        (Api::Chat, Value::Object(body)) => {
+            let messages = body
+                .get("messages")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default();
+            (Vec::new(), messages, body)
+        }
+        _ => return Err(ApiError::internal("tokenize_text: mismatched input")),
+    };
+    let parsed = Parsed {
+        api,
+        body,
+        model: model.to_owned(),
+        prompts,
+        messages,
+        stream: false,
+        include_usage: false,
+        max_tokens: None,
+        session: None,
+        policy: None,
+        edited: false,
+    };
+    let at = Instant::now();
+    let tokens = prompt_tokens(app.models.get(model).map(|m| &**m), &parsed)?;
+    app.metrics.tokenize.observe("select", at.elapsed());
+    Ok(tokens)
+}
+
+/// `POST /v1/reservations/{id}/prefill_complete`.
+pub fn prefill_complete(app: &App, id: &str) -> Response {
+    let Some(reserved) = Reserved::parse(id) else {
+        return ApiError::not_found(format!("no reservation {id:?}")).into_response();
+    };
+    let here = app
+        .reservations
+        .lock()
+        .expect("reservations lock")
+        .prefill_complete(&reserved);
+    let placement = placement(&reserved);
+    // Held elsewhere (another replica) or already marked: publishing again is harmless.
+    app.lifecycle.prefill_done(placement);
+    Json(serde_json::json!({"reservation_id": id, "prefill_complete": true, "held_here": here}))
+        .into_response()
+}
+
+/// `DELETE /v1/reservations/{id}`: frees the load (idempotent).
+pub fn release(app: &App, id: &str) -> Response {
+    let Some(reserved) = Reserved::parse(id) else {
+        return ApiError::not_found(format!("no reservation {id:?}")).into_response();
+    };
+    let held = {
+        let mut table = app.reservations.lock().expect("reservations lock");
+        let held = table.release(&reserved);
+        app.metrics
+            .reservations_held
+            .store(table.len() as i64, Ordering::Relaxed);
+        held
+    };
+    app.metrics.reservations_ended.inc([if held {
+        "released"
+    } else {
+        "released_elsewhere"
+    }]);
+    app.lifecycle.finished(placement(&reserved), 0);
+    Json(serde_json::json!({"reservation_id": id, "released": true, "held_here": held}))
+        .into_response()
+}
+
+fn placement(r: &Reserved) -> Placement {
+    Placement {
+        request_id: r.request_id,
+        worker_id: r.worker_id,
+        dp_rank: r.dp_rank,
+    }
+}
+
+/// Frees expired reservations until the process ends (checked every 100 ms, or sooner when
+/// one is due).
+pub async fn expire_loop(app: Arc<App>) {
+    loop {
+        let due = {
+            let mut table = app.reservations.lock().expect("reservations lock");
+            let due = table.expire(now_ms());
+            app.metrics
+                .reservations_held
+                .store(table.len() as i64, Ordering::Relaxed);
+            due
+        };
+        for r in due {
+            app.metrics.reservations_ended.inc(["expired"]);
+            tracing::info!(reservation = r.id(), worker = r.worker_id, "reservation expired; its load is freed");
+            app.lifecycle.finished(placement(&r), 0);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
