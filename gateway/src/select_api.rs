@@ -25,6 +25,9 @@ use crate::openai::{Api, Parsed, Prompt};
 use crate::request_id::RequestIds;
 use crate::reservations::{Full, Reserved};
 
+/// The fields that give the prompt (exactly one of them, `block_size` with `block_hashes`).
+const PROMPT_FIELDS: [&str; 5] = ["token_ids", "block_hashes", "block_size", "text", "messages"];
+
 /// The body of `/v1/select` and `/v1/select_and_reserve`: the fields of kvroute's
 /// `SelectRequest` (PROTOCOL.md) in JSON, the prompt as `token_ids`, `block_hashes` (with
 /// `block_size`), `text` or `messages` (tokenized here with the model's tokenizer).
@@ -59,11 +62,11 @@ struct SelectBody {
     #[serde(default)]
     dp_rank_range: Option<kvroute_common::messages::DpRankRange>,
     #[serde(default)]
-    tolerated_taints: Vec<String>,
+    tolerated_taints: Option<Vec<String>>,
     #[serde(default)]
-    required_taints: Vec<String>,
+    required_taints: Option<Vec<String>>,
     #[serde(default)]
-    preferred_taints: Vec<String>,
+    preferred_taints: Option<Vec<String>>,
     #[serde(default)]
     expected_output_tokens: Option<u32>,
     #[serde(default)]
@@ -109,7 +112,15 @@ async fn run_select(
     body: &Bytes,
     reserve: bool,
 ) -> Result<SelectAnswer, ApiError> {
-    let b: SelectBody = serde_json::from_slice(body)
+    let raw: Map<String, Value> = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("the body is not a JSON object: {e}")))?;
+    // A prompt field is present or absent, never null (the others may be null).
+    for field in PROMPT_FIELDS {
+        if raw.get(field).is_some_and(Value::is_null) {
+            return Err(ApiError::invalid(format!("`{field}` must not be null")));
+        }
+    }
+    let b: SelectBody = serde_json::from_value(Value::Object(raw))
         .map_err(|e| ApiError::invalid(format!("the body is not a selection request: {e}")))?;
     let prompt = [
         b.token_ids.is_some(),
@@ -130,6 +141,9 @@ async fn run_select(
             "block_size",
             "block_hashes need block_size (and block_size is only for block_hashes)",
         ));
+    }
+    if !app.directory.all_models().contains(&b.model) {
+        return Err(ApiError::model_not_found(&b.model));
     }
     let token_ids = match (&b.text, &b.messages) {
         (Some(text), _) => Some(tokenize_text(app, &b.model, Api::Completions, json_text(text))?),
@@ -171,9 +185,9 @@ async fn run_select(
         allowed_workers: b.allowed_workers,
         pin: b.pin,
         dp_rank_range: b.dp_rank_range,
-        tolerated_taints: b.tolerated_taints,
-        required_taints: b.required_taints,
-        preferred_taints: b.preferred_taints,
+        tolerated_taints: b.tolerated_taints.unwrap_or_default(),
+        required_taints: b.required_taints.unwrap_or_default(),
+        preferred_taints: b.preferred_taints.unwrap_or_default(),
         expected_output_tokens: b.expected_output_tokens,
         priority: b.priority,
         temperature: b.temperature,
