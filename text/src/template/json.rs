@@ -9,6 +9,10 @@ use minijinja::{Error, ErrorKind};
 
 use super::pyfmt::{MAX_DEPTH, f64_of, float_repr};
 
+/// The widest `indent` accepted (Python has no limit; this keeps a template from asking for
+/// gigabytes of spaces).
+const MAX_INDENT: i64 = 1024;
+
 /// `json.dumps`'s options.
 #[derive(Debug, Clone)]
 pub(crate) struct DumpOptions {
@@ -80,6 +84,12 @@ pub(crate) fn tojson_filter(
                         "tojson: indent must be an integer or a string",
                     )
                 })?;
+                if n > MAX_INDENT {
+                    return Err(Error::new(
+                        ErrorKind::InvalidOperation,
+                        "tojson: indent is too large",
+                    ));
+                }
                 " ".repeat(n.max(0) as usize)
             }
         }),

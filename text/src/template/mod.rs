@@ -25,8 +25,8 @@ use crate::TextError;
 /// Bounds on one rendering, so a hostile message list cannot take unbounded CPU or memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
-    /// Template instructions (minijinja fuel) per rendering. Default 50 million (a few seconds
-    /// at most; a 100-message chat on a Qwen-style template takes about 100 thousand).
+    /// Template instructions (minijinja fuel) per rendering. Default 50 million: seconds of
+    /// CPU at most, far above what real chats on real templates use.
     pub fuel: u64,
     /// The largest rendered prompt, in bytes. Default 32 MiB.
     pub max_output_bytes: usize,
@@ -217,7 +217,7 @@ fn rewrite_generation_tags(source: &str) -> String {
     while let Some(i) = rest.find("{%") {
         out.push_str(&rest[..i]);
         let tag = &rest[i..];
-        let Some(end) = tag.find("%}") else {
+        let Some(end) = tag[2..].find("%}").map(|e| e + 2) else {
             out.push_str(tag);
             return out;
         };

@@ -79,6 +79,8 @@ fn generation_blocks_render_their_body_in_a_scope() {
         ),
         "a{%- with -%}b{% endwith %}{%with%}{%+ endwith +%}{% if generation %}"
     );
+    assert_eq!(rewrite_generation_tags("{%}x%}{%"), "{%}x%}{%");
+    assert!(ChatTemplate::compile("{%}", Limits::default()).is_err());
     let t = "{% generation %}{% set x = 1 %}[{{ text }}]{% endgeneration %}{{ x }}";
     assert_eq!(
         render(t, serde_json::json!({"text": "hi"})).unwrap(),

@@ -40,3 +40,14 @@ fn the_test_models_templates() {
     assert_eq!(detect(&read("llama3.jinja")), ContentFormat::String);
     assert_eq!(detect(&read("parts.jinja")), ContentFormat::OpenAi);
 }
+
+#[test]
+fn truncated_and_odd_templates_never_panic() {
+    let models = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/models/templates");
+    let source = std::fs::read_to_string(format!("{models}/chatml.jinja")).unwrap()
+        + "{{ 'é' ~ x }}{% set a, b = messages %}{%}{{}}";
+    for end in (0..source.len()).filter(|&i| source.is_char_boundary(i)) {
+        let _ = detect(&source[..end]);
+        let _ = detect(&source[end..]);
+    }
+}
