@@ -167,7 +167,11 @@ impl Engine {
         if !self.ids.remove(&request_id) {
             return None;
         }
-        if let Some(i) = self.running.iter().position(|r| r.req.request_id == request_id) {
+        if let Some(i) = self
+            .running
+            .iter()
+            .position(|r| r.req.request_id == request_id)
+        {
             let r = self.running.remove(i);
             self.cache.release(request_id);
             return Some(Aborted {

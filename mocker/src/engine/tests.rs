@@ -227,7 +227,11 @@ fn an_aborted_request_leaves_and_frees_its_blocks_but_keeps_its_prefix_cached() 
     assert!(aborted.was_running);
     assert!(aborted.output_tokens > 1 && aborted.output_tokens < 100);
     assert_eq!(e.request_counts(), (0, 1));
-    assert_eq!(e.cache().pinned_blocks(), 0, "nothing pins its blocks any more");
+    assert_eq!(
+        e.cache().pinned_blocks(),
+        0,
+        "nothing pins its blocks any more"
+    );
     assert_eq!(e.abort(id(1)), None, "gone");
     assert_eq!(e.abort(id(9)), None, "never here");
 
