@@ -17,7 +17,7 @@ use std::collections::{HashSet, VecDeque};
 use std::time::Duration;
 
 pub use config::{EngineConfig, InvalidEngineConfig, StepWork};
-pub use io::{EngineLoad, EngineOutput, Ready, SimRequest};
+pub use io::{Aborted, EngineLoad, EngineOutput, Ready, SimRequest, TokenOutput};
 
 use crate::cache::{CacheConfig, CacheError, KvCache};
 use kvroute_common::RequestId;
@@ -147,7 +147,7 @@ impl Engine {
                 if end > now {
                     break;
                 }
-                self.finish_step(end, &mut ready.outputs);
+                self.finish_step(end, &mut ready);
             }
             match self.next_step_start() {
                 Some(start) if start <= now => self.start_step(start),
@@ -156,6 +156,39 @@ impl Engine {
         }
         ready.kv_events = self.cache.drain_events();
         ready
+    }
+
+    /// Takes out a request that has not finished (its client went away), as the engines abort
+    /// one: a waiting request leaves the queue; a running one leaves the batch and releases its
+    /// blocks as a finished request does (the prompt's blocks stay cached, unpinned; private
+    /// blocks are freed). The step in flight keeps its planned end. `None` if the request is
+    /// not on this engine (never submitted, or already finished).
+    pub fn abort(&mut self, request_id: RequestId) -> Option<Aborted> {
+        if !self.ids.remove(&request_id) {
+            return None;
+        }
+        if let Some(i) = self
+            .running
+            .iter()
+            .position(|r| r.req.request_id == request_id)
+        {
+            let r = self.running.remove(i);
+            self.cache.release(request_id);
+            return Some(Aborted {
+                was_running: true,
+                output_tokens: u64::from(r.generated),
+            });
+        }
+        let i = self
+            .waiting
+            .iter()
+            .position(|w| w.req.request_id == request_id)
+            .expect("a known request is running or waiting");
+        self.waiting.remove(i);
+        Some(Aborted {
+            was_running: false,
+            output_tokens: 0,
+        })
     }
 
     /// When the engine next has something to do (a step ends or can start), if ever without
@@ -280,15 +313,23 @@ impl Engine {
         self.step_end = Some(start + self.config.step_duration(work));
     }
 
-    fn finish_step(&mut self, end: Duration, outputs: &mut Vec<EngineOutput>) {
+    fn finish_step(&mut self, end: Duration, ready: &mut Ready) {
         self.step_end = None;
         self.clock = end;
+        let outputs = &mut ready.outputs;
         let mut i = 0;
         while i < self.running.len() {
             let r = &mut self.running[i];
             let scheduled = std::mem::take(&mut r.scheduled);
             if r.decoding() {
                 r.generated += scheduled;
+                if r.req.report_tokens && scheduled > 0 && r.generated < r.output_target() {
+                    ready.tokens.push(TokenOutput {
+                        request_id: r.req.request_id,
+                        at: end,
+                        generated: u64::from(r.generated),
+                    });
+                }
             } else if scheduled > 0 {
                 r.prefilled += scheduled;
                 if r.decoding() {

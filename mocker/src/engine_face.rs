@@ -4,18 +4,23 @@
 //! Worker i (ports: base + i × stride) runs one simulated [`crate::Engine`] per data-parallel
 //! rank, each with the engine's ZMQ KV-event publisher (`zmq.rs`: PUB on the zmq port + rank,
 //! replay ROUTER on the replay port + rank; `wire.rs`: the payloads), and one HTTP server for
-//! all its ranks (`http.rs`, `completions.rs`: the OpenAI API; `info.rs`: `/metrics`,
-//! `/get_server_info`, `/v1/loads`). `rank.rs` drives each engine in real time like the
-//! kvroute-faced worker does, and `block_tokens.rs` keeps the tokens every `BlockStored` carries.
+//! all its ranks (`http.rs`; `completions.rs` and `stream.rs`: the OpenAI API; `metrics.rs`:
+//! `/metrics`; `info.rs`: `/get_server_info`, `/v1/loads`). `rank.rs` drives each engine in
+//! real time like the kvroute-faced worker does and reports each request's progress
+//! (`progress.rs`, which also aborts the requests of a client that left), and
+//! `block_tokens.rs` keeps the tokens every `BlockStored` carries.
 
 mod block_tokens;
 mod completions;
 mod config;
 mod http;
 mod info;
+mod metrics;
 mod openai;
+mod progress;
 mod rank;
 mod shapes;
+mod stream;
 mod wire;
 mod zmq;
 

@@ -1,7 +1,7 @@
 """Talks to a kvroute-mocker engine face with the real `openai` client, the way an application
-would, and prints what it saw as one JSON object (tests/tests/mocker_engine.rs asserts on it):
-the same prompt twice through /v1/completions (plain, then streamed with usage), and a chat
-twice (streamed with usage, then plain). Streams record each chunk's arrival time.
+would, and prints what it saw as one JSON object (tests/tests/mocker_engine_http.rs asserts on
+it): the same prompt twice through /v1/completions (plain, then streamed with usage), and a
+chat twice (streamed with usage, then plain). Streams record each chunk's arrival time.
 
     python3 tests/python/openai_client.py --base-url http://127.0.0.1:8000/v1 --model mock-model
 """

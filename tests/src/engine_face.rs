@@ -3,7 +3,7 @@
 //! batch decoder (rmpv), HTTP (reqwest), and the Python clients in `tests/python`.
 
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvroute_mocker::engine_face::{EngineApi, EngineFleet, EventFormat, WorkerEndpoints};
 use kvroute_mocker::fleet::FleetConfig;
@@ -104,6 +104,21 @@ impl EngineFace {
             .await;
         assert_eq!(status, 200, "{body}");
         body
+    }
+}
+
+/// A sample's value in Prometheus text, by its name and labels as written.
+pub fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// Polls `probe` every 20 ms until it is true (5 s at most).
+pub async fn eventually(what: &str, mut probe: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !probe().await {
+        assert!(Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

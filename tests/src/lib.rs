@@ -21,7 +21,8 @@ mod sim_worker;
 
 pub use bins::{IndexerProcess, kvroute_bin};
 pub use engine_face::{
-    Batch, EngineFace, Sub, decode_batch, face_config, field, map_keys, python_json, replay,
+    Batch, EngineFace, Sub, decode_batch, eventually, face_config, field, map_keys, python_json,
+    replay, sample,
 };
 pub use engine_publisher::{Engine, EngineOptions, EnginePublisher, RankEndpoints};
 pub use gateway::{GatewayProcess, GatewayStack, STACK_MODEL, http_card, model_dir, register};

@@ -16,6 +16,9 @@ pub struct SimRequest {
     pub output_tokens: u32,
     /// The prompt's full blocks at the engine's block size.
     pub hashes: BlockHashes,
+    /// Report every decoded token in [`Ready::tokens`] (for a streamed answer); otherwise only
+    /// the first and the last token are reported, as lifecycle outputs.
+    pub report_tokens: bool,
 }
 
 impl SimRequest {
@@ -31,6 +34,7 @@ impl SimRequest {
             prompt_tokens: tokens.len() as u32,
             output_tokens,
             hashes: BlockHashes::of_tokens(tokens, block_size as usize, lora_name),
+            report_tokens: false,
         }
     }
 }
@@ -85,12 +89,33 @@ impl EngineOutput {
     }
 }
 
-/// What [`super::Engine::advance_to`] produced: lifecycle outputs in time order, and the KV
-/// events to publish, in order.
+/// What [`super::Engine::advance_to`] produced: lifecycle outputs in time order, the KV
+/// events to publish, in order, and the decoded tokens of requests that report them.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Ready {
     pub outputs: Vec<EngineOutput>,
     pub kv_events: Vec<KvEventData>,
+    /// In time order; only for requests submitted with `report_tokens`, and only the tokens
+    /// between the first (`PrefillDone`) and the last (`Finished`).
+    pub tokens: Vec<TokenOutput>,
+}
+
+/// A decode step produced one more token of a request, at simulated time `at`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenOutput {
+    pub request_id: RequestId,
+    pub at: Duration,
+    /// Tokens generated so far, this one included.
+    pub generated: u64,
+}
+
+/// What [`super::Engine::abort`] took out of the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Aborted {
+    /// It was in the running batch (else it was still waiting).
+    pub was_running: bool,
+    /// Tokens it had generated (0 before its prefill was done).
+    pub output_tokens: u64,
 }
 
 /// Load figures of one engine, as a `WorkerLoad` carries them.

@@ -208,3 +208,89 @@ fn deterministic_and_independent_of_how_often_time_advances() {
         .count();
     assert!(hits > 50, "shared 1024-token prefixes should hit: {hits}");
 }
+
+#[test]
+fn an_aborted_request_leaves_and_frees_its_blocks_but_keeps_its_prefix_cached() {
+    let mut e = engine(EngineConfig {
+        max_num_seqs: 1,
+        ..EngineConfig::default()
+    });
+    e.submit(request(1, 1, 640, 100), ms(0)).unwrap();
+    e.submit(request(2, 2, 640, 5), ms(0)).unwrap();
+    // The first prefills and decodes a few tokens; the second waits for its batch slot.
+    e.advance_to(ms(100));
+    assert_eq!(e.request_counts(), (1, 1));
+    let pinned = e.cache().pinned_blocks();
+    assert!(pinned > 10, "{pinned}");
+
+    let aborted = e.abort(id(1)).expect("running");
+    assert!(aborted.was_running);
+    assert!(aborted.output_tokens > 1 && aborted.output_tokens < 100);
+    assert_eq!(e.request_counts(), (0, 1));
+    assert_eq!(
+        e.cache().pinned_blocks(),
+        0,
+        "nothing pins its blocks any more"
+    );
+    assert_eq!(e.abort(id(1)), None, "gone");
+    assert_eq!(e.abort(id(9)), None, "never here");
+
+    let out = drain(&mut e);
+    assert!(
+        out.iter().all(|o| o.request_id() == id(2)),
+        "no output for the aborted request: {out:?}"
+    );
+    finished(&out, id(2));
+    // Its prompt blocks stayed cached: the same prompt again hits them.
+    e.submit(request(3, 1, 640, 1), ms(10_000)).unwrap();
+    let out = drain(&mut e);
+    assert!(matches!(
+        out[0],
+        EngineOutput::PrefillDone {
+            cached_tokens: 639,
+            ..
+        }
+    ));
+
+    // A waiting request leaves the queue without having held anything.
+    e.submit(request(4, 4, 640, 50), ms(20_000)).unwrap();
+    e.submit(request(5, 5, 640, 50), ms(20_000)).unwrap();
+    e.advance_to(ms(20_000));
+    assert_eq!(
+        e.abort(id(5)),
+        Some(Aborted {
+            was_running: false,
+            output_tokens: 0
+        })
+    );
+    assert_eq!(e.request_counts(), (1, 0));
+    assert!(e.load().active_prefill_tokens <= 640);
+}
+
+#[test]
+fn requests_that_report_tokens_get_one_per_decode_step() {
+    let mut e = engine(EngineConfig::default());
+    let mut streamed = request(1, 1, 100, 6);
+    streamed.report_tokens = true;
+    e.submit(streamed, ms(0)).unwrap();
+    e.submit(request(2, 2, 100, 6), ms(0)).unwrap();
+    let (mut outputs, mut tokens) = (Vec::new(), Vec::new());
+    while let Some(t) = e.next_wakeup() {
+        let r = e.advance_to(t);
+        outputs.extend(r.outputs);
+        tokens.extend(r.tokens);
+    }
+    // Token 1 is PrefillDone, token 6 is Finished: 2..=5 in between, one step apart.
+    assert!(tokens.iter().all(|t| t.request_id == id(1)), "{tokens:?}");
+    let counts: Vec<u64> = tokens.iter().map(|t| t.generated).collect();
+    assert_eq!(counts, [2, 3, 4, 5]);
+    let (ttft, latency, _) = finished(&outputs, id(1));
+    let mut at = vec![ttft];
+    at.extend(tokens.iter().map(|t| t.at));
+    at.push(latency);
+    // Each a decode step of both requests: 10 ms + 2 × 0.1 ms + the context at 20 ns a token.
+    for w in at.windows(2) {
+        let gap = w[1] - w[0];
+        assert!(gap > ms(10) && gap < ms(11), "{at:?}");
+    }
+}

@@ -17,6 +17,7 @@ use serde_json::json;
 use super::completions;
 use super::config::FaceEngine;
 use super::info;
+use super::metrics;
 use super::rank::{Rank, unix_now};
 use super::{FaceSettings, VLLM_VERSION};
 
@@ -123,6 +124,7 @@ pub(crate) fn router(face: Arc<WorkerFace>) -> Router {
             .route("/reset_prefix_cache", post(clear_cache)),
         FaceEngine::Sglang => Router::new()
             .route("/health_generate", get(health))
+            .route("/metrics", get(sglang_metrics))
             .route("/get_server_info", get(server_info))
             .route("/server_info", get(server_info))
             .route("/v1/loads", get(loads))
@@ -186,7 +188,19 @@ async fn vllm_metrics(State(face): State<Arc<WorkerFace>>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        info::vllm_metrics(&face.settings, &snaps),
+        metrics::vllm_metrics(&face.settings, &snaps),
+    )
+        .into_response()
+}
+
+async fn sglang_metrics(State(face): State<Arc<WorkerFace>>) -> Response {
+    let snaps: Vec<_> = face.ranks.iter().map(|r| r.snapshot()).collect();
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        metrics::sglang_metrics(&face.settings, &snaps),
     )
         .into_response()
 }

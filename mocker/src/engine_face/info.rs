@@ -1,156 +1,13 @@
-//! What the impersonated engines report about themselves, from the ranks' snapshots: vLLM's
-//! Prometheus `/metrics` (names, help and labels of vllm/v1/metrics/loggers.py, exposed as
-//! prometheus_client does: labels sorted, counters as `_total` and `_created`), SGLang's
+//! What the impersonated SGLang reports about itself as JSON, from the ranks' snapshots:
 //! `/get_server_info` and `/v1/loads` (sglang/srt/entrypoints/http_server.py, v1_loads.py).
+//! The Prometheus `/metrics` of both engines are in `metrics.rs`.
 
-use std::fmt::Write as _;
 use std::time::Duration;
 
 use serde_json::{Value, json};
 
 use super::rank::RankSnapshot;
 use super::{FaceSettings, SGLANG_VERSION};
-
-/// vLLM's `/metrics`: scheduler gauges, cache and token counters, and `cache_config_info`.
-pub(crate) fn vllm_metrics(face: &FaceSettings, ranks: &[RankSnapshot]) -> String {
-    let model = escape(&face.model);
-    // prometheus_client writes labels sorted by name.
-    let labels = |rank: u32, extra: &[(&str, &str)]| {
-        let rank = rank.to_string();
-        let mut all = vec![("engine", rank.as_str()), ("model_name", model.as_str())];
-        all.extend_from_slice(extra);
-        all.sort_unstable();
-        all.iter()
-            .map(|(k, v)| format!("{k}=\"{v}\""))
-            .collect::<Vec<_>>()
-            .join(",")
-    };
-    let mut out = String::new();
-    let mut gauge = |name: &str, help: &str, value: &dyn Fn(&RankSnapshot) -> f64| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
-        for s in ranks {
-            let _ = writeln!(out, "{name}{{{}}} {}", labels(s.rank, &[]), float(value(s)));
-        }
-    };
-    gauge(
-        "vllm:num_requests_running",
-        "Number of requests in model execution batches.",
-        &|s| s.load.active_requests as f64,
-    );
-    gauge(
-        "vllm:num_requests_waiting",
-        "Number of requests waiting to be processed.",
-        &|s| s.load.waiting_requests as f64,
-    );
-    // vLLM's usage counts idle cached blocks as free (they sit in its free queue).
-    gauge(
-        "vllm:kv_cache_usage_perc",
-        "KV-cache usage. 1 means 100 percent usage.",
-        &|s| s.pinned_blocks as f64 / s.load.total_kv_blocks.max(1) as f64,
-    );
-    let created = face.started.as_secs_f64();
-    let mut counter =
-        |name: &str, help: &str, extra: &[(&str, &str)], value: &dyn Fn(&RankSnapshot) -> u64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-            for s in ranks {
-                let l = labels(s.rank, extra);
-                let _ = writeln!(out, "{name}_total{{{l}}} {}", float(value(s) as f64));
-                let _ = writeln!(out, "{name}_created{{{l}}} {}", float(created));
-            }
-        };
-    counter(
-        "vllm:prefix_cache_queries",
-        "Prefix cache queries, in terms of number of queried tokens.",
-        &[],
-        &|s| s.counters.prompt_tokens,
-    );
-    counter(
-        "vllm:prefix_cache_hits",
-        "Prefix cache hits, in terms of number of cached tokens.",
-        &[],
-        &|s| s.counters.cached_tokens,
-    );
-    counter(
-        "vllm:prompt_tokens",
-        "Number of prefill tokens processed.",
-        &[],
-        &|s| s.counters.prompt_tokens,
-    );
-    counter(
-        "vllm:generation_tokens",
-        "Number of generation tokens processed.",
-        &[],
-        &|s| s.counters.generation_tokens,
-    );
-    counter(
-        "vllm:request_success",
-        "Count of successfully processed requests.",
-        &[("finished_reason", "length")],
-        &|s| s.counters.finished,
-    );
-    let name = "vllm:cache_config_info";
-    let _ = writeln!(
-        out,
-        "# HELP {name} Information of the LLMEngine CacheConfig\n# TYPE {name} gauge"
-    );
-    for s in ranks {
-        let _ = writeln!(out, "{name}{{{}}} 1.0", cache_config_labels(face, s.rank));
-    }
-    out
-}
-
-/// `CacheConfig.metrics_info()`: every field as `str(value)`, plus `engine`; sorted.
-fn cache_config_labels(face: &FaceSettings, rank: u32) -> String {
-    let c = &face.engine;
-    let bs = c.block_size.to_string();
-    let blocks = c.num_blocks.to_string();
-    let tokens = (c.num_blocks * u64::from(c.block_size)).to_string();
-    let rank = rank.to_string();
-    let mut labels = vec![
-        ("block_size", bs.as_str()),
-        ("cache_dtype", "auto"),
-        ("cache_hit_alignment_tokens", bs.as_str()),
-        ("effective_attention_block_size", bs.as_str()),
-        ("enable_mamba_shared_prefix_checkpoint", "False"),
-        ("enable_prefix_caching", "True"),
-        ("engine", rank.as_str()),
-        ("gpu_memory_utilization", "0.92"),
-        ("hash_block_size", bs.as_str()),
-        ("is_attention_free", "False"),
-        ("kv_cache_dtype_skip_layers", "[]"),
-        ("kv_cache_layout", "None"),
-        ("kv_cache_max_concurrency", "None"),
-        ("kv_cache_memory_bytes", "None"),
-        ("kv_cache_size_tokens", tokens.as_str()),
-        ("kv_offloading_backend", "native"),
-        ("kv_offloading_size", "None"),
-        ("kv_sharing_fast_prefill", "False"),
-        ("mamba_block_size", "None"),
-        ("mamba_cache_dtype", "auto"),
-        ("mamba_cache_mode", "none"),
-        ("mamba_page_size_padded", "None"),
-        ("mamba_ssm_cache_dtype", "auto"),
-        ("num_cpu_blocks", "None"),
-        ("num_gpu_blocks", blocks.as_str()),
-        ("num_gpu_blocks_override", "None"),
-        ("prefix_cache_retention_interval", "0"),
-        ("prefix_caching_hash_algo", "sha256"),
-        ("prefix_match_unit", "None"),
-        ("replayssm_buffer_len", "16"),
-        ("skip_page_size_padded", "None"),
-        ("sliding_window", "None"),
-        ("swa_bounded_replay", "True"),
-        ("use_kda_recoverssm", "False"),
-        ("use_replayssm", "False"),
-        ("user_specified_block_size", "True"),
-    ];
-    labels.sort_unstable();
-    labels
-        .iter()
-        .map(|(k, v)| format!("{k}=\"{v}\""))
-        .collect::<Vec<_>>()
-        .join(",")
-}
 
 /// SGLang's `/get_server_info`: the resolved server arguments the mocker has an answer for
 /// (the real one lists several hundred), the scheduler's handshake, the KV-event descriptor,
@@ -196,7 +53,7 @@ pub(crate) fn sglang_server_info(face: &FaceSettings) -> Value {
         "context_length": tokens,
         "schedule_policy": "fcfs",
         "disable_radix_cache": false,
-        "enable_metrics": false,
+        "enable_metrics": true,
         "enable_cache_report": true,
         "load_balance_method": "round_robin",
         "kv_events_config": kv_events_config,
@@ -292,21 +149,6 @@ pub(crate) fn sglang_loads(face: &FaceSettings, ranks: &[RankSnapshot], now: Dur
     })
 }
 
-/// A float as Python prints it for integral values (`3.0`); otherwise Rust's shortest form.
-fn float(v: f64) -> String {
-    if v.fract() == 0.0 && v.abs() < 1e15 {
-        format!("{v:.1}")
-    } else {
-        format!("{v}")
-    }
-}
-
-fn escape(v: &str) -> String {
-    v.replace('\\', r"\\")
-        .replace('\n', r"\n")
-        .replace('"', "\\\"")
-}
-
 /// `datetime.now(timezone.utc).isoformat()`: `2026-01-31T12:34:56.789012+00:00`.
 pub(crate) fn iso8601(since_epoch: Duration) -> String {
     let secs = since_epoch.as_secs();
@@ -341,11 +183,5 @@ mod tests {
             iso8601(Duration::from_micros(1_709_210_096_123_456)),
             "2024-02-29T12:34:56.123456+00:00"
         );
-    }
-
-    #[test]
-    fn floats_print_like_python() {
-        assert_eq!(float(3.0), "3.0");
-        assert_eq!(float(0.25), "0.25");
     }
 }

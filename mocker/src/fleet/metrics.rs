@@ -11,7 +11,8 @@ use kvroute_common::ops::{Counter, CounterVec, Histogram, HttpHandler, HttpRespo
 pub struct FleetMetrics {
     pub registry: Registry,
     pub requests_received: Arc<Counter>,
-    /// By outcome: `ok`, or the error code of the reply.
+    /// By outcome: `ok`, or the error code of the reply; engine faces: `ok`, `cancelled`
+    /// (shutdown) or `aborted` (the client left).
     pub requests_finished: Arc<CounterVec>,
     /// Simulated time to first token.
     pub ttft: Arc<Histogram>,
@@ -30,7 +31,7 @@ impl Default for FleetMetrics {
             ),
             requests_finished: registry.counter_vec(
                 "kvroute_mocker_requests_finished_total",
-                "Requests answered, by outcome (ok or the error code).",
+                "Requests ended, by outcome (ok, the error code, cancelled or aborted).",
                 "outcome",
             ),
             ttft: registry.histogram(

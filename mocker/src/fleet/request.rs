@@ -93,6 +93,7 @@ pub fn to_sim_request(
                     local: local.clone(),
                     sequence,
                 },
+                report_tokens: false,
             })
         }
     }

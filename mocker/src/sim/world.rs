@@ -411,6 +411,7 @@ impl World<'_> {
             prompt_tokens: tokens.len() as u32,
             output_tokens: trace.output_length,
             hashes,
+            report_tokens: false,
         };
         if let Err(e) = self.workers[w].engine.submit(sim, now) {
             tracing::debug!(error = %e, "the simulated worker refused a request");
