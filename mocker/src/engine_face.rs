@@ -68,6 +68,8 @@ pub(crate) struct FaceSettings {
     pub replay_buffer: usize,
     /// When the worker started, since the Unix epoch.
     pub started: Duration,
+    /// `--engine-tokenizer`: the model's tokenizer and chat template (else bytes).
+    pub text: Option<Arc<kvroute_text::ModelText>>,
 }
 
 /// Where one impersonated worker listens. Displays as the kvroute-bridge flags that serve it.
@@ -148,6 +150,15 @@ impl EngineFleet {
             format: face.engine_event_format,
             block_size: engine.block_size,
         };
+        // One tokenizer for the fleet: every worker serves the same model.
+        let text = match &face.engine_tokenizer {
+            Some(dir) => Some(Arc::new(
+                kvroute_text::ModelText::load(&config.model, dir).map_err(|e| {
+                    kvroute_common::config::ConfigError::new("engine-tokenizer", e.to_string())
+                })?,
+            )),
+            None => None,
+        };
         let mut workers = Vec::new();
         for index in 0..config.workers {
             let ports = face.worker_ports(index);
@@ -212,6 +223,7 @@ impl EngineFleet {
                 topic: face.engine_topic.clone(),
                 replay_buffer: face.engine_replay_buffer,
                 started: rank::unix_now(),
+                text: text.clone(),
             };
             let state = Arc::new(WorkerFace {
                 settings,

@@ -40,7 +40,7 @@ pub(crate) async fn completions(
         Ok(r) => r,
         Err(e) => return face.error(StatusCode::BAD_REQUEST, format!("invalid request: {e}")),
     };
-    let prompts = match openai::prompts(&req.prompt) {
+    let prompts = match openai::prompts_with(&req.prompt, face.settings.text.as_deref()) {
         Ok(p) => p,
         Err(e) => return face.error(StatusCode::BAD_REQUEST, e),
     };
@@ -63,7 +63,11 @@ pub(crate) async fn chat(
         Ok(r) => r,
         Err(e) => return face.error(StatusCode::BAD_REQUEST, format!("invalid request: {e}")),
     };
-    let text = match openai::render_chat(&req.messages) {
+    let tokens = match &face.settings.text {
+        Some(model) => openai::chat_tokens(model, &body),
+        None => openai::render_chat(&req.messages).map(|t| openai::tokenize(&t)),
+    };
+    let tokens = match tokens {
         Ok(t) => t,
         Err(e) => return face.error(StatusCode::BAD_REQUEST, e),
     };
@@ -72,7 +76,7 @@ pub(crate) async fn chat(
         model: req.model.as_deref(),
         common: &req.common,
         max_tokens: req.max_completion_tokens.or(req.max_tokens),
-        prompts: vec![openai::tokenize(&text)],
+        prompts: vec![tokens],
     };
     run(face, &headers, asked).await
 }

@@ -116,6 +116,12 @@ pub struct EngineFaceArgs {
         default_value_t = 10_000
     )]
     pub engine_replay_buffer: usize,
+    /// A model folder (`tokenizer.json`, `tokenizer_config.json`) to tokenize prompts and
+    /// render chats with, as the real engine does with its model's tokenizer and chat
+    /// template (kvroute-text); the same folder a kvroute-gateway in front is given, so both
+    /// hash the same tokens. Absent: one token per UTF-8 byte and a fixed chat format.
+    #[arg(long, env = "KVROUTE_MOCKER_ENGINE_TOKENIZER")]
+    pub engine_tokenizer: Option<std::path::PathBuf>,
 }
 
 impl Default for EngineFaceArgs {
@@ -131,6 +137,7 @@ impl Default for EngineFaceArgs {
             engine_topic: String::new(),
             engine_bind_host: IpAddr::from([127, 0, 0, 1]),
             engine_replay_buffer: 10_000,
+            engine_tokenizer: None,
         }
     }
 }

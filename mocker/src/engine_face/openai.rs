@@ -1,8 +1,12 @@
 //! The OpenAI-compatible requests the impersonated engines take, and how their prompts become
 //! token ids. Pure: parsing and "tokenizing" only.
 //!
-//! Tokenizing is deterministic and has no vocabulary: **one token per UTF-8 byte of the text,
-//! the token id being the byte's value**. The same text always gives the same tokens, and two
+//! With `--engine-tokenizer DIR`, prompts are tokenized and chats rendered with that model's
+//! tokenizer and chat template (kvroute-text), as the real engines do: a completions text with
+//! the model's special tokens, a chat through its template without adding them.
+//!
+//! Without it, tokenizing is deterministic and has no vocabulary: **one token per UTF-8 byte
+//! of the text, the token id being the byte's value**. The same text always gives the same tokens, and two
 //! texts sharing a prefix share that many tokens, so they share blocks. A chat is rendered
 //! first, each message as `<|role|>\n{content}\n`, followed by `<|assistant|>\n` (the
 //! generation prompt); text parts of a content list are joined.
@@ -96,17 +100,30 @@ pub fn tokenize(text: &str) -> Vec<u32> {
 }
 
 /// The prompts of a completion request: `prompt` is a string, a list of token ids, or a list of
-/// either.
+/// either (one token per byte).
+#[cfg(test)]
 pub fn prompts(prompt: &Value) -> Result<Vec<Vec<u32>>, String> {
+    prompts_with(prompt, None)
+}
+
+/// [`prompts`], texts encoded with `model` when given.
+pub fn prompts_with(
+    prompt: &Value,
+    model: Option<&kvroute_text::ModelText>,
+) -> Result<Vec<Vec<u32>>, String> {
+    let encode = |s: &str| match model {
+        Some(m) => m.encode(s, true).map_err(|e| e.to_string()),
+        None => Ok(tokenize(s)),
+    };
     let out = match prompt {
-        Value::String(s) => vec![tokenize(s)],
+        Value::String(s) => vec![encode(s)?],
         Value::Array(items) if items.iter().all(Value::is_number) && !items.is_empty() => {
             vec![token_ids(items)?]
         }
         Value::Array(items) if !items.is_empty() => items
             .iter()
             .map(|p| match p {
-                Value::String(s) => Ok(tokenize(s)),
+                Value::String(s) => encode(s),
                 Value::Array(ids) => token_ids(ids),
                 other => Err(format!(
                     "each prompt must be a string or a list of token ids, got {other}"
@@ -157,6 +174,28 @@ pub fn render_chat(messages: &[ChatMessage]) -> Result<String, String> {
     }
     text.push_str("<|assistant|>\n");
     Ok(text)
+}
+
+/// A chat request's prompt as `model` renders and tokenizes it (from the raw body: messages,
+/// tools, `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`).
+pub fn chat_tokens(model: &kvroute_text::ModelText, body: &[u8]) -> Result<Vec<u32>, String> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| format!("invalid request: {e}"))?;
+    let messages = v
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or("messages must be a list")?;
+    if messages.is_empty() {
+        return Err("messages must not be empty".into());
+    }
+    let flag = |name: &str, default: bool| v.get(name).and_then(Value::as_bool).unwrap_or(default);
+    let chat = kvroute_text::ChatInput {
+        messages,
+        tools: v.get("tools").filter(|t| !t.is_null()),
+        add_generation_prompt: flag("add_generation_prompt", true),
+        continue_final_message: flag("continue_final_message", false),
+        template_kwargs: v.get("chat_template_kwargs").and_then(Value::as_object),
+    };
+    model.chat_tokens(&chat).map_err(|e| e.to_string())
 }
 
 /// `max_tokens` checked (at least 1), or the default.
