@@ -271,3 +271,29 @@ async fn wait_predicted(router: &kvroute_tests::RouterProcess, want: f64, what: 
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_aborts_the_request_in_the_engine() {
+    // vLLM-faced mocker engines abort a request whose HTTP client went away, as vLLM does.
+    let stack = GatewayStack::start(1, |_| {}).await.unwrap();
+    let gateway = stack.gateway("g", &[]).unwrap();
+    let r = reqwest::Client::new()
+        .post(gateway.url("/v1/completions"))
+        .json(&json!({"model": STACK_MODEL, "prompt": (1..40).collect::<Vec<u32>>(),
+            "max_tokens": 2000, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut body = r.bytes_stream();
+    body.next().await.unwrap().unwrap();
+    let aborted = || stack.engines.metrics().requests_finished.get("aborted");
+    assert_eq!(aborted(), 0);
+    drop(body);
+    let left = Instant::now();
+    while aborted() != 1 {
+        assert!(left.elapsed() < Duration::from_secs(3), "the engine did not abort the request");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(stack.engines.metrics().requests_finished.get("ok"), 0, "it never finished");
+}
