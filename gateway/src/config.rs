@@ -60,7 +60,11 @@ pub struct GatewayArgs {
     )]
     pub max_prompt_tokens: usize,
     /// Milliseconds to connect to a worker's HTTP API before trying another worker.
-    #[arg(long, env = "KVROUTE_GATEWAY_CONNECT_TIMEOUT_MS", default_value_t = 1000)]
+    #[arg(
+        long,
+        env = "KVROUTE_GATEWAY_CONNECT_TIMEOUT_MS",
+        default_value_t = 1000
+    )]
     pub connect_timeout_ms: u64,
     /// Milliseconds to wait for the worker's response headers (its queue and, when not
     /// streaming, the whole generation) before answering 504.
@@ -241,8 +245,12 @@ mod tests {
 
     #[test]
     fn a_gateway_without_models_routes_token_ids_only() {
-        args(&[]).validate().expect("valid: token-id prompts need no tokenizer");
-        let e = args(&["--models-dir", "/nonexistent"]).validate().unwrap_err();
+        args(&[])
+            .validate()
+            .expect("valid: token-id prompts need no tokenizer");
+        let e = args(&["--models-dir", "/nonexistent"])
+            .validate()
+            .unwrap_err();
         assert_eq!(e.field, "models-dir");
     }
 

@@ -198,7 +198,11 @@ async fn healthz() -> &'static str {
 async fn readyz(State(app): State<Arc<App>>) -> Response {
     match app.ready() {
         Ok(()) => (StatusCode::OK, "ready\n").into_response(),
-        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n")).into_response(),
+        Err(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {why}\n"),
+        )
+            .into_response(),
     }
 }
 

@@ -11,6 +11,11 @@ fn main() -> ExitCode {
         kvroute_common::telemetry::init(&args.telemetry);
         let (models, keys) =
             kvroute_gateway::run::prepare(&args).map_err(|e| origins.attribute(e))?;
-        exit::block_on(kvroute_gateway::run::run(args, models, keys, shutdown_signal()))
+        exit::block_on(kvroute_gateway::run::run(
+            args,
+            models,
+            keys,
+            shutdown_signal(),
+        ))
     })
 }

@@ -214,7 +214,10 @@ impl Metrics {
                 self.reservations_held.load(Ordering::Relaxed),
             ),
         ] {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}");
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+            );
         }
         let name = "kvroute_gateway_lifecycle_publish_errors_total";
         let _ = writeln!(

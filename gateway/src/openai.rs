@@ -118,8 +118,9 @@ impl Parsed {
         };
         let max_tokens = match api {
             Api::Completions => optional_u32(&body, "max_tokens")?,
-            Api::Chat => optional_u32(&body, "max_completion_tokens")?
-                .or(optional_u32(&body, "max_tokens")?),
+            Api::Chat => {
+                optional_u32(&body, "max_completion_tokens")?.or(optional_u32(&body, "max_tokens")?)
+            }
         };
         let (prompts, messages) = match api {
             Api::Completions => (prompts(&body)?, Vec::new()),
@@ -256,7 +257,10 @@ fn messages(body: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
             ));
         }
         None | Some(Value::Null) => {
-            return Err(ApiError::invalid_param("messages", "`messages` is required"));
+            return Err(ApiError::invalid_param(
+                "messages",
+                "`messages` is required",
+            ));
         }
         Some(other) => {
             return Err(ApiError::invalid_param(
@@ -355,9 +359,8 @@ fn session(
         Some(id) => {
             let is_final = match header(headers, SESSION_FINAL) {
                 None => false,
-                Some(v) => kvroute_common::cli::parse_bool(v).map_err(|e| {
-                    ApiError::invalid(format!("header {SESSION_FINAL}: {e}"))
-                })?,
+                Some(v) => kvroute_common::cli::parse_bool(v)
+                    .map_err(|e| ApiError::invalid(format!("header {SESSION_FINAL}: {e}")))?,
             };
             Some(SessionContext {
                 id: id.to_owned(),

@@ -63,7 +63,10 @@ pub async fn handle(app: Arc<App>, api: Api, headers: HeaderMap, body: Bytes) ->
 /// Why sending to a worker failed.
 enum SendError {
     /// Nothing reached the worker, or it failed before answering: try another.
-    Retryable { reason: &'static str, message: String },
+    Retryable {
+        reason: &'static str,
+        message: String,
+    },
     /// No answer within `--response-timeout-ms`.
     Timeout,
 }
@@ -79,9 +82,7 @@ async fn forward(
     outcome: &mut Outcome,
 ) -> Result<Response, ApiError> {
     let parsed = Parsed::from_body(api, raw, headers)?;
-    let serving = app
-        .directory
-        .serving(&parsed.model, WorkerRole::Aggregated);
+    let serving = app.directory.serving(&parsed.model, WorkerRole::Aggregated);
     if serving.http.is_empty() {
         return Err(no_worker(app, &parsed.model, serving.without_http));
     }
@@ -205,7 +206,11 @@ fn no_worker(app: &App, model: &str, without_http: usize) -> ApiError {
         );
     }
     if let Err(why) = app.ready() {
-        return ApiError::unavailable("not_ready", format!("the gateway is not ready: {why}"), retry);
+        return ApiError::unavailable(
+            "not_ready",
+            format!("the gateway is not ready: {why}"),
+            retry,
+        );
     }
     ApiError::model_not_found(model)
 }
@@ -222,7 +227,9 @@ async fn tokenize(app: &Arc<App>, parsed: &Parsed) -> Result<Vec<u32>, ApiError>
             .map_err(|e| ApiError::internal(format!("tokenizing: {e}")))??
     };
     if !matches!(parsed.prompts.first(), Some(Prompt::Tokens(_))) {
-        app.metrics.tokenize.observe(parsed.api.label(), at.elapsed());
+        app.metrics
+            .tokenize
+            .observe(parsed.api.label(), at.elapsed());
     }
     Ok(tokens)
 }
@@ -231,9 +238,9 @@ async fn select(app: &App, request: &SelectRequest) -> Result<SelectReply, ApiEr
     let at = Instant::now();
     let result = app.select.select(request.clone()).await;
     app.metrics.select.observe(&request.model, at.elapsed());
-    result.map(|s| s.reply).map_err(|f| {
-        ApiError::from_select(&f, &request.model, app.settings.retry_after_secs)
-    })
+    result
+        .map(|s| s.reply)
+        .map_err(|f| ApiError::from_select(&f, &request.model, app.settings.retry_after_secs))
 }
 
 /// The body for the engine: the client's bytes, unless kvroute's extension must go, the prompt

@@ -102,12 +102,7 @@ pub struct InFlight {
 }
 
 impl InFlight {
-    pub fn new(
-        app: Arc<App>,
-        placement: Placement,
-        started: Instant,
-        outcome: Outcome,
-    ) -> Self {
+    pub fn new(app: Arc<App>, placement: Placement, started: Instant, outcome: Outcome) -> Self {
         app.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
         Self {
             app,
@@ -170,7 +165,11 @@ impl InFlight {
                     .observe(&self.outcome.model, now - self.started);
                 self.app.lifecycle.prefill_done(self.placement);
             }
-            Some(last) => self.app.metrics.itl.observe(&self.outcome.model, now - last),
+            Some(last) => self
+                .app
+                .metrics
+                .itl
+                .observe(&self.outcome.model, now - last),
         }
         self.last = Some(now);
         let sse = SseScan::of(chunk);
@@ -197,9 +196,7 @@ impl InFlight {
         }
         if self.streaming {
             let role = u64::from(self.outcome.endpoint == "chat");
-            return self
-                .events
-                .saturating_sub(u64::from(self.saw_done) + role);
+            return self.events.saturating_sub(u64::from(self.saw_done) + role);
         }
         self.outcome.output_tokens
     }
@@ -304,7 +301,8 @@ pub fn relay(answer: reqwest::Response, guard: InFlight) -> Body {
             None => {
                 s.over = true;
                 s.guard.fail("mid_stream");
-                let event = error_event("the worker ended the stream before the answer was complete");
+                let event =
+                    error_event("the worker ended the stream before the answer was complete");
                 Some((Ok(event), s))
             }
         }
@@ -324,7 +322,8 @@ mod tests {
 
     #[test]
     fn sse_chunks_are_counted() {
-        let chunk = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[{\"text\":\"b\"}]}\n\n";
+        let chunk =
+            b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[{\"text\":\"b\"}]}\n\n";
         assert_eq!(
             SseScan::of(chunk),
             SseScan {

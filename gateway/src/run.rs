@@ -23,7 +23,9 @@ use crate::reservations::Reservations;
 const DRAIN: Duration = Duration::from_secs(30);
 
 /// Startup checks that need no network: the flags, the models, the API keys.
-pub fn prepare(args: &GatewayArgs) -> Result<(Models, Option<HashSet<String>>), kvroute_common::config::ConfigError> {
+pub fn prepare(
+    args: &GatewayArgs,
+) -> Result<(Models, Option<HashSet<String>>), kvroute_common::config::ConfigError> {
     args.validate()?;
     let models = Models::load(&args.model_specs()?, args.models_dir.as_deref())?;
     let keys = match &args.api_keys_file {
@@ -94,14 +96,19 @@ pub async fn run(
     let mut models: Vec<&str> = app.models.names().collect();
     models.sort_unstable();
     if models.is_empty() {
-        tracing::warn!("no model to tokenize (--model NAME=DIR): only prompts given as token ids can be routed");
+        tracing::warn!(
+            "no model to tokenize (--model NAME=DIR): only prompts given as token ids can be routed"
+        );
     }
     tracing::info!(%bound, ?models, auth = app.api_keys.is_some(), "serving the OpenAI API and the selection API");
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = axum::serve(listener, crate::http::router(app.clone()).into_make_service())
-        .with_graceful_shutdown(async move {
-            let _ = stop_rx.await;
-        });
+    let server = axum::serve(
+        listener,
+        crate::http::router(app.clone()).into_make_service(),
+    )
+    .with_graceful_shutdown(async move {
+        let _ = stop_rx.await;
+    });
     let mut serving = tokio::spawn(async move { server.await });
     tokio::select! {
         _ = shutdown => {}

@@ -26,7 +26,13 @@ use crate::request_id::RequestIds;
 use crate::reservations::{Full, Reserved};
 
 /// The fields that give the prompt (exactly one of them, `block_size` with `block_hashes`).
-const PROMPT_FIELDS: [&str; 5] = ["token_ids", "block_hashes", "block_size", "text", "messages"];
+const PROMPT_FIELDS: [&str; 5] = [
+    "token_ids",
+    "block_hashes",
+    "block_size",
+    "text",
+    "messages",
+];
 
 /// The body of `/v1/select` and `/v1/select_and_reserve`: the fields of kvroute's
 /// `SelectRequest` (PROTOCOL.md) in JSON, the prompt as `token_ids`, `block_hashes` (with
@@ -94,7 +100,11 @@ struct SelectAnswer {
 /// `POST /v1/select` (`reserve` false) and `POST /v1/select_and_reserve`.
 pub async fn select(app: Arc<App>, headers: HeaderMap, body: Bytes, reserve: bool) -> Response {
     let started = Instant::now();
-    let endpoint = if reserve { "select_and_reserve" } else { "select" };
+    let endpoint = if reserve {
+        "select_and_reserve"
+    } else {
+        "select"
+    };
     let (status, response) = match run_select(&app, &headers, &body, reserve).await {
         Ok(answer) => (StatusCode::OK, Json(answer).into_response()),
         Err(e) => (e.status, e.into_response()),
@@ -146,7 +156,12 @@ async fn run_select(
         return Err(ApiError::model_not_found(&b.model));
     }
     let token_ids = match (&b.text, &b.messages) {
-        (Some(text), _) => Some(tokenize_text(app, &b.model, Api::Completions, json_text(text))?),
+        (Some(text), _) => Some(tokenize_text(
+            app,
+            &b.model,
+            Api::Completions,
+            json_text(text),
+        )?),
         (_, Some(messages)) => {
             let mut body = Map::new();
             body.insert("model".into(), b.model.clone().into());
@@ -157,7 +172,12 @@ async fn run_select(
             if let Some(t) = &b.tools {
                 body.insert("tools".into(), t.clone());
             }
-            Some(tokenize_text(app, &b.model, Api::Chat, Value::Object(body))?)
+            Some(tokenize_text(
+                app,
+                &b.model,
+                Api::Chat,
+                Value::Object(body),
+            )?)
         }
         _ => b.token_ids.clone(),
     };
@@ -346,7 +366,11 @@ pub async fn expire_loop(app: Arc<App>) {
         };
         for r in due {
             app.metrics.reservations_ended.inc(["expired"]);
-            tracing::info!(reservation = r.id(), worker = r.worker_id, "reservation expired; its load is freed");
+            tracing::info!(
+                reservation = r.id(),
+                worker = r.worker_id,
+                "reservation expired; its load is freed"
+            );
             app.lifecycle.finished(placement(&r), 0);
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;

@@ -234,7 +234,11 @@ impl GatewayStack {
         Ok(etcd
             .get(
                 prefix,
-                Some(etcd_client::GetOptions::new().with_prefix().with_count_only()),
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_count_only(),
+                ),
             )
             .await?
             .count() as usize)

@@ -135,12 +135,19 @@ async fn a_worker_refusing_connections_is_retried_on_another() {
             .send()
             .await
             .unwrap();
-        let worker = r.headers()["x-kvroute-worker-id"].to_str().unwrap().to_owned();
+        let worker = r.headers()["x-kvroute-worker-id"]
+            .to_str()
+            .unwrap()
+            .to_owned();
         assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
         assert_ne!(worker, "900", "never answered by the dead worker");
     }
     let retries = gateway.metric("kvroute_gateway_upstream_retries_total{reason=\"connect\"}");
-    assert!(retries >= 1.0, "the dead worker was chosen and retried: {retries}\n{}", gateway.log());
+    assert!(
+        retries >= 1.0,
+        "the dead worker was chosen and retried: {retries}\n{}",
+        gateway.log()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -170,7 +177,11 @@ async fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
     assert_eq!(error["error"]["code"], "upstream_failed", "{body}");
     assert!(!body.contains("[DONE]"));
     assert!(started.elapsed() < Duration::from_secs(5));
-    assert_eq!(engine.requests.load(Ordering::SeqCst), 1, "not retried after the first byte");
+    assert_eq!(
+        engine.requests.load(Ordering::SeqCst),
+        1,
+        "not retried after the first byte"
+    );
     assert_eq!(
         gateway.metric("kvroute_gateway_upstream_failures_total{reason=\"mid_stream\"}"),
         1.0
@@ -200,7 +211,10 @@ async fn a_client_that_leaves_closes_the_engine_connection() {
     drop(body); // the client leaves
     let left = Instant::now();
     while !engine.gone.load(Ordering::SeqCst) {
-        assert!(left.elapsed() < Duration::from_secs(3), "the engine's connection was not closed");
+        assert!(
+            left.elapsed() < Duration::from_secs(3),
+            "the engine's connection was not closed"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // The request's load is released: prefill_done at the first byte, then finished.
@@ -212,8 +226,14 @@ async fn a_client_that_leaves_closes_the_engine_connection() {
             .unwrap();
         kinds.push(decode::<RequestLifecycle>(&m.payload).unwrap().kind);
     }
-    assert!(matches!(kinds[0], LifecycleKind::PrefillDone { .. }), "{kinds:?}");
-    assert!(matches!(kinds[1], LifecycleKind::Finished { .. }), "{kinds:?}");
+    assert!(
+        matches!(kinds[0], LifecycleKind::PrefillDone { .. }),
+        "{kinds:?}"
+    );
+    assert!(
+        matches!(kinds[1], LifecycleKind::Finished { .. }),
+        "{kinds:?}"
+    );
     assert_eq!(
         gateway.metric("kvroute_gateway_upstream_failures_total{reason=\"client_gone\"}"),
         1.0
@@ -227,7 +247,9 @@ async fn a_reservation_never_released_frees_its_load_at_expiry() {
     let _card = register(&stack.env, http_card(903, "quiet", "http://127.0.0.1:9"))
         .await
         .unwrap();
-    let gateway = stack.gateway("g", &["--reservation-ttl-ms", "1500"]).unwrap();
+    let gateway = stack
+        .gateway("g", &["--reservation-ttl-ms", "1500"])
+        .unwrap();
     let predicted = || stack.router.metric("kvroute_router_predicted_requests");
     let r: Value = reqwest::Client::new()
         .post(gateway.url("/v1/select_and_reserve"))
@@ -279,8 +301,10 @@ async fn a_client_that_leaves_aborts_the_request_in_the_engine() {
     let gateway = stack.gateway("g", &[]).unwrap();
     let r = reqwest::Client::new()
         .post(gateway.url("/v1/completions"))
-        .json(&json!({"model": STACK_MODEL, "prompt": (1..40).collect::<Vec<u32>>(),
-            "max_tokens": 2000, "stream": true}))
+        .json(
+            &json!({"model": STACK_MODEL, "prompt": (1..40).collect::<Vec<u32>>(),
+            "max_tokens": 2000, "stream": true}),
+        )
         .send()
         .await
         .unwrap();
@@ -292,8 +316,15 @@ async fn a_client_that_leaves_aborts_the_request_in_the_engine() {
     drop(body);
     let left = Instant::now();
     while aborted() != 1 {
-        assert!(left.elapsed() < Duration::from_secs(3), "the engine did not abort the request");
+        assert!(
+            left.elapsed() < Duration::from_secs(3),
+            "the engine did not abort the request"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(stack.engines.metrics().requests_finished.get("ok"), 0, "it never finished");
+    assert_eq!(
+        stack.engines.metrics().requests_finished.get("ok"),
+        0,
+        "it never finished"
+    );
 }

@@ -36,7 +36,11 @@ fn worker_of(h: &reqwest::header::HeaderMap) -> u64 {
 }
 
 fn overlap_of(h: &reqwest::header::HeaderMap) -> u64 {
-    h["x-kvroute-overlap-blocks"].to_str().unwrap().parse().unwrap()
+    h["x-kvroute-overlap-blocks"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -62,7 +66,10 @@ async fn completions_streamed_and_not_with_lifecycle_and_request_ids() {
         .expect("a lifecycle event")
         .unwrap();
     let event: RequestLifecycle = decode(&m.payload).unwrap();
-    assert_eq!(event.request_id, kvroute_gateway::request_id::derive("job-17"));
+    assert_eq!(
+        event.request_id,
+        kvroute_gateway::request_id::derive("job-17")
+    );
     assert_eq!(event.worker_id, 100);
     assert_eq!(event.kind, LifecycleKind::Finished { output_tokens: 5 });
 
@@ -70,8 +77,16 @@ async fn completions_streamed_and_not_with_lifecycle_and_request_ids() {
         "stream": true, "stream_options": {"include_usage": true}});
     let (status, h, text) = complete(&http, &gateway, body, &[]).await;
     assert_eq!(status, 200);
-    assert!(h["content-type"].to_str().unwrap().starts_with("text/event-stream"));
-    assert!(uuid::Uuid::parse_str(h["x-request-id"].to_str().unwrap()).is_ok(), "assigned");
+    assert!(
+        h["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    assert!(
+        uuid::Uuid::parse_str(h["x-request-id"].to_str().unwrap()).is_ok(),
+        "assigned"
+    );
     let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
     assert_eq!(events.last(), Some(&"data: [DONE]"), "{text}");
     let usage: Value =
@@ -85,14 +100,25 @@ async fn completions_streamed_and_not_with_lifecycle_and_request_ids() {
             .unwrap();
         kinds.push(decode::<RequestLifecycle>(&m.payload).unwrap().kind);
     }
-    assert!(matches!(kinds[0], LifecycleKind::PrefillDone { .. }), "{kinds:?}");
+    assert!(
+        matches!(kinds[0], LifecycleKind::PrefillDone { .. }),
+        "{kinds:?}"
+    );
     assert_eq!(kinds[1], LifecycleKind::Finished { output_tokens: 4 });
     assert_eq!(
-        gateway.metric("kvroute_gateway_requests_total{endpoint=\"completions\",model=\"m\",status=\"200\"}"),
+        gateway.metric(
+            "kvroute_gateway_requests_total{endpoint=\"completions\",model=\"m\",status=\"200\"}"
+        ),
         2.0
     );
-    assert_eq!(gateway.metric("kvroute_gateway_ttft_seconds_count{model=\"m\"}"), 1.0);
-    assert!(gateway.log().contains("kvroute_gateway::access"), "access log lines");
+    assert_eq!(
+        gateway.metric("kvroute_gateway_ttft_seconds_count{model=\"m\"}"),
+        1.0
+    );
+    assert!(
+        gateway.log().contains("kvroute_gateway::access"),
+        "access log lines"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -116,7 +142,11 @@ async fn prompts_sharing_a_prefix_go_to_the_worker_holding_it() {
         let body = json!({"model": STACK_MODEL, "prompt": next, "max_tokens": 2});
         let (status, h, _) = complete(&http, &gateway, body, &[]).await;
         assert_eq!(status, 200);
-        assert_eq!(worker_of(&h), *home, "document {doc} goes back to its worker");
+        assert_eq!(
+            worker_of(&h),
+            *home,
+            "document {doc} goes back to its worker"
+        );
         assert_eq!(overlap_of(&h), 16, "its 64 tokens are 16 cached blocks");
     }
 }
@@ -154,7 +184,9 @@ async fn a_session_stays_on_its_worker_across_two_gateways() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_selection_api_selects_reserves_and_releases() {
     let stack = GatewayStack::start(1, |_| {}).await.unwrap();
-    let gateway = stack.gateway("g", &["--reservation-ttl-ms", "60000"]).unwrap();
+    let gateway = stack
+        .gateway("g", &["--reservation-ttl-ms", "60000"])
+        .unwrap();
     let http = reqwest::Client::new();
     let names = Names::new(&stack.env.namespace);
     let nats = stack.env.nats.connect().await.unwrap();
@@ -168,11 +200,20 @@ async fn the_selection_api_selects_reserves_and_releases() {
         (e.request_id, e.kind)
     };
     let post = async |path: &str, body: Value| {
-        let r = http.post(gateway.url(path)).json(&body).send().await.unwrap();
+        let r = http
+            .post(gateway.url(path))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
         (r.status().as_u16(), r.json::<Value>().await.unwrap())
     };
 
-    let (status, v) = post("/v1/select", json!({"model": STACK_MODEL, "token_ids": prompt(3, 40)})).await;
+    let (status, v) = post(
+        "/v1/select",
+        json!({"model": STACK_MODEL, "token_ids": prompt(3, 40)}),
+    )
+    .await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["worker_id"], 100);
     assert_eq!(v["request_blocks"], 10);
@@ -183,14 +224,25 @@ async fn the_selection_api_selects_reserves_and_releases() {
     assert_eq!(id.to_string(), v["request_id"].as_str().unwrap());
     assert!(matches!(kind, LifecycleKind::Finished { .. }));
 
-    let (status, v) = post("/v1/select_and_reserve", json!({"model": STACK_MODEL, "token_ids": prompt(4, 40)})).await;
+    let (status, v) = post(
+        "/v1/select_and_reserve",
+        json!({"model": STACK_MODEL, "token_ids": prompt(4, 40)}),
+    )
+    .await;
     assert_eq!(status, 200, "{v}");
     let reservation = v["reservation_id"].as_str().unwrap().to_owned();
     assert!(v["expires_at_ms"].as_u64().unwrap() > 0);
     assert_eq!(gateway.metric("kvroute_gateway_reservations"), 1.0);
-    let (status, done) = post(&format!("/v1/reservations/{reservation}/prefill_complete"), json!({})).await;
+    let (status, done) = post(
+        &format!("/v1/reservations/{reservation}/prefill_complete"),
+        json!({}),
+    )
+    .await;
     assert_eq!((status, done["held_here"].clone()), (200, json!(true)));
-    assert!(matches!(next_kind().await.1, LifecycleKind::PrefillDone { .. }));
+    assert!(matches!(
+        next_kind().await.1,
+        LifecycleKind::PrefillDone { .. }
+    ));
     for held in [true, false] {
         let r = http
             .delete(gateway.url(&format!("/v1/reservations/{reservation}")))
@@ -200,7 +252,10 @@ async fn the_selection_api_selects_reserves_and_releases() {
         assert_eq!(r.status(), 200);
         let v: Value = r.json().await.unwrap();
         assert_eq!(v["held_here"], held, "releasing twice is harmless");
-        assert!(matches!(next_kind().await.1, LifecycleKind::Finished { .. }));
+        assert!(matches!(
+            next_kind().await.1,
+            LifecycleKind::Finished { .. }
+        ));
     }
     assert_eq!(gateway.metric("kvroute_gateway_reservations"), 0.0);
     let r = http
@@ -211,14 +266,35 @@ async fn the_selection_api_selects_reserves_and_releases() {
     assert_eq!(r.status(), 404);
 
     // Block hashes need their block size; exactly one prompt form.
-    let (status, v) = post("/v1/select", json!({"model": STACK_MODEL, "block_hashes": [1, 2]})).await;
-    assert_eq!((status, v["error"]["param"].clone()), (400, json!("block_size")));
-    let (status, _) = post("/v1/select", json!({"model": STACK_MODEL, "token_ids": [1], "text": "x"})).await;
+    let (status, v) = post(
+        "/v1/select",
+        json!({"model": STACK_MODEL, "block_hashes": [1, 2]}),
+    )
+    .await;
+    assert_eq!(
+        (status, v["error"]["param"].clone()),
+        (400, json!("block_size"))
+    );
+    let (status, _) = post(
+        "/v1/select",
+        json!({"model": STACK_MODEL, "token_ids": [1], "text": "x"}),
+    )
+    .await;
     assert_eq!(status, 400);
     let (status, v) = post("/v1/select", json!({"model": STACK_MODEL, "text": "hello"})).await;
     assert_eq!(status, 400, "no tokenizer configured for m");
-    assert!(v["error"]["message"].as_str().unwrap().contains("--model m=DIR"), "{v}");
-    let (status, _) = post("/v1/select", json!({"model": "nobody", "token_ids": [1, 2]})).await;
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--model m=DIR"),
+        "{v}"
+    );
+    let (status, _) = post(
+        "/v1/select",
+        json!({"model": "nobody", "token_ids": [1, 2]}),
+    )
+    .await;
     assert_eq!(status, 404);
 }
 
@@ -253,22 +329,67 @@ async fn bad_input_gets_openai_errors_and_the_gateway_keeps_serving() {
         let r = r.send().await.unwrap();
         let status = r.status().as_u16();
         let text = r.text().await.unwrap();
-        let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("JSON error body: {text}"));
+        let v: Value =
+            serde_json::from_str(&text).unwrap_or_else(|_| panic!("JSON error body: {text}"));
         assert!(v["error"]["message"].is_string(), "{v}");
         assert!(v["error"]["type"].is_string(), "{v}");
         (status, v)
     };
-    let good = || json!({"model": STACK_MODEL, "prompt": [1, 2, 3, 4, 5], "max_tokens": 1}).to_string().into_bytes();
+    let good = || {
+        json!({"model": STACK_MODEL, "prompt": [1, 2, 3, 4, 5], "max_tokens": 1})
+            .to_string()
+            .into_bytes()
+    };
     let cases: Vec<(&str, Option<&str>, Vec<u8>, u16)> = vec![
         ("/v1/completions", None, good(), 401),
         ("/v1/completions", Some("sk-bad"), good(), 401),
-        ("/v1/completions", Some("sk-good"), b"{not json".to_vec(), 400),
+        (
+            "/v1/completions",
+            Some("sk-good"),
+            b"{not json".to_vec(),
+            400,
+        ),
         ("/v1/completions", Some("sk-good"), b"[]".to_vec(), 400),
-        ("/v1/completions", Some("sk-good"), json!({"model": STACK_MODEL, "prompt": {"a": 1}}).to_string().into_bytes(), 400),
-        ("/v1/completions", Some("sk-good"), json!({"model": STACK_MODEL, "prompt": [1], "max_tokens": -3}).to_string().into_bytes(), 400),
-        ("/v1/chat/completions", Some("sk-good"), json!({"model": STACK_MODEL, "messages": "hi"}).to_string().into_bytes(), 400),
-        ("/v1/completions", Some("sk-good"), json!({"model": "no-such-model", "prompt": [1, 2]}).to_string().into_bytes(), 404),
-        ("/v1/completions", Some("sk-good"), json!({"model": STACK_MODEL, "prompt": (0..200).collect::<Vec<u32>>()}).to_string().into_bytes(), 400),
+        (
+            "/v1/completions",
+            Some("sk-good"),
+            json!({"model": STACK_MODEL, "prompt": {"a": 1}})
+                .to_string()
+                .into_bytes(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            Some("sk-good"),
+            json!({"model": STACK_MODEL, "prompt": [1], "max_tokens": -3})
+                .to_string()
+                .into_bytes(),
+            400,
+        ),
+        (
+            "/v1/chat/completions",
+            Some("sk-good"),
+            json!({"model": STACK_MODEL, "messages": "hi"})
+                .to_string()
+                .into_bytes(),
+            400,
+        ),
+        (
+            "/v1/completions",
+            Some("sk-good"),
+            json!({"model": "no-such-model", "prompt": [1, 2]})
+                .to_string()
+                .into_bytes(),
+            404,
+        ),
+        (
+            "/v1/completions",
+            Some("sk-good"),
+            json!({"model": STACK_MODEL, "prompt": (0..200).collect::<Vec<u32>>()})
+                .to_string()
+                .into_bytes(),
+            400,
+        ),
         ("/v1/completions", Some("sk-good"), vec![b' '; 5000], 413),
         ("/v1/nothing-here", Some("sk-good"), good(), 404),
     ];
@@ -277,7 +398,14 @@ async fn bad_input_gets_openai_errors_and_the_gateway_keeps_serving() {
         assert_eq!(status, want, "{path}: {v}");
     }
     // Unauthenticated health and metrics; the process still serves.
-    assert_eq!(http.get(gateway.url("/health")).send().await.unwrap().status(), 200);
+    assert_eq!(
+        http.get(gateway.url("/health"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
     let r = http
         .post(gateway.url("/v1/completions"))
         .bearer_auth("sk-good")

@@ -8,7 +8,9 @@
 
 use std::time::Duration;
 
-use kvroute_tests::{GatewayStack, STACK_MODEL, TestEnv, kvroute_bin, model_dir, python_json, run_to_exit};
+use kvroute_tests::{
+    GatewayStack, STACK_MODEL, TestEnv, kvroute_bin, model_dir, python_json, run_to_exit,
+};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -67,21 +69,38 @@ async fn the_official_openai_client_works_unchanged_through_two_gateways() {
         let turns = turns.as_array().unwrap();
         let home = &turns[0]["worker"];
         for (t, turn) in turns.iter().enumerate() {
-            assert_eq!(&turn["worker"], home, "conversation {i}, turn {t}: {turns:?}");
+            assert_eq!(
+                &turn["worker"], home,
+                "conversation {i}, turn {t}: {turns:?}"
+            );
             if t > 0 {
                 let held = turn["overlap_blocks"].as_u64().unwrap();
                 let before = turns[t - 1]["overlap_blocks"].as_u64().unwrap();
-                assert!(held > before, "conversation {i}, turn {t}: the earlier turns are cached ({turns:?})");
+                assert!(
+                    held > before,
+                    "conversation {i}, turn {t}: the earlier turns are cached ({turns:?})"
+                );
             }
         }
     }
     let session = seen["session_workers"].as_array().unwrap();
-    assert!(session.windows(2).all(|w| w[0] == w[1]), "one worker across both gateways: {session:?}");
-    assert_eq!(seen["errors"]["unknown_model"], json!({"status": 404, "code": "model_not_found"}));
-    assert_eq!(seen["errors"]["bad_key"], json!({"status": 401, "code": "invalid_api_key"}));
+    assert!(
+        session.windows(2).all(|w| w[0] == w[1]),
+        "one worker across both gateways: {session:?}"
+    );
+    assert_eq!(
+        seen["errors"]["unknown_model"],
+        json!({"status": 404, "code": "model_not_found"})
+    );
+    assert_eq!(
+        seen["errors"]["bad_key"],
+        json!({"status": 401, "code": "invalid_api_key"})
+    );
     let turns: f64 = [&a, &b]
         .iter()
-        .map(|g| g.metric("kvroute_gateway_requests_total{endpoint=\"chat\",model=\"m\",status=\"200\"}"))
+        .map(|g| {
+            g.metric("kvroute_gateway_requests_total{endpoint=\"chat\",model=\"m\",status=\"200\"}")
+        })
         .sum();
     assert_eq!(turns, 14.0, "2 chats + 3 conversations x 4 turns");
 }
@@ -92,11 +111,22 @@ fn a_model_that_cannot_be_loaded_stops_startup_naming_it() {
     let bin = kvroute_bin("kvroute-gateway", "kvroute-gateway").unwrap();
     let empty = tempfile::tempdir().unwrap();
     for (value, names) in [
-        ("m=/nonexistent/model".to_owned(), vec!["--model", "\"m\"", "/nonexistent/model"]),
-        (format!("broken={}", empty.path().display()), vec!["--model", "\"broken\"", "tokenizer.json"]),
+        (
+            "m=/nonexistent/model".to_owned(),
+            vec!["--model", "\"m\"", "/nonexistent/model"],
+        ),
+        (
+            format!("broken={}", empty.path().display()),
+            vec!["--model", "\"broken\"", "tokenizer.json"],
+        ),
     ] {
         let mut args = env.server_args();
-        args.extend(["--model".to_owned(), value.clone(), "--http-addr".into(), "127.0.0.1:0".into()]);
+        args.extend([
+            "--model".to_owned(),
+            value.clone(),
+            "--http-addr".into(),
+            "127.0.0.1:0".into(),
+        ]);
         let exited = run_to_exit(&bin, &args, &[], Duration::from_secs(20)).unwrap();
         assert_eq!(exited.code, 2, "bad configuration: {}", exited.stderr);
         let line = exited.last_line();

@@ -23,7 +23,12 @@ async fn the_selection_api_conforms_to_its_openapi_file() {
             // accepted depends on the cluster (the model must be served, the policy and the
             // pinned worker must exist), which the file cannot say; the schema's example is
             // one that is accepted here.
-            .args(["--checks", "all", "--exclude-checks", "positive_data_acceptance"])
+            .args([
+                "--checks",
+                "all",
+                "--exclude-checks",
+                "positive_data_acceptance",
+            ])
             .args(["--max-examples", "100", "--seed", "7"])
             .args(["--workers", "2", "--no-color", "--request-timeout", "10"])
             // The coverage phase is left out: on this schema it takes minutes and trips over its own
@@ -41,15 +46,29 @@ async fn the_selection_api_conforms_to_its_openapi_file() {
         out.status.success(),
         "schemathesis found problems:\n{stdout}\n{}\ngateway log:\n{}",
         String::from_utf8_lossy(&out.stderr),
-        gateway.log().lines().rev().take(30).collect::<Vec<_>>().join("\n")
+        gateway
+            .log()
+            .lines()
+            .rev()
+            .take(30)
+            .collect::<Vec<_>>()
+            .join("\n")
     );
     eprintln!("{stdout}");
     // It exercised every operation of the file, and the example reached the routers.
     assert!(
-        gateway.metric("kvroute_gateway_requests_total{endpoint=\"select\",model=\"-\",status=\"200\"}") >= 1.0,
+        gateway.metric(
+            "kvroute_gateway_requests_total{endpoint=\"select\",model=\"-\",status=\"200\"}"
+        ) >= 1.0,
         "a valid selection was answered"
     );
-    assert!(stdout.contains("Tested: 4"), "every operation tested:\n{stdout}");
+    assert!(
+        stdout.contains("Tested: 4"),
+        "every operation tested:\n{stdout}"
+    );
     let released = gateway.metric("kvroute_gateway_reservations_ended_total{outcome=\"released\"}");
-    assert!(released >= 1.0, "the stateful phase released a reservation it made:\n{stdout}");
+    assert!(
+        released >= 1.0,
+        "the stateful phase released a reservation it made:\n{stdout}"
+    );
 }

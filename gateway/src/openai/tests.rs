@@ -31,12 +31,27 @@ fn completions_prompts_in_every_form() {
 fn wrong_types_name_the_field() {
     let c = Api::Completions;
     assert_eq!(param_of(c, json!({"prompt": "x"})), Some("model"));
-    assert_eq!(param_of(c, json!({"model": 3, "prompt": "x"})), Some("model"));
+    assert_eq!(
+        param_of(c, json!({"model": 3, "prompt": "x"})),
+        Some("model")
+    );
     assert_eq!(param_of(c, json!({"model": "m"})), Some("prompt"));
-    assert_eq!(param_of(c, json!({"model": "m", "prompt": 5})), Some("prompt"));
-    assert_eq!(param_of(c, json!({"model": "m", "prompt": [-1]})), Some("prompt"));
-    assert_eq!(param_of(c, json!({"model": "m", "prompt": []})), Some("prompt"));
-    assert_eq!(param_of(c, json!({"model": "m", "prompt": ""})), Some("prompt"));
+    assert_eq!(
+        param_of(c, json!({"model": "m", "prompt": 5})),
+        Some("prompt")
+    );
+    assert_eq!(
+        param_of(c, json!({"model": "m", "prompt": [-1]})),
+        Some("prompt")
+    );
+    assert_eq!(
+        param_of(c, json!({"model": "m", "prompt": []})),
+        Some("prompt")
+    );
+    assert_eq!(
+        param_of(c, json!({"model": "m", "prompt": ""})),
+        Some("prompt")
+    );
     assert_eq!(
         param_of(c, json!({"model": "m", "prompt": "x", "max_tokens": "9"})),
         Some("max_tokens")
@@ -47,13 +62,19 @@ fn wrong_types_name_the_field() {
     );
     let chat = Api::Chat;
     assert_eq!(param_of(chat, json!({"model": "m"})), Some("messages"));
-    assert_eq!(param_of(chat, json!({"model": "m", "messages": []})), Some("messages"));
+    assert_eq!(
+        param_of(chat, json!({"model": "m", "messages": []})),
+        Some("messages")
+    );
     assert_eq!(
         param_of(chat, json!({"model": "m", "messages": [{"content": "x"}]})),
         Some("messages")
     );
     assert_eq!(
-        param_of(chat, json!({"model": "m", "messages": [{"role": "user", "content": 1}]})),
+        param_of(
+            chat,
+            json!({"model": "m", "messages": [{"role": "user", "content": 1}]})
+        ),
         Some("messages")
     );
 }
@@ -97,13 +118,17 @@ fn sessions_from_headers_win_over_the_body_extension() {
     h.insert(POLICY, "least-busy".parse().expect("value"));
     let p = Parsed::from_body(Api::Completions, body.to_string().as_bytes(), &h).expect("ok");
     let s = p.session.expect("session");
-    assert_eq!((s.id.as_str(), s.parent_id.as_deref()), ("hdr", Some("root")));
+    assert_eq!(
+        (s.id.as_str(), s.parent_id.as_deref()),
+        ("hdr", Some("root"))
+    );
     assert!(!s.is_final);
     assert_eq!(p.policy.as_deref(), Some("least-busy"));
 
     h.insert(SESSION_FINAL, "maybe".parse().expect("value"));
     assert!(Parsed::from_body(Api::Completions, body.to_string().as_bytes(), &h).is_err());
-    let long = json!({"model": "m", "prompt": "x", "kvroute": {"session": {"id": "s".repeat(300)}}});
+    let long =
+        json!({"model": "m", "prompt": "x", "kvroute": {"session": {"id": "s".repeat(300)}}});
     assert!(parse(Api::Completions, long).is_err());
     let bad = json!({"model": "m", "prompt": "x", "kvroute": {"session": 3}});
     assert_eq!(param_of(Api::Completions, bad), Some(EXTENSION));
