@@ -152,10 +152,19 @@ impl GatewayStack {
         workers: u32,
         face: impl FnOnce(&mut kvroute_mocker::fleet::FleetConfig),
     ) -> anyhow::Result<Self> {
+        Self::start_with(workers, &[], face).await
+    }
+
+    /// [`GatewayStack::start`] with extra flags for the router.
+    pub async fn start_with(
+        workers: u32,
+        router_flags: &[&str],
+        face: impl FnOnce(&mut kvroute_mocker::fleet::FleetConfig),
+    ) -> anyhow::Result<Self> {
         use clap::Parser as _;
         let env = TestEnv::start()?;
         let indexer = crate::IndexerProcess::start(&env, "a", &[])?;
-        let router = crate::RouterProcess::start(&env, "r", &[])?;
+        let router = crate::RouterProcess::start(&env, "r", router_flags)?;
         let mut config = kvroute_mocker::fleet::FleetConfig {
             workers,
             model: STACK_MODEL.into(),

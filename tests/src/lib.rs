@@ -13,6 +13,7 @@ mod engine_publisher;
 mod gateway;
 mod http;
 mod load;
+mod played_engine;
 mod ports;
 mod process;
 mod router;
@@ -28,6 +29,7 @@ pub use engine_publisher::{Engine, EngineOptions, EnginePublisher, RankEndpoints
 pub use gateway::{GatewayProcess, GatewayStack, STACK_MODEL, http_card, model_dir, register};
 pub use http::http_get;
 pub use load::{LoadPlan, LoadReport, Sent, steady_load};
+pub use played_engine::{Play, PlayedEngine, Received, play};
 pub use ports::free_port;
 pub use process::{ChildGuard, Exited, Supervised, run_to_exit};
 pub use router::{

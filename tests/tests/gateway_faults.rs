@@ -4,112 +4,15 @@
 //! releases frees its load at expiry. The failing engines are played by the test (raw HTTP on
 //! a TCP socket), registered under their own cards next to real bridged mocker engines.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use kvroute_common::Names;
 use kvroute_common::codec::decode;
 use kvroute_common::messages::{LifecycleKind, RequestLifecycle};
-use kvroute_tests::{GatewayStack, STACK_MODEL, free_port, http_card, register};
+use kvroute_tests::{GatewayStack, Play, STACK_MODEL, free_port, http_card, play, register};
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
-
-/// What the played engine does with each request.
-#[derive(Debug, Clone, Copy)]
-enum Play {
-    /// Answers the headers and one event, then closes the connection (a crash).
-    DieAfterFirstChunk,
-    /// Streams an event every 20 ms for up to 20 s; notes when the client went away.
-    StreamSlowly,
-}
-
-/// A played engine on a free port; `gone` is set when a client connection closed under it.
-struct PlayedEngine {
-    url: String,
-    requests: Arc<AtomicU32>,
-    gone: Arc<AtomicBool>,
-}
-
-async fn play(mode: Play) -> PlayedEngine {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let requests = Arc::new(AtomicU32::new(0));
-    let gone = Arc::new(AtomicBool::new(false));
-    let (r, g) = (requests.clone(), gone.clone());
-    tokio::spawn(async move {
-        loop {
-            let (mut socket, _) = listener.accept().await.unwrap();
-            let (r, g) = (r.clone(), g.clone());
-            tokio::spawn(async move {
-                read_request(&mut socket).await;
-                r.fetch_add(1, Ordering::SeqCst);
-                let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
-                socket.write_all(head.as_bytes()).await.unwrap();
-                let event = |i: u32| {
-                    let data = format!(
-                        "data: {}\n\n",
-                        json!({"id": "cmpl-x", "object": "text_completion", "choices": [{"index": 0, "text": format!("t{i} "), "finish_reason": null}]})
-                    );
-                    format!("{:x}\r\n{data}\r\n", data.len())
-                };
-                match mode {
-                    Play::DieAfterFirstChunk => {
-                        let _ = socket.write_all(event(0).as_bytes()).await;
-                        // Dropped without the last chunk: the connection breaks mid-body.
-                    }
-                    Play::StreamSlowly => {
-                        for i in 0..1000 {
-                            if socket.write_all(event(i).as_bytes()).await.is_err()
-                                || socket.flush().await.is_err()
-                            {
-                                g.store(true, Ordering::SeqCst);
-                                return;
-                            }
-                            tokio::time::sleep(Duration::from_millis(20)).await;
-                        }
-                    }
-                }
-            });
-        }
-    });
-    PlayedEngine {
-        url,
-        requests,
-        gone,
-    }
-}
-
-/// Reads one request (headers, then `content-length` bytes of body).
-async fn read_request(socket: &mut tokio::net::TcpStream) {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        let n = socket.read(&mut chunk).await.unwrap();
-        if n == 0 {
-            return;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
-            let len: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(0);
-            while buf.len() < end + 4 + len {
-                let n = socket.read(&mut chunk).await.unwrap();
-                if n == 0 {
-                    return;
-                }
-                buf.extend_from_slice(&chunk[..n]);
-            }
-            return;
-        }
-    }
-}
 
 fn completion(model: &str, prompt: &[u32], stream: bool) -> Value {
     json!({"model": model, "prompt": prompt, "max_tokens": 4, "stream": stream})

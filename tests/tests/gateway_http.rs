@@ -431,3 +431,78 @@ async fn bad_input_gets_openai_errors_and_the_gateway_keeps_serving() {
         2.0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_gets_the_body_as_sent_with_the_request_id() {
+    let stack = GatewayStack::start(1, |_| {}).await.unwrap();
+    let engine = kvroute_tests::play(kvroute_tests::Play::Answer).await;
+    let _card = kvroute_tests::register(
+        &stack.env,
+        kvroute_tests::http_card(910, "played", &engine.url),
+    )
+    .await
+    .unwrap();
+    let model = format!("played={}", kvroute_tests::model_dir("chatml").display());
+    let plain = stack.gateway("plain", &["--model", &model]).unwrap();
+    let ids = stack
+        .gateway("ids", &["--model", &model, "--forward-token-ids"])
+        .unwrap();
+    let http = reqwest::Client::new();
+    let body = json!({"model": "played", "prompt": "Hello, engine!", "max_tokens": 3, "temperature": 0.5,
+        "kvroute": {"session": {"id": "s-1"}}});
+    for gateway in [&plain, &ids] {
+        let (status, _, text) =
+            complete(&http, gateway, body.clone(), &[("x-request-id", "req-9")]).await;
+        assert_eq!(status, 200, "{text}");
+    }
+    let got = engine.received.lock().unwrap().clone();
+    assert_eq!(got.len(), 2);
+    for r in &got {
+        assert!(r.head.starts_with("POST /v1/completions "), "{}", r.head);
+        assert_eq!(r.header("x-request-id"), Some("req-9"));
+    }
+    let sent = got[0].json();
+    let mut expected = body.clone();
+    expected.as_object_mut().unwrap().remove("kvroute");
+    assert_eq!(
+        sent, expected,
+        "the client's fields, kvroute's extension removed"
+    );
+    // With --forward-token-ids, the prompt the gateway routed on, as token ids.
+    let model =
+        kvroute_text::ModelText::load("played", &kvroute_tests::model_dir("chatml")).unwrap();
+    let tokens = model.encode("Hello, engine!", true).unwrap();
+    assert_eq!(got[1].json()["prompt"], json!(tokens));
+    assert_eq!(got[1].json()["temperature"], 0.5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_worker_overloaded_is_503_with_retry_after() {
+    // A worker is busy above 8 prompt tokens in prefill; one that reports no load keeps a
+    // reservation's 40 tokens charged.
+    let stack = GatewayStack::start_with(1, &["--busy-prefill-tokens", "8"], |_| {})
+        .await
+        .unwrap();
+    let _card = kvroute_tests::register(
+        &stack.env,
+        kvroute_tests::http_card(911, "busy", "http://127.0.0.1:9"),
+    )
+    .await
+    .unwrap();
+    let gateway = stack.gateway("g", &["--retry-after-secs", "3"]).unwrap();
+    let http = reqwest::Client::new();
+    let r = http
+        .post(gateway.url("/v1/select_and_reserve"))
+        .json(&json!({"model": "busy", "token_ids": prompt(9, 40)}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let body = json!({"model": "busy", "prompt": prompt(8, 40), "max_tokens": 1});
+    let (status, h, text) = complete(&http, &gateway, body, &[]).await;
+    assert_eq!(status, 503, "{text}");
+    assert_eq!(h["retry-after"], "3");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["code"], "all_workers_overloaded", "{v}");
+}
