@@ -50,6 +50,30 @@ pub fn kvroute_bin(package: &str, name: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
+/// Path of binary `name` next to the running executable, for release bench tools that start
+/// the release builds of kvroute's binaries (built beforehand; never built here).
+pub fn sibling_bin(package: &str, name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().context("locating the running executable")?;
+    let path = exe.with_file_name(name);
+    if !path.is_file() {
+        let profile = exe
+            .parent()
+            .and_then(|d| d.file_name())
+            .and_then(|d| d.to_str())
+            .unwrap_or("release");
+        let flag = if profile == "release" {
+            " --release"
+        } else {
+            ""
+        };
+        bail!(
+            "{} not found: build it first (cargo build{flag} -p {package} --bin {name})",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
 /// A `kvroute-indexer` process against a [`TestEnv`].
 #[derive(Debug)]
 pub struct IndexerProcess {
@@ -63,6 +87,16 @@ impl IndexerProcess {
     /// Starts a replica with `extra` flags (e.g. `--snapshot-every-messages 50`).
     pub fn start(env: &TestEnv, replica_id: &str, extra: &[&str]) -> anyhow::Result<Self> {
         let bin = kvroute_bin("kvroute-indexer", "kvroute-indexer")?;
+        Self::start_program(env, bin, replica_id, extra)
+    }
+
+    /// [`IndexerProcess::start`] with the binary at `bin` (e.g. a release build).
+    pub fn start_program(
+        env: &TestEnv,
+        bin: PathBuf,
+        replica_id: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
         let http_port = free_port();
         let mut args: Vec<String> = vec![
             "--namespace".into(),
@@ -116,6 +150,11 @@ impl IndexerProcess {
 
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.spec.log).unwrap_or_default()
+    }
+
+    /// The process id while it runs.
+    pub fn pid(&self) -> Option<i32> {
+        self.child.as_ref().map(ChildGuard::pid)
     }
 
     /// `/readyz` is 200.

@@ -38,6 +38,27 @@ pub fn pin_process(pid: i32, cpu: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Pins thread `tid` of this process to `cpu`.
+pub fn pin_thread(tid: i32, cpu: usize) -> anyhow::Result<()> {
+    sched_setaffinity(Pid::from_raw(tid), &cpu_set(cpu)?)
+        .with_context(|| format!("pinning thread {tid} to CPU {cpu}"))
+}
+
+/// Lets every current thread of process `pid` run on every online CPU again.
+pub fn unpin_process(pid: i32) -> anyhow::Result<()> {
+    let mut set = CpuSet::new();
+    for cpu in 0..CpuSet::count() {
+        // CPUs beyond the machine's are refused as a whole set, so only online ones.
+        if std::path::Path::new(&format!("/sys/devices/system/cpu/cpu{cpu}")).exists() {
+            set.set(cpu)?;
+        }
+    }
+    for tid in tasks(pid)? {
+        let _ = sched_setaffinity(Pid::from_raw(tid), &set);
+    }
+    Ok(())
+}
+
 fn tasks(pid: i32) -> anyhow::Result<Vec<i32>> {
     let dir = format!("/proc/{pid}/task");
     let mut out = Vec::new();

@@ -35,6 +35,16 @@ impl GatewayProcess {
     /// `/readyz` is 200.
     pub fn start(env: &TestEnv, name: &str, extra: &[&str]) -> anyhow::Result<Self> {
         let program = kvroute_bin("kvroute-gateway", "kvroute-gateway")?;
+        Self::start_program(env, program, name, extra)
+    }
+
+    /// [`GatewayProcess::start`] with the binary at `program` (e.g. a release build).
+    pub fn start_program(
+        env: &TestEnv,
+        program: PathBuf,
+        name: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
         let port = free_port();
         let mut args = env.server_args();
         args.extend(["--http-addr".into(), format!("127.0.0.1:{port}")]);
@@ -66,6 +76,11 @@ impl GatewayProcess {
 
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.spec.log).unwrap_or_default()
+    }
+
+    /// The process id while it runs.
+    pub fn pid(&self) -> Option<i32> {
+        self.child.as_ref().map(ChildGuard::pid)
     }
 
     /// The value of sample `name` (labels included, exactly as rendered); 0 when absent.

@@ -20,7 +20,7 @@ mod router;
 mod servers;
 mod sim_worker;
 
-pub use bins::{IndexerProcess, kvroute_bin};
+pub use bins::{IndexerProcess, kvroute_bin, sibling_bin};
 pub use engine_face::{
     Batch, EngineFace, Sub, decode_batch, eventually, face_config, field, map_keys, python_json,
     replay, sample,

@@ -2,6 +2,7 @@
 //! worker-side library (they publish the blocks of the prompts they "served", load reports
 //! and lifecycle events), and a select client.
 
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -62,7 +63,27 @@ impl RouterProcess {
         router_id: &str,
         extra: &[&str],
     ) -> anyhow::Result<Self> {
-        let program = kvroute_bin("kvroute-router", bin)?;
+        Self::spawn_program(env, kvroute_bin("kvroute-router", bin)?, router_id, extra)
+    }
+
+    /// Starts the router binary at `program` (e.g. a release build) and waits until it serves.
+    pub fn start_program(
+        env: &TestEnv,
+        program: PathBuf,
+        router_id: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
+        let p = Self::spawn_program(env, program, router_id, extra)?;
+        p.wait_ready()?;
+        Ok(p)
+    }
+
+    fn spawn_program(
+        env: &TestEnv,
+        program: PathBuf,
+        router_id: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
         let http_port = free_port();
         let mut args = env.server_args();
         args.extend([
@@ -103,6 +124,11 @@ impl RouterProcess {
 
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.spec.log).unwrap_or_default()
+    }
+
+    /// The process id while it runs.
+    pub fn pid(&self) -> Option<i32> {
+        self.child.as_ref().map(ChildGuard::pid)
     }
 
     /// The value of the sample `name` (exactly, labels included, e.g.
