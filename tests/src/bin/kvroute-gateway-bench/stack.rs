@@ -289,8 +289,12 @@ impl Stack {
             for (i, p) in set.prompts.iter().enumerate() {
                 let worker = &self.workers[i % self.workers.len()];
                 for tokens in std::iter::once(&p.tokens).chain(p.chat_tokens.as_ref()) {
-                    worker.store_prompt(tokens).await;
-                    expected.push((tokens.clone(), tokens.len() as u32 / BLOCK_SIZE));
+                    let blocks = tokens.len() as u32 / BLOCK_SIZE;
+                    // A prompt shorter than a block has nothing to cache.
+                    if blocks > 0 {
+                        worker.store_prompt(tokens).await;
+                        expected.push((tokens.clone(), blocks));
+                    }
                 }
             }
         }
