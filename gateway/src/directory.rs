@@ -88,6 +88,18 @@ impl Directory {
         out
     }
 
+    /// The block size every registered worker of `model` in `role` uses, if they agree.
+    pub fn block_size(&self, model: &str, role: WorkerRole) -> Option<u32> {
+        let state = self.state.read().expect("directory lock");
+        let mut sizes = state
+            .cards
+            .values()
+            .filter(|c| c.model == model && c.role == role)
+            .map(|c| c.block_size);
+        let first = sizes.next()?;
+        (first > 0 && sizes.all(|b| b == first)).then_some(first)
+    }
+
     /// Every model a registered worker with an HTTP URL serves, and how many such workers.
     pub fn models(&self) -> BTreeMap<String, usize> {
         let state = self.state.read().expect("directory lock");
@@ -177,6 +189,8 @@ mod tests {
             }
         );
         assert_eq!(d.models(), [("m".to_owned(), 1)].into());
+        assert_eq!(d.block_size("m", WorkerRole::Aggregated), Some(16));
+        assert_eq!(d.block_size("x", WorkerRole::Aggregated), None);
         assert_eq!(d.all_models().len(), 2);
         d.apply(WorkerEvent::Put {
             card: card(4, "m", Some("http://h:1")),

@@ -102,10 +102,14 @@ async fn forward(
         });
     }
     outcome.prompt_tokens = tokens.len();
+    let forwarded = app.settings.forward_token_ids.then(|| tokens.clone());
+    let (token_ids, block_hashes, block_size) = prompt_for_routers(app, &parsed.model, tokens);
     let mut request = SelectRequest {
         model: parsed.model.clone(),
         role: WorkerRole::Aggregated,
-        token_ids: Some(tokens),
+        token_ids,
+        block_hashes,
+        block_size,
         session: parsed.session.clone(),
         expected_output_tokens: parsed.max_tokens,
         policy: parsed.policy.clone(),
@@ -152,7 +156,14 @@ async fn forward(
             )));
             continue;
         };
-        let body = upstream_body(&parsed, raw, &request, &upstream, reply.dp_rank, app);
+        let body = upstream_body(
+            &parsed,
+            raw,
+            forwarded.as_deref(),
+            &upstream,
+            reply.dp_rank,
+            app,
+        );
         match send(app, api, &upstream, ids, reply.dp_rank, body).await {
             Ok(answer) if answer.status().is_server_error() => {
                 let status = answer.status();
@@ -190,6 +201,24 @@ async fn forward(
         }
     }
     Err(last_error.unwrap_or_else(|| ApiError::bad_gateway("no worker could take the request")))
+}
+
+/// The prompt as the routers get it: the local hashes of its full blocks when the model's
+/// workers agree on a block size (a selection message ~6× smaller than the token ids, and no
+/// hashing on the router), else the token ids.
+fn prompt_for_routers(
+    app: &App,
+    model: &str,
+    tokens: Vec<u32>,
+) -> (Option<Vec<u32>>, Option<Vec<u64>>, Option<u32>) {
+    match app.directory.block_size(model, WorkerRole::Aggregated) {
+        Some(bs) if tokens.len() >= bs as usize => {
+            let seed = kvroute_common::hashing::seed_for_lora(None);
+            let hashes = kvroute_common::hashing::local_block_hashes(&tokens, bs as usize, seed);
+            (None, Some(hashes), Some(bs))
+        }
+        _ => (Some(tokens), None, None),
+    }
 }
 
 /// Why no worker of `model` can take requests here.
@@ -248,7 +277,7 @@ async fn select(app: &App, request: &SelectRequest) -> Result<SelectReply, ApiEr
 fn upstream_body(
     parsed: &Parsed,
     raw: &Bytes,
-    request: &SelectRequest,
+    prompt_ids: Option<&[u32]>,
     upstream: &Upstream,
     dp_rank: u32,
     app: &App,
@@ -261,7 +290,7 @@ fn upstream_body(
         return raw.clone();
     }
     let mut body = parsed.body.clone();
-    if as_ids && let Some(ids) = &request.token_ids {
+    if as_ids && let Some(ids) = prompt_ids {
         body.insert("prompt".into(), json!(ids));
     }
     if sglang_rank {

@@ -96,6 +96,8 @@ pub struct InFlight {
     events: u64,
     usage_tokens: Option<u64>,
     saw_done: bool,
+    /// The stream's last line so far, not yet ended by a newline.
+    partial: Vec<u8>,
     ended: bool,
     /// The attempt failed before reaching the client: only the lifecycle event is due.
     abandoned: bool,
@@ -115,6 +117,7 @@ impl InFlight {
             events: 0,
             usage_tokens: None,
             saw_done: false,
+            partial: Vec::new(),
             ended: false,
             abandoned: false,
         }
@@ -172,7 +175,7 @@ impl InFlight {
                 .observe(&self.outcome.model, now - last),
         }
         self.last = Some(now);
-        let sse = SseScan::of(chunk);
+        let sse = scan_lines(&mut self.partial, chunk);
         self.events += sse.data_events;
         self.saw_done |= sse.done;
         if let Some(n) = sse.completion_tokens {
@@ -226,6 +229,11 @@ impl Drop for InFlight {
     }
 }
 
+/// A partial line longer than this is dropped unscanned (an event line is far shorter).
+const MAX_PARTIAL_LINE: usize = 1 << 20;
+/// Chunks the engine already sent are relayed in one write, up to this many.
+const COALESCE: usize = 64;
+
 /// What one chunk of a server-sent-event stream holds.
 #[derive(Debug, Default, PartialEq, Eq)]
 struct SseScan {
@@ -253,6 +261,32 @@ impl SseScan {
     }
 }
 
+/// Scans the whole lines of `partial` + `chunk` (lines may be split across reads), leaving the
+/// unfinished last line in `partial`.
+fn scan_lines(partial: &mut Vec<u8>, chunk: &[u8]) -> SseScan {
+    let scan = match chunk.iter().rposition(|b| *b == b'\n') {
+        None => {
+            partial.extend_from_slice(chunk);
+            SseScan::default()
+        }
+        Some(end) if partial.is_empty() => {
+            let scan = SseScan::of(&chunk[..=end]);
+            partial.extend_from_slice(&chunk[end + 1..]);
+            scan
+        }
+        Some(end) => {
+            let mut lines = std::mem::take(partial);
+            lines.extend_from_slice(&chunk[..=end]);
+            partial.extend_from_slice(&chunk[end + 1..]);
+            SseScan::of(&lines)
+        }
+    };
+    if partial.len() > MAX_PARTIAL_LINE {
+        partial.clear(); // not an event-stream line worth scanning
+    }
+    scan
+}
+
 /// `usage.completion_tokens` of a chunk that has one (the usage chunk of
 /// `stream_options.include_usage`); parsed only when the bytes mention it.
 fn usage_tokens(data: &[u8]) -> Option<u64> {
@@ -266,12 +300,14 @@ fn usage_tokens(data: &[u8]) -> Option<u64> {
 /// `data: [DONE]` ends the stream with an error event, never a hang.
 pub fn relay(answer: reqwest::Response, guard: InFlight) -> Body {
     struct State {
-        upstream: futures::stream::BoxStream<'static, reqwest::Result<Bytes>>,
+        upstream: futures::stream::BoxStream<'static, Vec<reqwest::Result<Bytes>>>,
         guard: InFlight,
         over: bool,
     }
     let state = State {
-        upstream: answer.bytes_stream().boxed(),
+        // What the engine already sent goes out in one write (with TCP_NODELAY on the client
+        // side, one write per token would be one packet per token).
+        upstream: answer.bytes_stream().ready_chunks(COALESCE).boxed(),
         guard,
         over: false,
     };
@@ -280,18 +316,30 @@ pub fn relay(answer: reqwest::Response, guard: InFlight) -> Body {
             return None;
         }
         match s.upstream.next().await {
-            Some(Ok(chunk)) => {
-                s.guard.on_chunk(&chunk);
-                Some((Ok::<Bytes, Infallible>(chunk), s))
-            }
-            Some(Err(e)) => {
-                s.over = true;
-                s.guard.fail("mid_stream");
-                let event = error_event(&format!(
-                    "the worker failed mid-stream: {}",
-                    crate::proxy::error_chain(&e)
-                ));
-                Some((Ok(event), s))
+            Some(batch) => {
+                let mut out = bytes::BytesMut::new();
+                let mut failed = None;
+                for item in batch {
+                    match item {
+                        Ok(chunk) => {
+                            s.guard.on_chunk(&chunk);
+                            out.extend_from_slice(&chunk);
+                        }
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
+                }
+                if let Some(e) = failed {
+                    s.over = true;
+                    s.guard.fail("mid_stream");
+                    out.extend_from_slice(&error_event(&format!(
+                        "the worker failed mid-stream: {}",
+                        crate::proxy::error_chain(&e)
+                    )));
+                }
+                Some((Ok::<Bytes, Infallible>(out.freeze()), s))
             }
             None if s.guard.saw_done => {
                 s.guard.fail_quietly(); // ended as it should; the guard's drop records it
@@ -342,5 +390,30 @@ mod tests {
             }
         );
         assert_eq!(SseScan::of(b": keep-alive\n\n"), SseScan::default());
+    }
+
+    #[test]
+    fn lines_split_across_reads_are_scanned_whole() {
+        let stream = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[],\"usage\":{\"completion_tokens\":2}}\n\ndata: [DONE]\n\n";
+        for cut in 1..stream.len() {
+            let (a, b) = stream.split_at(cut);
+            let mut partial = Vec::new();
+            let mut total = SseScan::default();
+            for chunk in [a, b] {
+                let scan = scan_lines(&mut partial, chunk);
+                total.data_events += scan.data_events;
+                total.done |= scan.done;
+                total.completion_tokens = scan.completion_tokens.or(total.completion_tokens);
+            }
+            assert_eq!(
+                total,
+                SseScan {
+                    data_events: 3,
+                    done: true,
+                    completion_tokens: Some(2)
+                },
+                "cut at {cut}"
+            );
+        }
     }
 }
