@@ -11,6 +11,24 @@ while True:
 PY
 }
 
+# free_port_range N: N consecutive free ports, as FIRST-LAST (a compose port range).
+free_port_range() {
+  python3 - "$1" <<'PY'
+import socket, sys
+n = int(sys.argv[1])
+while True:
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); first = s.getsockname()[1]; s.close()
+    if first + n > 65535:
+        continue
+    try:
+        for p in range(first, first + n):
+            t = socket.socket(); t.bind(("127.0.0.1", p)); t.close()
+    except OSError:
+        continue
+    print("%d-%d" % (first, first + n - 1)); break
+PY
+}
+
 # wait_http URL [SECONDS]: until URL answers 200.
 wait_http() {
   local url="$1" limit="${2:-30}" i=0
