@@ -85,16 +85,7 @@ impl GatewayProcess {
 
     /// The value of sample `name` (labels included, exactly as rendered); 0 when absent.
     pub fn metric(&self, name: &str) -> f64 {
-        let Some((_, body)) = http_get(self.port, "/metrics") else {
-            return 0.0;
-        };
-        body.lines()
-            .filter(|l| !l.starts_with('#'))
-            .find_map(|l| {
-                let (n, v) = l.rsplit_once(' ')?;
-                (n == name).then(|| v.parse().ok())?
-            })
-            .unwrap_or(0.0)
+        crate::http::metric_sample(self.port, name)
     }
 
     pub fn stop(&mut self) -> anyhow::Result<()> {

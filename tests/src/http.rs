@@ -15,3 +15,18 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     let status = head.split_whitespace().nth(1)?.parse().ok()?;
     Some((status, body.to_owned()))
 }
+
+/// The value of sample `name` (exactly, labels included, as rendered) at the process's
+/// `/metrics` on `port`; 0 when the sample or the process is absent (counters start at 0).
+pub fn metric_sample(port: u16, name: &str) -> f64 {
+    let Some((_, body)) = http_get(port, "/metrics") else {
+        return 0.0;
+    };
+    body.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (n, v) = l.rsplit_once(' ')?;
+            (n == name).then(|| v.parse().ok())?
+        })
+        .unwrap_or(0.0)
+}

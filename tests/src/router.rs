@@ -134,16 +134,7 @@ impl RouterProcess {
     /// The value of the sample `name` (exactly, labels included, e.g.
     /// `kvroute_router_errors_total{code="bad_request"}`); 0 when absent.
     pub fn metric(&self, name: &str) -> f64 {
-        let Some((_, body)) = http_get(self.http_port, "/metrics") else {
-            return 0.0;
-        };
-        body.lines()
-            .filter(|l| !l.starts_with('#'))
-            .find_map(|l| {
-                let (n, v) = l.rsplit_once(' ')?;
-                (n == name).then(|| v.parse().ok())?
-            })
-            .unwrap_or(0.0)
+        crate::http::metric_sample(self.http_port, name)
     }
 
     pub fn stop(&mut self) -> anyhow::Result<()> {
