@@ -213,6 +213,7 @@ fn index_error() -> IndexQueryResponse {
         v: SchemaVersion::CURRENT,
         code: IndexErrorCode::NotReady,
         message: "catching up".into(),
+        replica_id: "i2".into(),
     })
 }
 

@@ -190,8 +190,10 @@ async def connect(nats_url):
         pass
 
     try:
+        # Pings every 2 s, 2 outstanding at most: a dead server is noticed within seconds,
+        # matching the servers' own settings (PROTOCOL.md, "Selecting reliably").
         return await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=2,
-                                  error_cb=quiet)
+                                  ping_interval=2, max_outstanding_pings=2, error_cb=quiet)
     except Exception as e:  # NoServersError, OSError, TimeoutError, a bad URL...
         fail("cannot connect to NATS at %s: %s" % (nats_url, e or type(e).__name__))
         return None

@@ -329,3 +329,111 @@ async fn an_indexer_bootstrapping_again_answers_nothing_until_it_is_ready() {
     // Ready again with the workers' resynced state: overlap comes back.
     select_until_overlap(&nats, &names, &req, BLOCKS, Duration::from_secs(20)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_one_indexer_bootstraps_again_routers_use_the_ready_one() {
+    let env = TestEnv::start().unwrap();
+    let names = Names::new(&env.namespace);
+    let quiet = [
+        "--snapshot-every-messages",
+        "0",
+        "--snapshot-interval-secs",
+        "0",
+    ];
+    let ix1 = IndexerProcess::start(&env, "ix-1", &quiet).unwrap();
+    let ix2 = IndexerProcess::start(&env, "ix-2", &quiet).unwrap();
+    let w1 = prompt_workers(&env, &[1]).await.remove(0);
+    // Worker 99 answers its resync only after 8 s, so ix-1's bootstrap takes that long.
+    const SLOW: WorkerId = 99;
+    let _etcd = register_card(&env, &worker_card(&names, SLOW, "m")).await;
+    let nats = env.nats.connect().await.unwrap();
+    let mut resyncs = nats.subscribe(names.worker_resync(SLOW)).await.unwrap();
+    let responder = nats.clone();
+    tokio::spawn(async move {
+        while let Some(msg) = resyncs.next().await {
+            let nats = responder.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(8)).await;
+                if let Some(reply) = msg.reply {
+                    let _ = nats.publish(reply, "ok".into()).await;
+                }
+            });
+        }
+    });
+    let first = prompt(1, BLOCKS);
+    w1.store_prompt(&first).await;
+    let router = RouterProcess::start(&env, "r1", &[]).unwrap();
+    let req = request("m", first.clone());
+    select_until_overlap(&nats, &names, &req, BLOCKS, Duration::from_secs(30)).await;
+
+    // Only ix-1 misses the purged part of the log: ix-2 keeps consuming throughout.
+    ix1.signal(Signal::SIGSTOP).unwrap();
+    wait_for(
+        "the server dropping the stopped replica",
+        Duration::from_secs(15),
+        || !connected(&env, "ix-1"),
+    )
+    .await;
+    w1.store_prompt(&prompt(2, 4)).await;
+    let js = async_nats::jetstream::new(nats.clone());
+    let mut stream = js.get_stream(names.events_stream()).await.unwrap();
+    let last = stream.info().await.unwrap().state.last_sequence as f64;
+    wait_for(
+        "ix-2 applying the whole log",
+        Duration::from_secs(10),
+        || ix2.metric("kvroute_indexer_applied_sequence") == Some(last),
+    )
+    .await;
+    stream.purge().await.unwrap();
+    w1.store_prompt(&prompt(3, 4)).await;
+    ix1.signal(Signal::SIGCONT).unwrap();
+    wait_for("ix-1 noticing the gap", Duration::from_secs(15), || {
+        ix1.log().contains("bootstrapping again")
+    })
+    .await;
+    assert!(ix2.is_ready(), "ix-2 stays ready:\n{}", ix2.log());
+
+    // Selections keep the overlap: the router's queries are answered by ix-2 alone. A query
+    // already delivered to ix-1 as it turned not ready is answered `not_ready` and retried on
+    // another replica within the same deadline.
+    let ok2_before = ix2
+        .metric("kvroute_indexer_queries_total{result=\"ok\"}")
+        .unwrap_or(0.0);
+    let fallbacks_before = fallbacks_total(&router);
+    let (mut rounds, mut load_only) = (0, 0);
+    while !ix1.is_ready() {
+        let answered = match select(&nats, &names, &req).await.unwrap() {
+            SelectResponse::Ok(r) => r,
+            SelectResponse::Error(e) => panic!("selection failed: {e:?}"),
+        };
+        if answered.overlap_blocks.get(&StorageTier::Device) != Some(&BLOCKS) {
+            load_only += 1;
+        }
+        rounds += 1;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(rounds < 200, "ix-1 never ready again:\n{}", ix1.log());
+    }
+    let ok2 = ix2
+        .metric("kvroute_indexer_queries_total{result=\"ok\"}")
+        .expect("ix-2 answered queries")
+        - ok2_before;
+    let fallbacks = fallbacks_total(&router) - fallbacks_before;
+    eprintln!(
+        "while ix-1 bootstrapped again: {rounds} selections, {load_only} on load alone, \
+         {fallbacks} router fallbacks, {ok2} ok answers from ix-2"
+    );
+    assert!(
+        rounds >= 10,
+        "the not-ready window was too short to test ({rounds})"
+    );
+    // At most the selections in flight while ix-1 left its group go without overlap.
+    assert!(
+        load_only <= 1,
+        "{load_only} of {rounds} selections scored on load alone while ix-2 was ready"
+    );
+    assert!(fallbacks <= 1.0, "{fallbacks} overlap fallbacks");
+    assert!(
+        ok2 >= f64::from(rounds - load_only),
+        "ix-2 answered {ok2} of {rounds} selections' queries"
+    );
+}

@@ -97,6 +97,10 @@ pub struct IndexError {
     pub v: SchemaVersion,
     pub code: IndexErrorCode,
     pub message: String,
+    /// The replica that answered (empty when unknown, and from older replicas), so that a
+    /// client retrying after `not_ready` asks another replica instead of this one again.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub replica_id: String,
 }
 
 /// Why a query failed.

@@ -87,11 +87,12 @@ pub enum Answer {
     Expired,
 }
 
-fn error(code: IndexErrorCode, message: impl Into<String>) -> IndexQueryResponse {
+fn error(shared: &Shared, code: IndexErrorCode, message: impl Into<String>) -> IndexQueryResponse {
     IndexQueryResponse::Error(IndexError {
         v: SchemaVersion::CURRENT,
         code,
         message: message.into(),
+        replica_id: shared.replica_id.clone(),
     })
 }
 
@@ -106,7 +107,7 @@ pub fn answer(shared: &Shared, payload: &[u8]) -> Answer {
                 DecodeError::UnsupportedVersion { .. } => IndexErrorCode::UnsupportedVersion,
                 _ => IndexErrorCode::BadRequest,
             };
-            return Answer::Reply(error(code, e.to_string()));
+            return Answer::Reply(error(shared, code, e.to_string()));
         }
     };
     if query.deadline_ms.is_some_and(|d| now_ms() > d) {
@@ -114,6 +115,7 @@ pub fn answer(shared: &Shared, payload: &[u8]) -> Answer {
     }
     let not_ready = || {
         Answer::Reply(error(
+            shared,
             IndexErrorCode::NotReady,
             format!("indexer replica {} is not ready", shared.replica_id),
         ))
@@ -148,6 +150,7 @@ fn match_query(shared: &Shared, query: &IndexQuery) -> IndexQueryResponse {
                 ),
                 _ => {
                     return error(
+                        shared,
                         IndexErrorCode::BadRequest,
                         "token_ids need block_size (or a model with registered workers)",
                     );
@@ -156,6 +159,7 @@ fn match_query(shared: &Shared, query: &IndexQuery) -> IndexQueryResponse {
         }
         (None, None) => {
             return error(
+                shared,
                 IndexErrorCode::BadRequest,
                 "one of token_ids, block_hashes is required",
             );

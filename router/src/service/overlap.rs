@@ -1,6 +1,7 @@
 //! Where a prompt's prefix overlap comes from: the indexer replicas (`remote`: a query on
 //! `kvroute.<ns>.index.query` with a deadline shared by its attempts — a retry goes to the
-//! replica that answered last, and a replica that is not ready is asked no further) or an
+//! replica that answered last unless that one failed or answered `not_ready`, and then to the
+//! group, which a replica that is not ready has left) or an
 //! embedded follower replica (`local`). A remote query that gets no usable answer in time
 //! yields no overlap and a fallback reason: the request is scored on load alone.
 
@@ -106,7 +107,10 @@ impl OverlapSource {
                 (Verdict::Answer(Ok(r.matches)), replica)
             }
             Ok(IndexQueryResponse::Error(e)) if e.code == IndexErrorCode::NotReady => {
-                (Verdict::Retry(Err(Fallback::NotReady)), None)
+                // Named, it is asked no further within this query (and stops being the
+                // replica a retry goes to).
+                let replica = (!e.replica_id.is_empty()).then_some(e.replica_id);
+                (Verdict::Retry(Err(Fallback::NotReady)), replica)
             }
             Ok(IndexQueryResponse::Error(_)) => {
                 (Verdict::Answer(Err(Fallback::IndexerError)), None)
