@@ -13,5 +13,5 @@ pub mod workload;
 
 pub use index::{
     Anomalies, ApplyError, ApplyOk, BatchOutcome, ConfigError, IndexConfig, IndexStats,
-    OverlapScores, RadixIndex, SharedIndex, SnapshotError, WorkerBlocks,
+    OverlapScores, PinnedIndex, RadixIndex, SharedIndex, SnapshotError, WorkerBlocks,
 };

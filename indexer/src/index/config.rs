@@ -1,4 +1,4 @@
-//! The index's configuration: memory cap and the shared wrapper's write granularity.
+//! The index's configuration: memory cap and the shared wrapper's catch-up rate.
 
 /// Largest accepted [`IndexConfig::max_entries`]: eviction stamps are 32-bit and must not wrap
 /// inside one cap's worth of stores.
@@ -15,9 +15,9 @@ pub struct IndexConfig {
     /// evicted entry is dropped as if its worker had sent `Removed` for it in every tier; it is
     /// counted in `IndexStats::anomalies.evicted_entries`. Allowed: 1 to [`MAX_ENTRIES_LIMIT`].
     pub max_entries: Option<usize>,
-    /// Upper bound on events the [`crate::SharedIndex`] writer applies per write-lock hold,
-    /// so readers never wait behind a whole burst (unit: events; default 64; at least 1).
-    /// A single event is never split.
+    /// How fast a [`crate::SharedIndex`] copy that was pinned for a long read catches up:
+    /// each write applies at most 4 × this many of the changes it missed, so the catch-up
+    /// never stalls the writer (unit: events; default 64; at least 1).
     pub write_chunk_events: usize,
 }
 

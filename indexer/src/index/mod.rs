@@ -7,7 +7,8 @@
 //! - `matches.rs`: overlap queries and [`OverlapScores`];
 //! - `eviction.rs`: the eviction order behind [`IndexConfig::max_entries`];
 //! - `digest.rs`, `snapshot.rs`: state digest, and snapshot / restore;
-//! - [`SharedIndex`] (`shared.rs`): one writer, many concurrent readers.
+//! - [`SharedIndex`] (`shared.rs`): one writer, many concurrent readers that never wait for
+//!   it (two copies), and pinned copies for long reads.
 //!
 //! *Invariant:* no I/O, no clock, no global state, no `unsafe`.
 
@@ -27,6 +28,6 @@ pub use config::{ConfigError, IndexConfig, MAX_ENTRIES_LIMIT};
 pub use matches::OverlapScores;
 pub use outcome::{ApplyError, ApplyOk, BatchOutcome};
 pub use radix::RadixIndex;
-pub use shared::SharedIndex;
+pub use shared::{PinnedIndex, SharedIndex};
 pub use snapshot::{SNAPSHOT_VERSION, SnapshotError};
 pub use stats::{Anomalies, IndexStats, WorkerBlocks};

@@ -1,12 +1,33 @@
-//! [`SharedIndex`]: one writer applying events while many readers match, across threads.
+//! [`SharedIndex`]: one writer applying events while many readers match, across threads, with
+//! readers that never wait for the writer and long reads (snapshots, digests) that never make
+//! the writer wait.
 //!
-//! Design (measured alternatives in ARCHITECTURE.md, "Indexer"): the single-writer
-//! [`RadixIndex`] behind a reader-writer lock. Readers share the lock; the writer takes it
-//! for at most `IndexConfig::write_chunk_events` events at a time, so a reader waits behind
-//! at most one chunk, never behind a whole burst. Snapshots and digests run under a read
-//! lock and so never block readers.
+//! Design (measured alternatives in ARCHITECTURE.md, "Radix index"): two copies of the
+//! single-writer [`RadixIndex`], each behind its own reader-writer lock, and an atomic naming
+//! the *front* copy, the one readers use. The writer applies each change to the back copy,
+//! makes it the front, then applies the same change to the old front. It holds at most one
+//! copy's lock at a time and never the front's, so a reader's read lock is always free at
+//! once; a reader that loaded the front just before a flip and finds its copy taken reads the
+//! other, which is then the new front.
+//!
+//! A long read [pins](SharedIndex::try_pin) a copy in its current state. While a copy is pinned
+//! the writer applies changes to the other copy only and queues them for the pinned one
+//! (cloned); once unpinned, the copy catches up a bounded number of queued changes per write,
+//! so neither the pin nor the catch-up stalls the writer. Meanwhile readers use the up-to-date
+//! copy, and read the lagging one (a consistent state, older by the queued changes) only in
+//! the instants the writer holds the up-to-date copy.
+//!
+//! Costs: twice the memory of one [`RadixIndex`], and every change is applied twice (the
+//! second time to memory the first application did not warm). After every change returns,
+//! both copies hold the same state unless one is pinned or catching up.
+//!
+//! *Invariants:* copy `c` equals the current state minus `behind[c]` applied in order; a pinned
+//! copy is never written; at most one copy is pinned or behind at a time, so every write is
+//! applied at once to at least one copy, and the front copy is always up to date.
 
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 
 use kvroute_common::hashing::LocalBlockHash;
 use kvroute_common::ids::{DpRank, WorkerId};
@@ -19,12 +40,231 @@ use super::radix::RadixIndex;
 use super::snapshot::SnapshotError;
 use super::stats::IndexStats;
 
-/// A cloneable, thread-safe handle to one [`RadixIndex`]. Any clone may write, but the design
-/// assumes one writer thread (writes are serialized by the lock either way).
+/// A cloneable, thread-safe handle to one index held as two copies. Any clone may write;
+/// writes are serialized.
 #[derive(Debug, Clone)]
 pub struct SharedIndex {
-    inner: Arc<RwLock<RadixIndex>>,
-    chunk: usize,
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    copies: [RwLock<RadixIndex>; 2],
+    /// The copy readers use: the one written first, so always at least as new as the other.
+    front: AtomicUsize,
+    writer: Mutex<WriterState>,
+    /// Queued changes a copy catches up per write at most, beyond the write's own.
+    catch_up_per_write: usize,
+}
+
+#[derive(Debug, Default)]
+struct WriterState {
+    /// Changes each copy has not had yet, oldest first.
+    behind: [VecDeque<Change>; 2],
+    /// Pins held on each copy.
+    pins: [usize; 2],
+}
+
+/// One change, owned, for a copy that applies it later.
+#[derive(Debug, Clone)]
+enum Change {
+    Event {
+        worker_id: WorkerId,
+        dp_rank: DpRank,
+        data: KvEventData,
+    },
+    RemoveWorker(WorkerId),
+    RemoveWorkerDpRank(WorkerId, DpRank),
+}
+
+impl Change {
+    fn apply(&self, ix: &mut RadixIndex) {
+        match self {
+            Change::Event {
+                worker_id,
+                dp_rank,
+                data,
+            } => {
+                let _ = ix.apply(*worker_id, *dp_rank, data);
+            }
+            Change::RemoveWorker(w) => ix.remove_worker(*w),
+            Change::RemoveWorkerDpRank(w, r) => ix.remove_worker_dp_rank(*w, *r),
+        }
+    }
+}
+
+/// The events of one write, borrowed from the caller.
+#[derive(Clone, Copy)]
+enum Write<'a> {
+    Events {
+        worker_id: WorkerId,
+        dp_rank: DpRank,
+        events: &'a [KvEventData],
+    },
+    Batch(&'a KvEventBatch),
+    RemoveWorker(WorkerId),
+    RemoveWorkerDpRank(WorkerId, DpRank),
+}
+
+impl Write<'_> {
+    fn apply(self, ix: &mut RadixIndex) -> BatchOutcome {
+        let mut outcome = BatchOutcome::default();
+        match self {
+            Write::Events {
+                worker_id,
+                dp_rank,
+                events,
+            } => {
+                for data in events {
+                    outcome.record(ix.apply(worker_id, dp_rank, data));
+                }
+            }
+            Write::Batch(batch) => outcome = ix.apply_batch(batch),
+            Write::RemoveWorker(w) => ix.remove_worker(w),
+            Write::RemoveWorkerDpRank(w, r) => ix.remove_worker_dp_rank(w, r),
+        }
+        outcome
+    }
+
+    fn queue(self, behind: &mut VecDeque<Change>) {
+        let event = |worker_id, dp_rank, data: &KvEventData| Change::Event {
+            worker_id,
+            dp_rank,
+            data: data.clone(),
+        };
+        match self {
+            Write::Events {
+                worker_id,
+                dp_rank,
+                events,
+            } => behind.extend(events.iter().map(|d| event(worker_id, dp_rank, d))),
+            Write::Batch(b) => behind.extend(
+                b.events
+                    .iter()
+                    .map(|e| event(b.worker_id, b.dp_rank, &e.data)),
+            ),
+            Write::RemoveWorker(w) => behind.push_back(Change::RemoveWorker(w)),
+            Write::RemoveWorkerDpRank(w, r) => behind.push_back(Change::RemoveWorkerDpRank(w, r)),
+        }
+    }
+}
+
+/// A copy held in one state for a long read; see [`SharedIndex::pin`]. `Send` and `Sync`:
+/// take it on the writer's thread, read it on another.
+#[derive(Debug)]
+pub struct PinnedIndex {
+    inner: Arc<Inner>,
+    copy: usize,
+}
+
+impl PinnedIndex {
+    /// Runs `f` on the pinned state (which no write changes while the pin lives).
+    pub fn with<R>(&self, f: impl FnOnce(&RadixIndex) -> R) -> R {
+        f(&self.inner.read_copy(self.copy))
+    }
+
+    pub fn snapshot(&self) -> Vec<u8> {
+        self.with(RadixIndex::snapshot)
+    }
+
+    pub fn digest(&self) -> u64 {
+        self.with(RadixIndex::digest)
+    }
+}
+
+impl Drop for PinnedIndex {
+    fn drop(&mut self) {
+        self.inner.writer().pins[self.copy] -= 1;
+    }
+}
+
+impl Inner {
+    fn writer(&self) -> MutexGuard<'_, WriterState> {
+        // A panic inside the index would be a bug; each copy stays consistent per event, so
+        // keep serving rather than poisoning every caller.
+        self.writer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn read_copy(&self, c: usize) -> RwLockReadGuard<'_, RadixIndex> {
+        self.copies[c].read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write_copy(&self, c: usize) -> RwLockWriteGuard<'_, RadixIndex> {
+        self.copies[c].write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The newest readable state: the front copy, or, in the instants the writer holds it,
+    /// the other one.
+    fn read(&self) -> RwLockReadGuard<'_, RadixIndex> {
+        loop {
+            let f = self.front.load(Ordering::Acquire);
+            for c in [f, 1 - f] {
+                match self.copies[c].try_read() {
+                    Ok(g) => return g,
+                    Err(TryLockError::Poisoned(p)) => return p.into_inner(),
+                    Err(TryLockError::WouldBlock) => {}
+                }
+            }
+            // Both taken: the writer moved from one to the other between the two attempts.
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Applies `w` to every copy that can take it now and queues it for the others. Returns
+    /// the outcome of its first application.
+    fn write(&self, w: Write<'_>) -> BatchOutcome {
+        let mut state = self.writer();
+        let front = self.front.load(Ordering::Relaxed);
+        let mut outcome = None;
+        // The back copy first, so readers keep an untouched front meanwhile.
+        for c in [1 - front, front] {
+            if state.pins[c] > 0 {
+                w.queue(&mut state.behind[c]);
+                continue;
+            }
+            let mut ix = self.write_copy(c);
+            let behind = &mut state.behind[c];
+            let budget = self.catch_up_per_write.min(behind.len());
+            for change in behind.drain(..budget) {
+                change.apply(&mut ix);
+            }
+            if behind.is_empty() {
+                let got = w.apply(&mut ix);
+                drop(ix);
+                if let Some(first) = &outcome {
+                    debug_assert_eq!(*first, got, "the copies diverged");
+                } else {
+                    outcome = Some(got);
+                }
+                // Up to date: readers move here before the other copy is touched.
+                if c != front {
+                    self.front.store(c, Ordering::Release);
+                }
+            } else {
+                w.queue(behind);
+            }
+        }
+        // One copy is always up to date (see `pin`), and it took the change.
+        outcome.expect("an up-to-date copy applied the change")
+    }
+
+    /// Pins a copy that holds the current state, keeping the other one up to date for the
+    /// writer: `None` while that is impossible (the other copy is pinned with changes since, or
+    /// a copy is still catching up after an earlier pin).
+    fn try_pin(self: &Arc<Self>) -> Option<PinnedIndex> {
+        let mut state = self.writer();
+        let front = self.front.load(Ordering::Relaxed);
+        // The back copy first, so readers keep the front to themselves.
+        let copy = [1 - front, front].into_iter().find(|&c| {
+            let other = 1 - c;
+            state.behind[c].is_empty() && state.behind[other].is_empty() && state.pins[other] == 0
+        })?;
+        state.pins[copy] += 1;
+        Some(PinnedIndex {
+            inner: self.clone(),
+            copy,
+        })
+    }
 }
 
 impl SharedIndex {
@@ -33,12 +273,17 @@ impl SharedIndex {
         Self::from_index(RadixIndex::new(config))
     }
 
-    /// Shares an existing index (for example one just restored).
+    /// Shares an existing index (for example one just restored); the second copy is a clone.
     pub fn from_index(index: RadixIndex) -> Self {
-        let chunk = index.config().write_chunk_events;
+        let catch_up_per_write = 4 * index.config().write_chunk_events;
+        let second = index.clone();
         Self {
-            inner: Arc::new(RwLock::new(index)),
-            chunk,
+            inner: Arc::new(Inner {
+                copies: [RwLock::new(index), RwLock::new(second)],
+                front: AtomicUsize::new(0),
+                writer: Mutex::new(WriterState::default()),
+                catch_up_per_write,
+            }),
         }
     }
 
@@ -47,47 +292,54 @@ impl SharedIndex {
         RadixIndex::restore(bytes).map(Self::from_index)
     }
 
-    fn read(&self) -> RwLockReadGuard<'_, RadixIndex> {
-        // A panic inside the index would be a bug; its state stays consistent per event, so
-        // keep serving rather than poisoning every reader.
-        self.inner.read().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn write(&self) -> RwLockWriteGuard<'_, RadixIndex> {
-        self.inner.write().unwrap_or_else(|p| p.into_inner())
-    }
-
     pub fn apply(
         &self,
         worker_id: WorkerId,
         dp_rank: DpRank,
         event: &KvEventData,
     ) -> Result<ApplyOk, ApplyError> {
-        self.write().apply(worker_id, dp_rank, event)
+        let outcome = self.inner.write(Write::Events {
+            worker_id,
+            dp_rank,
+            events: std::slice::from_ref(event),
+        });
+        match outcome.first_error {
+            Some(e) => Err(e),
+            None => Ok(outcome.totals),
+        }
     }
 
-    /// Applies a batch, releasing the lock every `write_chunk_events` events.
+    /// Applies the events of one (worker, dp rank) in order, as one write: readers see all of
+    /// them or none (a refused event does not stop the rest).
+    pub fn apply_events(
+        &self,
+        worker_id: WorkerId,
+        dp_rank: DpRank,
+        events: &[KvEventData],
+    ) -> BatchOutcome {
+        self.inner.write(Write::Events {
+            worker_id,
+            dp_rank,
+            events,
+        })
+    }
+
+    /// Applies a batch as one write.
     pub fn apply_batch(&self, batch: &KvEventBatch) -> BatchOutcome {
-        let mut outcome = BatchOutcome::default();
-        for chunk in batch.events.chunks(self.chunk) {
-            let mut index = self.write();
-            for event in chunk {
-                outcome.record(index.apply(batch.worker_id, batch.dp_rank, &event.data));
-            }
-        }
-        outcome
+        self.inner.write(Write::Batch(batch))
     }
 
     pub fn remove_worker(&self, worker_id: WorkerId) {
-        self.write().remove_worker(worker_id);
+        self.inner.write(Write::RemoveWorker(worker_id));
     }
 
     pub fn remove_worker_dp_rank(&self, worker_id: WorkerId, dp_rank: DpRank) {
-        self.write().remove_worker_dp_rank(worker_id, dp_rank);
+        self.inner
+            .write(Write::RemoveWorkerDpRank(worker_id, dp_rank));
     }
 
     pub fn find_matches(&self, local_hashes: &[LocalBlockHash]) -> OverlapScores {
-        self.read().find_matches(local_hashes)
+        self.inner.read().find_matches(local_hashes)
     }
 
     pub fn find_matches_for_tokens(
@@ -96,7 +348,7 @@ impl SharedIndex {
         block_size: usize,
         lora_name: Option<&str>,
     ) -> OverlapScores {
-        // Hash outside the lock.
+        // Hash before taking the copy.
         let hashes = kvroute_common::hashing::local_block_hashes(
             tokens,
             block_size,
@@ -105,29 +357,50 @@ impl SharedIndex {
         self.find_matches(&hashes)
     }
 
+    /// Holds a copy in the current state for a long read on any thread, without stopping the
+    /// writer (see the module docs). Drop the pin when done: until then the writer queues every
+    /// change for that copy. `None` while an earlier pin (or its catch-up) is in the way: at
+    /// most one copy is held back at a time, so the writer always has an up-to-date copy.
+    pub fn try_pin(&self) -> Option<PinnedIndex> {
+        self.inner.try_pin()
+    }
+
+    /// The digest of the current state: on a pinned copy when one can be had, else on the front
+    /// (which makes a writer on another thread wait until it is done).
     pub fn digest(&self) -> u64 {
-        self.read().digest()
+        match self.try_pin() {
+            Some(p) => p.digest(),
+            None => self.inner.read().digest(),
+        }
     }
 
+    /// A snapshot of the current state, written like [`SharedIndex::digest`] is computed.
     pub fn snapshot(&self) -> Vec<u8> {
-        self.read().snapshot()
+        match self.try_pin() {
+            Some(p) => p.snapshot(),
+            None => self.inner.read().snapshot(),
+        }
     }
 
+    /// Stats of the current state; `bytes_in_use` counts both copies.
     pub fn stats(&self) -> IndexStats {
-        self.read().stats()
+        let mut stats = self.inner.read().stats();
+        stats.bytes_in_use = (0..2)
+            .map(|c| self.inner.read_copy(c).stats().bytes_in_use)
+            .sum();
+        stats
     }
 
     pub fn workers(&self) -> Vec<(WorkerId, DpRank)> {
-        self.read().workers()
+        self.inner.read().workers()
     }
 
-    /// Runs `f` with read access to the whole index (several queries under one lock hold).
+    /// Runs `f` with read access to the newest readable state (several queries under one
+    /// hold). Keep it short: a long read belongs on a [`SharedIndex::pin`].
     pub fn with_read<R>(&self, f: impl FnOnce(&RadixIndex) -> R) -> R {
-        f(&self.read())
-    }
-
-    /// Runs `f` with write access (for callers that batch their own way).
-    pub fn with_write<R>(&self, f: impl FnOnce(&mut RadixIndex) -> R) -> R {
-        f(&mut self.write())
+        f(&self.inner.read())
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -16,13 +16,13 @@ use kvroute_common::messages::{ControlAction, KvEventData};
 use kvroute_common::names::Names;
 use serde::{Deserialize, Serialize};
 
-use crate::index::{ApplyError, IndexConfig, SharedIndex, SnapshotError};
+use crate::index::{IndexConfig, PinnedIndex, SharedIndex, SnapshotError};
 
 /// What one log message did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ApplyReport {
     pub events_applied: u32,
-    /// Events the index refused (see [`ApplyError`]); their workers should be resynced.
+    /// Events the index refused (see [`crate::ApplyError`]); their workers should be resynced.
     pub events_refused: u32,
     pub duplicates: u32,
     /// Events of a removed worker, ignored.
@@ -33,6 +33,36 @@ pub struct ApplyReport {
     pub needs_resync: Vec<WorkerId>,
     pub removed_worker: Option<WorkerId>,
     pub bad: Option<BadEntry>,
+}
+
+/// A snapshot of a [`ReplicaState`] taken at one log position, serialized by
+/// [`PendingSnapshot::write`].
+#[derive(Debug)]
+pub struct PendingSnapshot {
+    applied_seq: u64,
+    tracker: EventTracker,
+    index: Result<PinnedIndex, Vec<u8>>,
+}
+
+impl PendingSnapshot {
+    /// The log position the snapshot holds.
+    pub fn applied_seq(&self) -> u64 {
+        self.applied_seq
+    }
+
+    /// The bytes [`ReplicaState::restore`] reads (the pin, if any, is released after).
+    pub fn write(self) -> Vec<u8> {
+        let file = SnapshotFile {
+            v: SNAPSHOT_VERSION,
+            applied_seq: self.applied_seq,
+            tracker: self.tracker,
+            index: match self.index {
+                Ok(pinned) => pinned.snapshot(),
+                Err(bytes) => bytes,
+            },
+        };
+        rmp_serde::to_vec_named(&file).expect("snapshot serializes")
+    }
 }
 
 /// The state a replica builds from the log.
@@ -137,16 +167,10 @@ impl ReplicaState {
                         Verdict::WorkerRemoved => report.ignored_removed += 1,
                     }
                 }
-                for data in &run {
-                    match self.index.apply(w, r, data) {
-                        Ok(_) => report.events_applied += 1,
-                        Err(
-                            ApplyError::ParentUnknown { .. } | ApplyError::TooManyWorkers { .. },
-                        ) => {
-                            report.events_refused += 1;
-                        }
-                    }
-                }
+                // One write: readers see the message's events all at once.
+                let outcome = self.index.apply_events(w, r, &run);
+                report.events_applied += outcome.applied;
+                report.events_refused += outcome.refused;
                 if !report.gaps.is_empty() || report.events_refused > 0 {
                     report.needs_resync.push(w);
                 }
@@ -157,13 +181,21 @@ impl ReplicaState {
 
     /// Serializes the whole state (tagged with the applied sequence).
     pub fn snapshot(&self) -> Vec<u8> {
-        let file = SnapshotFile {
-            v: SNAPSHOT_VERSION,
+        self.snapshot_later().write()
+    }
+
+    /// The whole state as of now, to serialize later on any thread while this state goes on
+    /// applying the log: the index is held on a pinned copy (see [`SharedIndex::try_pin`]),
+    /// or serialized now when no copy can be pinned.
+    pub fn snapshot_later(&self) -> PendingSnapshot {
+        PendingSnapshot {
             applied_seq: self.applied_seq,
             tracker: self.tracker.clone(),
-            index: self.index.snapshot(),
-        };
-        rmp_serde::to_vec_named(&file).expect("snapshot serializes")
+            index: match self.index.try_pin() {
+                Some(pinned) => Ok(pinned),
+                None => Err(self.index.snapshot()),
+            },
+        }
     }
 
     /// Rebuilds a state from [`ReplicaState::snapshot`] bytes.

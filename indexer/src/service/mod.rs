@@ -529,7 +529,8 @@ impl Replica {
         if !(by_count || by_time) {
             return;
         }
-        let bytes = self.state.snapshot();
+        // Taken now, serialized off this loop: the log keeps being applied meanwhile.
+        let pending = self.state.snapshot_later();
         self.since_snapshot = 0;
         self.last_snapshot = Some((seq, Instant::now()));
         self.snapshot_in_flight = true;
@@ -540,6 +541,7 @@ impl Replica {
         let tx = self.input_tx.clone();
         tokio::spawn(async move {
             let result = async {
+                let bytes = tokio::task::spawn_blocking(move || pending.write()).await?;
                 store.save(seq, bytes).await?;
                 let kept = store.prune(keep).await?;
                 if purge && let Some(oldest) = kept.last() {

@@ -301,7 +301,7 @@ mod tests {
 
     fn shared_with(status_requests: mpsc::Sender<oneshot::Sender<ReplicaStatus>>) -> Shared {
         let index = SharedIndex::new(IndexConfig::default());
-        index.with_write(|ix| {
+        {
             let stored = KvEventData::Stored {
                 parent_hash: None,
                 blocks: vec![StoredBlock {
@@ -310,8 +310,8 @@ mod tests {
                 }],
                 tier: StorageTier::Device,
             };
-            ix.apply(1, 0, &stored).unwrap();
-        });
+            index.apply(1, 0, &stored).unwrap();
+        }
         Shared {
             replica_id: "ix-1".into(),
             names: Names::new(&Namespace::default()),
