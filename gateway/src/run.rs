@@ -81,6 +81,7 @@ pub async fn run(
             max_body_bytes: args.max_body_bytes,
             max_prompt_tokens: args.max_prompt_tokens,
             response_timeout: args.response_timeout(),
+            upstream_idle_timeout: args.upstream_idle_timeout(),
             forward_token_ids: args.forward_token_ids,
             retry_after_secs: args.retry_after_secs,
             access_log: !args.no_access_log,

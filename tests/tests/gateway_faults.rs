@@ -1,7 +1,8 @@
 //! The gateway when workers fail: a worker that refuses connections is retried on another, a
-//! worker that dies mid-stream ends the client's stream with an error event, a client that
-//! leaves closes the engine's connection (engines abort on that), and a reservation nobody
-//! releases frees its load at expiry. The failing engines are played by the test (raw HTTP on
+//! worker that dies mid-stream ends the client's stream with an error event, a worker that goes
+//! silent once it answered is timed out (an error event in a stream, a 504 for a whole answer),
+//! a client that leaves closes the engine's connection (engines abort on
+//! that), and a reservation nobody releases frees its load at expiry. The failing engines are played by the test (raw HTTP on
 //! a TCP socket), registered under their own cards next to real bridged mocker engines.
 
 use std::sync::atomic::Ordering;
@@ -230,4 +231,145 @@ async fn a_client_that_leaves_aborts_the_request_in_the_engine() {
         0,
         "it never finished"
     );
+}
+
+/// The next `n` lifecycle events' kinds.
+async fn lifecycle_kinds(sub: &mut async_nats::Subscriber, n: usize) -> Vec<LifecycleKind> {
+    let mut kinds = Vec::new();
+    while kinds.len() < n {
+        let m = tokio::time::timeout(Duration::from_secs(5), sub.next())
+            .await
+            .unwrap_or_else(|_| panic!("lifecycle events: only {kinds:?}"))
+            .unwrap();
+        kinds.push(decode::<RequestLifecycle>(&m.payload).unwrap().kind);
+    }
+    kinds
+}
+
+/// Polls `done` every 10 ms for up to 5 s.
+async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(5), "{what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The gateway holds no request any more (every guard released its load).
+async fn wait_nothing_in_flight(gateway: &kvroute_tests::GatewayProcess) {
+    wait_until("no request in flight", || {
+        gateway.metric("kvroute_gateway_requests_in_flight") == 0.0
+            && gateway.metric("kvroute_gateway_streams_in_flight") == 0.0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_frozen_mid_stream_ends_the_stream_with_a_timeout_event() {
+    let stack = GatewayStack::start(1, |_| {}).await.unwrap();
+    let engine = play(Play::FreezeAfterFirstChunk).await;
+    let _card = register(&stack.env, http_card(915, "frozen", &engine.url))
+        .await
+        .unwrap();
+    let gateway = stack
+        .gateway("g", &["--upstream-idle-timeout-ms", "500"])
+        .unwrap();
+    let names = Names::new(&stack.env.namespace);
+    let nats = stack.env.nats.connect().await.unwrap();
+    let mut lifecycle = nats.subscribe(names.lifecycle(915)).await.unwrap();
+    let started = Instant::now();
+    let r = reqwest::Client::new()
+        .post(gateway.url("/v1/completions"))
+        .json(&completion("frozen", &[1, 2, 3, 4, 5], true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body = tokio::time::timeout(Duration::from_secs(10), r.text())
+        .await
+        .expect("the stream ends, never hangs")
+        .unwrap();
+    let elapsed = started.elapsed();
+    let events: Vec<&str> = body.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.len(), 2, "the first chunk, then the error: {body}");
+    assert!(events[0].contains("t0"), "{body}");
+    let error: Value = serde_json::from_str(events[1].strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(error["error"]["code"], "upstream_timeout", "{body}");
+    assert_eq!(error["error"]["type"], "timeout_error", "{body}");
+    assert!(!body.contains("[DONE]"));
+    assert!(
+        elapsed >= Duration::from_millis(500) && elapsed < Duration::from_secs(5),
+        "ended after the idle timeout: {elapsed:?}"
+    );
+    wait_until("the engine's connection closed", || {
+        engine.gone.load(Ordering::SeqCst)
+    })
+    .await;
+    let kinds = lifecycle_kinds(&mut lifecycle, 2).await;
+    assert!(
+        matches!(kinds[0], LifecycleKind::PrefillDone { .. }),
+        "{kinds:?}"
+    );
+    assert!(
+        matches!(kinds[1], LifecycleKind::Finished { .. }),
+        "{kinds:?}"
+    );
+    assert_eq!(
+        gateway.metric("kvroute_gateway_upstream_failures_total{reason=\"idle_timeout\"}"),
+        1.0
+    );
+    wait_nothing_in_flight(&gateway).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_answer_whose_body_stalls_is_a_504() {
+    let stack = GatewayStack::start(1, |_| {}).await.unwrap();
+    let engine = play(Play::FreezeMidAnswer).await;
+    let _card = register(&stack.env, http_card(916, "stalled", &engine.url))
+        .await
+        .unwrap();
+    let gateway = stack
+        .gateway("g", &["--upstream-idle-timeout-ms", "500"])
+        .unwrap();
+    let names = Names::new(&stack.env.namespace);
+    let nats = stack.env.nats.connect().await.unwrap();
+    let mut lifecycle = nats.subscribe(names.lifecycle(916)).await.unwrap();
+    let r = tokio::time::timeout(
+        Duration::from_secs(10),
+        reqwest::Client::new()
+            .post(gateway.url("/v1/completions"))
+            .json(&completion("stalled", &[1, 2, 3, 4, 5], false))
+            .send(),
+    )
+    .await
+    .expect("answered, never a hang")
+    .unwrap();
+    assert_eq!(r.status(), 504);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "upstream_timeout", "{v}");
+    wait_until("the engine's connection closed", || {
+        engine.gone.load(Ordering::SeqCst)
+    })
+    .await;
+    // Half the body arrived: the prefill was over; then the load is released.
+    let kinds = lifecycle_kinds(&mut lifecycle, 2).await;
+    assert!(
+        matches!(kinds[0], LifecycleKind::PrefillDone { .. }),
+        "{kinds:?}"
+    );
+    assert!(
+        matches!(kinds[1], LifecycleKind::Finished { .. }),
+        "{kinds:?}"
+    );
+    assert_eq!(
+        gateway.metric(
+            "kvroute_gateway_requests_total{endpoint=\"completions\",model=\"stalled\",status=\"504\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        gateway.metric("kvroute_gateway_upstream_failures_total{reason=\"idle_timeout\"}"),
+        1.0
+    );
+    wait_nothing_in_flight(&gateway).await;
 }
