@@ -359,7 +359,7 @@ async fn respond(
         guard.start_stream();
         Response::new(relay(answer, guard, idle))
     } else {
-        match read_whole(answer, idle).await {
+        match read_whole(answer, &mut guard, idle).await {
             Ok(bytes) => {
                 if status.is_success() {
                     guard.finish_whole(&bytes);

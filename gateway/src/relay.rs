@@ -1,6 +1,6 @@
 //! One forwarded request from its decision to its end: the [`InFlight`] guard publishes the
-//! lifecycle events (`prefill_done` at the first streamed byte, `finished` when the request
-//! ends however it ends — its `Drop` runs when the client disconnects too), records the
+//! lifecycle events (`prefill_done` at the first byte of the answer's body, `finished` when the
+//! request ends however it ends — its `Drop` runs when the client disconnects too), records the
 //! metrics and writes the access log line; [`relay`] streams the engine's answer through with
 //! backpressure (a chunk is read from the engine only when the client took the last one), and
 //! [`read_whole`] reads a whole answer. Both give the engine `--upstream-idle-timeout-ms` for
@@ -98,6 +98,8 @@ pub struct InFlight {
     events: u64,
     usage_tokens: Option<u64>,
     saw_done: bool,
+    /// `prefill_done` was published.
+    prefill_done: bool,
     /// The stream's last line so far, not yet ended by a newline.
     partial: Vec<u8>,
     ended: bool,
@@ -119,6 +121,7 @@ impl InFlight {
             events: 0,
             usage_tokens: None,
             saw_done: false,
+            prefill_done: false,
             partial: Vec::new(),
             ended: false,
             abandoned: false,
@@ -142,6 +145,14 @@ impl InFlight {
             .metrics
             .streams_in_flight
             .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The first byte of a successful answer's body: the prompt is prefilled.
+    fn body_started(&mut self) {
+        if !self.prefill_done {
+            self.prefill_done = true;
+            self.app.lifecycle.prefill_done(self.placement);
+        }
     }
 
     /// The answer failed after its headers, before anything reached the client: the client
@@ -175,7 +186,7 @@ impl InFlight {
                     .metrics
                     .ttft
                     .observe(&self.outcome.model, now - self.started);
-                self.app.lifecycle.prefill_done(self.placement);
+                self.body_started();
             }
             Some(last) => self
                 .app
@@ -314,14 +325,25 @@ pub enum BodyError {
 }
 
 /// The engine's whole (non-streamed) answer body, each piece of it awaited at most `idle`.
-pub async fn read_whole(mut answer: reqwest::Response, idle: Duration) -> Result<Bytes, BodyError> {
+/// The first byte of a successful answer publishes `prefill_done`.
+pub async fn read_whole(
+    mut answer: reqwest::Response,
+    guard: &mut InFlight,
+    idle: Duration,
+) -> Result<Bytes, BodyError> {
+    let success = answer.status().is_success();
     let mut body = bytes::BytesMut::new();
     loop {
         match tokio::time::timeout(idle, answer.chunk()).await {
             Err(_) => return Err(BodyError::Idle),
             Ok(Err(e)) => return Err(BodyError::Broken(e)),
             Ok(Ok(None)) => return Ok(body.freeze()),
-            Ok(Ok(Some(chunk))) => body.extend_from_slice(&chunk),
+            Ok(Ok(Some(chunk))) => {
+                if success && !chunk.is_empty() {
+                    guard.body_started();
+                }
+                body.extend_from_slice(&chunk);
+            }
         }
     }
 }

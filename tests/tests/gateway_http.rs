@@ -60,18 +60,29 @@ async fn completions_streamed_and_not_with_lifecycle_and_request_ids() {
     assert_eq!(v["object"], "text_completion");
     assert_eq!(v["usage"]["prompt_tokens"], 20);
     assert_eq!(v["usage"]["completion_tokens"], 5);
-    // kvroute's request id is derived from the header; the load is released at the end.
-    let m = tokio::time::timeout(Duration::from_secs(5), lifecycle.next())
-        .await
-        .expect("a lifecycle event")
-        .unwrap();
-    let event: RequestLifecycle = decode(&m.payload).unwrap();
-    assert_eq!(
-        event.request_id,
-        kvroute_gateway::request_id::derive("job-17")
+    // kvroute's request id is derived from the header; the prefill load goes at the answer's
+    // first byte, the rest at the end.
+    let mut events = Vec::new();
+    for _ in 0..2 {
+        let m = tokio::time::timeout(Duration::from_secs(5), lifecycle.next())
+            .await
+            .expect("a lifecycle event")
+            .unwrap();
+        events.push(decode::<RequestLifecycle>(&m.payload).unwrap());
+    }
+    for event in &events {
+        assert_eq!(
+            event.request_id,
+            kvroute_gateway::request_id::derive("job-17")
+        );
+        assert_eq!(event.worker_id, 100);
+    }
+    assert!(
+        matches!(events[0].kind, LifecycleKind::PrefillDone { .. }),
+        "{:?}",
+        events[0].kind
     );
-    assert_eq!(event.worker_id, 100);
-    assert_eq!(event.kind, LifecycleKind::Finished { output_tokens: 5 });
+    assert_eq!(events[1].kind, LifecycleKind::Finished { output_tokens: 5 });
 
     let body = json!({"model": STACK_MODEL, "prompt": prompt(2, 20), "max_tokens": 4,
         "stream": true, "stream_options": {"include_usage": true}});
