@@ -1,5 +1,5 @@
 //! An engine the test plays itself: raw HTTP/1.1 on a loopback socket, so a test can make it
-//! answer, crash mid-stream, freeze or notice its client leaving, and can read every
+//! answer, fail, crash mid-stream, freeze or notice its client leaving, and can read every
 //! request it got (head and body). Register it under a card with [`crate::http_card`].
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -19,6 +19,10 @@ pub enum Play {
     DieAfterFirstChunk,
     /// Streams an event every 20 ms for up to 20 s; notes when the client went away.
     StreamSlowly,
+    /// Answers 500 with an error body.
+    Fail500,
+    /// Reads the request, then sends nothing until the client closes (noted).
+    FreezeBeforeHeaders,
     /// Answers the headers and one event, then sends nothing until the client closes (noted).
     FreezeAfterFirstChunk,
     /// Answers the headers of a whole answer and half its body, then sends nothing until the
@@ -107,6 +111,13 @@ async fn serve(mode: Play, socket: &mut TcpStream, gone: &AtomicBool) {
             let _ = socket.write_all(whole("200 OK", &answer).as_bytes()).await;
             return;
         }
+        Play::Fail500 => {
+            let body = json!({"error": {"message": "played failure", "type": "internal_error"}});
+            let text = whole("500 Internal Server Error", &body.to_string());
+            let _ = socket.write_all(text.as_bytes()).await;
+            return;
+        }
+        Play::FreezeBeforeHeaders => return hold(socket, gone).await,
         Play::FreezeMidAnswer => {
             let text = whole("200 OK", &answer);
             let cut = text.len() - answer.len() / 2;
@@ -150,7 +161,9 @@ async fn serve(mode: Play, socket: &mut TcpStream, gone: &AtomicBool) {
                 hold(socket, gone).await;
             }
         }
-        Play::Answer | Play::FreezeMidAnswer => unreachable!("answered above"),
+        Play::Answer | Play::Fail500 | Play::FreezeBeforeHeaders | Play::FreezeMidAnswer => {
+            unreachable!("answered above")
+        }
     }
 }
 
