@@ -36,6 +36,14 @@ impl Api {
         }
     }
 
+    /// The body field holding the prompt (an error about the prompt names it).
+    pub fn prompt_field(self) -> &'static str {
+        match self {
+            Api::Completions => "prompt",
+            Api::Chat => "messages",
+        }
+    }
+
     /// The metrics label.
     pub fn label(self) -> &'static str {
         match self {

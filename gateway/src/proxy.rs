@@ -92,7 +92,7 @@ async fn forward(
         return Err(ApiError {
             code: "context_length_exceeded",
             ..ApiError::invalid_param(
-                "messages",
+                api.prompt_field(),
                 format!(
                     "the prompt has {} tokens, more than this gateway's limit of {}",
                     tokens.len(),

@@ -408,6 +408,17 @@ async fn bad_input_gets_openai_errors_and_the_gateway_keeps_serving() {
         let (status, v) = send(path, key, body).await;
         assert_eq!(status, want, "{path}: {v}");
     }
+    // A completions prompt too long names `prompt` (a chat's names `messages`).
+    let long = json!({"model": STACK_MODEL, "prompt": (0..101).collect::<Vec<u32>>()});
+    let (status, v) = send(
+        "/v1/completions",
+        Some("sk-good"),
+        long.to_string().into_bytes(),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    assert_eq!(v["error"]["param"], "prompt", "{v}");
     // Unauthenticated health and metrics; the process still serves.
     assert_eq!(
         http.get(gateway.url("/health"))

@@ -133,3 +133,9 @@ fn sessions_from_headers_win_over_the_body_extension() {
     let bad = json!({"model": "m", "prompt": "x", "kvroute": {"session": 3}});
     assert_eq!(param_of(Api::Completions, bad), Some(EXTENSION));
 }
+
+#[test]
+fn prompt_errors_name_the_field_of_the_endpoint() {
+    assert_eq!(Api::Completions.prompt_field(), "prompt");
+    assert_eq!(Api::Chat.prompt_field(), "messages");
+}
