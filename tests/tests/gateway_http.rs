@@ -234,6 +234,9 @@ async fn the_selection_api_selects_reserves_and_releases() {
     let (id, kind) = next_kind().await;
     assert_eq!(id.to_string(), v["request_id"].as_str().unwrap());
     assert!(matches!(kind, LifecycleKind::Finished { .. }));
+    // Selections are timed; requests refused before selecting (below) are not.
+    let selections = || gateway.metric("kvroute_gateway_select_seconds_count{model=\"-\"}");
+    assert_eq!(selections(), 1.0);
 
     let (status, v) = post(
         "/v1/select_and_reserve",
@@ -307,6 +310,7 @@ async fn the_selection_api_selects_reserves_and_releases() {
     )
     .await;
     assert_eq!(status, 404);
+    assert_eq!(selections(), 2.0, "the select and the select_and_reserve");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
