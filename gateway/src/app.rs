@@ -17,7 +17,10 @@ use crate::reservations::Reservations;
 pub struct Settings {
     pub max_body_bytes: usize,
     pub max_prompt_tokens: usize,
+    /// For the worker's response headers.
     pub response_timeout: Duration,
+    /// For each next piece of the worker's body.
+    pub upstream_idle_timeout: Duration,
     pub forward_token_ids: bool,
     pub retry_after_secs: u64,
     pub access_log: bool,
@@ -53,8 +56,9 @@ impl App {
     }
 }
 
-/// The HTTP client to the engines: no overall timeout (streams last as long as generation),
-/// a connect timeout, no proxy from the environment, TCP_NODELAY.
+/// The HTTP client to the engines: no overall timeout (streams last as long as generation;
+/// the proxy times the headers and each piece of the body itself), a connect timeout, no proxy
+/// from the environment, TCP_NODELAY.
 pub fn engine_client(connect_timeout: Duration) -> reqwest::Result<reqwest::Client> {
     reqwest::Client::builder()
         .connect_timeout(connect_timeout)

@@ -74,6 +74,15 @@ pub struct GatewayArgs {
         default_value_t = 600_000
     )]
     pub response_timeout_ms: u64,
+    /// Milliseconds the worker may go silent once its response headers arrived: between two
+    /// chunks of a stream, or in the middle of a whole answer's body. Past it a stream ends
+    /// with an error event, and an answer not yet sent to the client is a 504.
+    #[arg(
+        long,
+        env = "KVROUTE_GATEWAY_UPSTREAM_IDLE_TIMEOUT_MS",
+        default_value_t = 60_000
+    )]
+    pub upstream_idle_timeout_ms: u64,
     /// Send completions prompts to the engine as the gateway's token ids instead of text, so
     /// the engine caches exactly the tokens kvroute routed on.
     #[arg(long, env = "KVROUTE_GATEWAY_FORWARD_TOKEN_IDS")]
@@ -138,6 +147,12 @@ impl GatewayArgs {
         if self.response_timeout_ms == 0 {
             return Err(ConfigError::new("response-timeout-ms", "must be positive"));
         }
+        if self.upstream_idle_timeout_ms == 0 {
+            return Err(ConfigError::new(
+                "upstream-idle-timeout-ms",
+                "must be positive",
+            ));
+        }
         if self.reservation_ttl_ms == 0 {
             return Err(ConfigError::new("reservation-ttl-ms", "must be positive"));
         }
@@ -187,6 +202,10 @@ impl GatewayArgs {
 
     pub fn response_timeout(&self) -> Duration {
         Duration::from_millis(self.response_timeout_ms)
+    }
+
+    pub fn upstream_idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.upstream_idle_timeout_ms)
     }
 }
 
@@ -262,6 +281,8 @@ mod tests {
             ("--max-body-bytes", "10"),
             ("--max-prompt-tokens", "0"),
             ("--connect-timeout-ms", "0"),
+            ("--response-timeout-ms", "0"),
+            ("--upstream-idle-timeout-ms", "0"),
             ("--reservation-ttl-ms", "0"),
             ("--max-reservations", "0"),
         ] {

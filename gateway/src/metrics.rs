@@ -129,8 +129,8 @@ pub struct Metrics {
     pub select: HistogramVec,
     /// (reason): `connect`, `status_5xx`.
     pub retries: CounterVec<1>,
-    /// (reason): why a forwarded request failed (`connect`, `status_5xx`, `timeout`,
-    /// `mid_stream`, `client_gone`).
+    /// (reason): why a forwarded request failed (`connect`, `send`, `status_5xx`, `timeout`,
+    /// `worker_gone`, `mid_stream`, `idle_timeout`, `client_gone`).
     pub upstream_failures: CounterVec<1>,
     pub streams_in_flight: AtomicI64,
     pub in_flight: AtomicI64,

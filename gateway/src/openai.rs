@@ -36,6 +36,14 @@ impl Api {
         }
     }
 
+    /// The body field holding the prompt (an error about the prompt names it).
+    pub fn prompt_field(self) -> &'static str {
+        match self {
+            Api::Completions => "prompt",
+            Api::Chat => "messages",
+        }
+    }
+
     /// The metrics label.
     pub fn label(self) -> &'static str {
         match self {
@@ -356,6 +364,18 @@ fn session(
     body: Option<SessionContext>,
 ) -> Result<Option<SessionContext>, ApiError> {
     let from_headers = match header(headers, SESSION_ID) {
+        // The header session replaces the body's whole; its other headers mean nothing alone.
+        None => {
+            if let Some(alone) = [SESSION_PARENT_ID, SESSION_FINAL]
+                .into_iter()
+                .find(|h| header(headers, h).is_some())
+            {
+                return Err(ApiError::invalid(format!(
+                    "header {alone} needs {SESSION_ID} (a session given in headers names its id)"
+                )));
+            }
+            None
+        }
         Some(id) => {
             let is_final = match header(headers, SESSION_FINAL) {
                 None => false,
@@ -369,7 +389,6 @@ fn session(
                 trigger: SessionTrigger::UserMessage,
             })
         }
-        None => None,
     };
     let session = from_headers.or(body);
     if let Some(s) = &session {

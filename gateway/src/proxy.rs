@@ -4,7 +4,7 @@
 //! A connect failure, a refused connection or a 5xx before the first byte is retried once on
 //! another worker (the failed one excluded through `allowed_workers`, as a new kvroute request:
 //! the first decision is released with `finished`). A failure after the first byte ends the
-//! stream with an error event. Every forwarded request has a decision, and its load is released
+//! stream with an error event; so does a worker silent for `--upstream-idle-timeout-ms`. Every forwarded request has a decision, and its load is released
 //! by the request's [`InFlight`] guard — at the end, on failure, or when the client leaves.
 
 use std::sync::Arc;
@@ -25,7 +25,7 @@ use crate::error::ApiError;
 use crate::lifecycle::Placement;
 use crate::models::{INLINE_TOKENIZE_BYTES, prompt_bytes, prompt_tokens};
 use crate::openai::{Api, Parsed, Prompt};
-use crate::relay::{InFlight, Outcome, relay};
+use crate::relay::{BodyError, InFlight, Outcome, read_whole, relay};
 use crate::request_id::{self, RequestIds};
 
 /// Answer headers naming the placement.
@@ -92,7 +92,7 @@ async fn forward(
         return Err(ApiError {
             code: "context_length_exceeded",
             ..ApiError::invalid_param(
-                "messages",
+                api.prompt_field(),
                 format!(
                     "the prompt has {} tokens, more than this gateway's limit of {}",
                     tokens.len(),
@@ -177,7 +177,7 @@ async fn forward(
                     text.chars().take(512).collect::<String>()
                 )));
             }
-            Ok(answer) => return Ok(respond(answer, guard, &reply).await),
+            Ok(answer) => return Ok(respond(app, answer, guard, &reply).await),
             Err(SendError::Timeout) => {
                 guard.abandon("timeout");
                 return Err(ApiError::timeout(
@@ -339,8 +339,15 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// The engine's answer to the client: streamed through as it comes, or read whole.
-async fn respond(answer: reqwest::Response, mut guard: InFlight, reply: &SelectReply) -> Response {
+/// The engine's answer to the client: streamed through as it comes, or read whole (a body that
+/// stalls is a 504, one that breaks a 502).
+async fn respond(
+    app: &App,
+    answer: reqwest::Response,
+    mut guard: InFlight,
+    reply: &SelectReply,
+) -> Response {
+    let idle = app.settings.upstream_idle_timeout;
     let status = StatusCode::from_u16(answer.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let content_type = answer.headers().get(reqwest::header::CONTENT_TYPE).cloned();
     let streamed = content_type
@@ -350,10 +357,9 @@ async fn respond(answer: reqwest::Response, mut guard: InFlight, reply: &SelectR
     guard.set_status(status.as_u16());
     let mut response = if streamed && status.is_success() {
         guard.start_stream();
-        Response::new(relay(answer, guard))
+        Response::new(relay(answer, guard, idle))
     } else {
-        let body = answer.bytes().await;
-        match body {
+        match read_whole(answer, &mut guard, idle).await {
             Ok(bytes) => {
                 if status.is_success() {
                     guard.finish_whole(&bytes);
@@ -362,13 +368,25 @@ async fn respond(answer: reqwest::Response, mut guard: InFlight, reply: &SelectR
                 }
                 Response::new(Body::from(bytes))
             }
-            Err(e) => {
-                guard.abandon("mid_stream");
+            Err(BodyError::Broken(e)) => {
+                guard.fail_before_client(502, "mid_stream");
                 return ApiError::bad_gateway(format!(
                     "worker {} failed while answering: {}",
                     reply.worker_id,
                     error_chain(&e)
                 ))
+                .into_response();
+            }
+            Err(BodyError::Idle) => {
+                guard.fail_before_client(504, "idle_timeout");
+                return ApiError::timeout(
+                    "upstream_timeout",
+                    format!(
+                        "worker {} sent nothing for {} ms in the middle of its answer",
+                        reply.worker_id,
+                        idle.as_millis()
+                    ),
+                )
                 .into_response();
             }
         }

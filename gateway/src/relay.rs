@@ -1,8 +1,10 @@
 //! One forwarded request from its decision to its end: the [`InFlight`] guard publishes the
-//! lifecycle events (`prefill_done` at the first streamed byte, `finished` when the request
-//! ends however it ends — its `Drop` runs when the client disconnects too), records the
+//! lifecycle events (`prefill_done` at the first byte of the answer's body, `finished` when the
+//! request ends however it ends — its `Drop` runs when the client disconnects too), records the
 //! metrics and writes the access log line; [`relay`] streams the engine's answer through with
-//! backpressure (a chunk is read from the engine only when the client took the last one).
+//! backpressure (a chunk is read from the engine only when the client took the last one), and
+//! [`read_whole`] reads a whole answer. Both give the engine `--upstream-idle-timeout-ms` for
+//! each next piece of the body.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -96,6 +98,8 @@ pub struct InFlight {
     events: u64,
     usage_tokens: Option<u64>,
     saw_done: bool,
+    /// `prefill_done` was published.
+    prefill_done: bool,
     /// The stream's last line so far, not yet ended by a newline.
     partial: Vec<u8>,
     ended: bool,
@@ -117,6 +121,7 @@ impl InFlight {
             events: 0,
             usage_tokens: None,
             saw_done: false,
+            prefill_done: false,
             partial: Vec::new(),
             ended: false,
             abandoned: false,
@@ -140,6 +145,21 @@ impl InFlight {
             .metrics
             .streams_in_flight
             .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The first byte of a successful answer's body: the prompt is prefilled.
+    fn body_started(&mut self) {
+        if !self.prefill_done {
+            self.prefill_done = true;
+            self.app.lifecycle.prefill_done(self.placement);
+        }
+    }
+
+    /// The answer failed after its headers, before anything reached the client: the client
+    /// gets `status` (a 502 or 504 the caller builds); counted under `reason`.
+    pub fn fail_before_client(&mut self, status: u16, reason: &'static str) {
+        self.outcome.status = status;
+        self.fail(reason);
     }
 
     /// A whole (non-streamed) answer arrived.
@@ -166,7 +186,7 @@ impl InFlight {
                     .metrics
                     .ttft
                     .observe(&self.outcome.model, now - self.started);
-                self.app.lifecycle.prefill_done(self.placement);
+                self.body_started();
             }
             Some(last) => self
                 .app
@@ -296,12 +316,46 @@ fn usage_tokens(data: &[u8]) -> Option<u64> {
     v["usage"]["completion_tokens"].as_u64()
 }
 
-/// The engine's streamed answer, relayed chunk by chunk. An engine error or an end without
-/// `data: [DONE]` ends the stream with an error event, never a hang.
-pub fn relay(answer: reqwest::Response, guard: InFlight) -> Body {
+/// Why a whole answer's body did not arrive.
+#[derive(Debug)]
+pub enum BodyError {
+    /// Nothing came for `--upstream-idle-timeout-ms`.
+    Idle,
+    Broken(reqwest::Error),
+}
+
+/// The engine's whole (non-streamed) answer body, each piece of it awaited at most `idle`.
+/// The first byte of a successful answer publishes `prefill_done`.
+pub async fn read_whole(
+    mut answer: reqwest::Response,
+    guard: &mut InFlight,
+    idle: Duration,
+) -> Result<Bytes, BodyError> {
+    let success = answer.status().is_success();
+    let mut body = bytes::BytesMut::new();
+    loop {
+        match tokio::time::timeout(idle, answer.chunk()).await {
+            Err(_) => return Err(BodyError::Idle),
+            Ok(Err(e)) => return Err(BodyError::Broken(e)),
+            Ok(Ok(None)) => return Ok(body.freeze()),
+            Ok(Ok(Some(chunk))) => {
+                if success && !chunk.is_empty() {
+                    guard.body_started();
+                }
+                body.extend_from_slice(&chunk);
+            }
+        }
+    }
+}
+
+/// The engine's streamed answer, relayed chunk by chunk. An engine error, an end without
+/// `data: [DONE]`, or nothing from the engine for `idle` ends the stream with an error event,
+/// never a hang.
+pub fn relay(answer: reqwest::Response, guard: InFlight, idle: Duration) -> Body {
     struct State {
         upstream: futures::stream::BoxStream<'static, Vec<reqwest::Result<Bytes>>>,
         guard: InFlight,
+        idle: Duration,
         over: bool,
     }
     let state = State {
@@ -309,13 +363,26 @@ pub fn relay(answer: reqwest::Response, guard: InFlight) -> Body {
         // side, one write per token would be one packet per token).
         upstream: answer.bytes_stream().ready_chunks(COALESCE).boxed(),
         guard,
+        idle,
         over: false,
     };
     let stream = futures::stream::unfold(state, |mut s| async move {
         if s.over {
             return None;
         }
-        match s.upstream.next().await {
+        let Ok(next) = tokio::time::timeout(s.idle, s.upstream.next()).await else {
+            s.over = true;
+            s.guard.fail("idle_timeout");
+            let event = error_event(&ApiError::timeout(
+                "upstream_timeout",
+                format!(
+                    "the worker sent nothing for {} ms in the middle of the stream",
+                    s.idle.as_millis()
+                ),
+            ));
+            return Some((Ok(event), s));
+        };
+        match next {
             Some(batch) => {
                 let mut out = bytes::BytesMut::new();
                 let mut failed = None;
@@ -334,10 +401,10 @@ pub fn relay(answer: reqwest::Response, guard: InFlight) -> Body {
                 if let Some(e) = failed {
                     s.over = true;
                     s.guard.fail("mid_stream");
-                    out.extend_from_slice(&error_event(&format!(
+                    out.extend_from_slice(&error_event(&ApiError::bad_gateway(format!(
                         "the worker failed mid-stream: {}",
                         crate::proxy::error_chain(&e)
-                    )));
+                    ))));
                 }
                 Some((Ok::<Bytes, Infallible>(out.freeze()), s))
             }
@@ -349,8 +416,9 @@ pub fn relay(answer: reqwest::Response, guard: InFlight) -> Body {
             None => {
                 s.over = true;
                 s.guard.fail("mid_stream");
-                let event =
-                    error_event("the worker ended the stream before the answer was complete");
+                let event = error_event(&ApiError::bad_gateway(
+                    "the worker ended the stream before the answer was complete",
+                ));
                 Some((Ok(event), s))
             }
         }
@@ -359,8 +427,7 @@ pub fn relay(answer: reqwest::Response, guard: InFlight) -> Body {
 }
 
 /// An OpenAI-style error as a server-sent event.
-fn error_event(message: &str) -> Bytes {
-    let e = ApiError::bad_gateway(message);
+fn error_event(e: &ApiError) -> Bytes {
     Bytes::from(format!("data: {}\n\n", e.body()))
 }
 

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context as _;
+use axum::serve::ListenerExt as _;
 use kvroute_common::Names;
 use kvroute_common::client::SelectClient;
 
@@ -43,6 +44,19 @@ pub fn prepare(
     Ok((models, keys))
 }
 
+/// The client side of the gateway: every accepted connection with TCP_NODELAY, so a streamed
+/// token goes out at once instead of waiting for the client's delayed ACK of the one before
+/// (about 40 ms on Linux).
+pub fn client_listener(
+    listener: tokio::net::TcpListener,
+) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
+    listener.tap_io(|tcp| {
+        if let Err(error) = tcp.set_nodelay(true) {
+            tracing::warn!(%error, "setting TCP_NODELAY on a client connection");
+        }
+    })
+}
+
 /// Runs the gateway until `shutdown` resolves.
 pub async fn run(
     args: GatewayArgs,
@@ -67,6 +81,7 @@ pub async fn run(
             max_body_bytes: args.max_body_bytes,
             max_prompt_tokens: args.max_prompt_tokens,
             response_timeout: args.response_timeout(),
+            upstream_idle_timeout: args.upstream_idle_timeout(),
             forward_token_ids: args.forward_token_ids,
             retry_after_secs: args.retry_after_secs,
             access_log: !args.no_access_log,
@@ -103,7 +118,7 @@ pub async fn run(
     tracing::info!(%bound, ?models, auth = app.api_keys.is_some(), "serving the OpenAI API and the selection API");
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = axum::serve(
-        listener,
+        client_listener(listener),
         crate::http::router(app.clone()).into_make_service(),
     )
     .with_graceful_shutdown(async move {
@@ -127,4 +142,21 @@ pub async fn run(
     tokio::time::sleep(Duration::from_millis(50)).await;
     nats.flush().await.context("flushing NATS")?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::serve::Listener as _;
+
+    #[tokio::test]
+    async fn accepted_client_connections_have_nodelay() {
+        let tcp = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = tcp.local_addr().expect("addr");
+        let mut listener = super::client_listener(tcp);
+        let _client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (accepted, _) = listener.accept().await;
+        assert!(accepted.nodelay().expect("read TCP_NODELAY"));
+    }
 }

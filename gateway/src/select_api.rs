@@ -99,7 +99,6 @@ struct SelectAnswer {
 
 /// `POST /v1/select` (`reserve` false) and `POST /v1/select_and_reserve`.
 pub async fn select(app: Arc<App>, headers: HeaderMap, body: Bytes, reserve: bool) -> Response {
-    let started = Instant::now();
     let endpoint = if reserve {
         "select_and_reserve"
     } else {
@@ -112,7 +111,6 @@ pub async fn select(app: Arc<App>, headers: HeaderMap, body: Bytes, reserve: boo
     app.metrics
         .requests
         .inc([endpoint, "-", &status.as_u16().to_string()]);
-    app.metrics.select.observe("-", started.elapsed());
     response
 }
 
@@ -214,10 +212,11 @@ async fn run_select(
         policy: b.policy,
         ..SelectRequest::default()
     };
-    let reply = app
-        .select
-        .select(request)
-        .await
+    // Selection alone (tokenizing has its own histogram).
+    let at = Instant::now();
+    let selected = app.select.select(request).await;
+    app.metrics.select.observe("-", at.elapsed());
+    let reply = selected
         .map_err(|f| ApiError::from_select(&f, &b.model, app.settings.retry_after_secs))?
         .reply;
     let placement = Placement {

@@ -1,6 +1,6 @@
 //! An engine the test plays itself: raw HTTP/1.1 on a loopback socket, so a test can make it
-//! answer, crash mid-stream or notice its client leaving, and can read every request it got
-//! (head and body). Register it under a card with [`crate::http_card`].
+//! answer, fail, crash mid-stream, freeze or notice its client leaving, and can read every
+//! request it got (head and body). Register it under a card with [`crate::http_card`].
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -19,6 +19,15 @@ pub enum Play {
     DieAfterFirstChunk,
     /// Streams an event every 20 ms for up to 20 s; notes when the client went away.
     StreamSlowly,
+    /// Answers 500 with an error body.
+    Fail500,
+    /// Reads the request, then sends nothing until the client closes (noted).
+    FreezeBeforeHeaders,
+    /// Answers the headers and one event, then sends nothing until the client closes (noted).
+    FreezeAfterFirstChunk,
+    /// Answers the headers of a whole answer and half its body, then sends nothing until the
+    /// client closes (noted).
+    FreezeMidAnswer,
 }
 
 /// A request as the engine received it.
@@ -87,17 +96,37 @@ pub async fn play(mode: Play) -> PlayedEngine {
 }
 
 async fn serve(mode: Play, socket: &mut TcpStream, gone: &AtomicBool) {
-    if mode == Play::Answer {
-        let body = json!({"id": "cmpl-x", "object": "text_completion", "created": 0, "model": "m",
-            "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
-        .to_string();
-        let answer = format!(
-            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+    let whole = |status: &str, body: &str| {
+        format!(
+            "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
             body.len()
-        );
-        let _ = socket.write_all(answer.as_bytes()).await;
-        return;
+        )
+    };
+    let answer = json!({"id": "cmpl-x", "object": "text_completion", "created": 0, "model": "m",
+        "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+    .to_string();
+    match mode {
+        Play::Answer => {
+            let _ = socket.write_all(whole("200 OK", &answer).as_bytes()).await;
+            return;
+        }
+        Play::Fail500 => {
+            let body = json!({"error": {"message": "played failure", "type": "internal_error"}});
+            let text = whole("500 Internal Server Error", &body.to_string());
+            let _ = socket.write_all(text.as_bytes()).await;
+            return;
+        }
+        Play::FreezeBeforeHeaders => return hold(socket, gone).await,
+        Play::FreezeMidAnswer => {
+            let text = whole("200 OK", &answer);
+            let cut = text.len() - answer.len() / 2;
+            if socket.write_all(&text.as_bytes()[..cut]).await.is_ok() {
+                hold(socket, gone).await;
+            }
+            return;
+        }
+        _ => {}
     }
     let head =
         "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
@@ -127,7 +156,28 @@ async fn serve(mode: Play, socket: &mut TcpStream, gone: &AtomicBool) {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
-        Play::Answer => unreachable!("answered above"),
+        Play::FreezeAfterFirstChunk => {
+            if socket.write_all(event(0).as_bytes()).await.is_ok() {
+                hold(socket, gone).await;
+            }
+        }
+        Play::Answer | Play::Fail500 | Play::FreezeBeforeHeaders | Play::FreezeMidAnswer => {
+            unreachable!("answered above")
+        }
+    }
+}
+
+/// Sends nothing more; returns (noting it) when the client closes the connection.
+async fn hold(socket: &mut TcpStream, gone: &AtomicBool) {
+    let mut buf = [0u8; 256];
+    loop {
+        match socket.read(&mut buf).await {
+            Ok(0) | Err(_) => {
+                gone.store(true, Ordering::SeqCst);
+                return;
+            }
+            Ok(_) => {}
+        }
     }
 }
 

@@ -1,7 +1,8 @@
-//! The gateway when workers fail: a worker that refuses connections is retried on another, a
-//! worker that dies mid-stream ends the client's stream with an error event, a client that
-//! leaves closes the engine's connection (engines abort on that), and a reservation nobody
-//! releases frees its load at expiry. The failing engines are played by the test (raw HTTP on
+//! The gateway when workers fail: a worker that refuses connections or answers 5xx is retried on
+//! another (two failing are a 502), a worker that dies mid-stream ends the client's stream with
+//! an error event, a worker that goes silent is timed out (a 504 before the client saw a byte,
+//! else an error event), a client that leaves closes the engine's connection (engines abort on
+//! that), and a reservation nobody releases frees its load at expiry. The failing engines are played by the test (raw HTTP on
 //! a TCP socket), registered under their own cards next to real bridged mocker engines.
 
 use std::sync::atomic::Ordering;
@@ -230,4 +231,292 @@ async fn a_client_that_leaves_aborts_the_request_in_the_engine() {
         0,
         "it never finished"
     );
+}
+
+/// The next `n` lifecycle events' kinds.
+async fn lifecycle_kinds(sub: &mut async_nats::Subscriber, n: usize) -> Vec<LifecycleKind> {
+    let mut kinds = Vec::new();
+    while kinds.len() < n {
+        let m = tokio::time::timeout(Duration::from_secs(5), sub.next())
+            .await
+            .unwrap_or_else(|_| panic!("lifecycle events: only {kinds:?}"))
+            .unwrap();
+        kinds.push(decode::<RequestLifecycle>(&m.payload).unwrap().kind);
+    }
+    kinds
+}
+
+/// Polls `done` every 10 ms for up to 5 s.
+async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(5), "{what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The gateway holds no request any more (every guard released its load).
+async fn wait_nothing_in_flight(gateway: &kvroute_tests::GatewayProcess) {
+    wait_until("no request in flight", || {
+        gateway.metric("kvroute_gateway_requests_in_flight") == 0.0
+            && gateway.metric("kvroute_gateway_streams_in_flight") == 0.0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_5xx_before_the_first_byte_is_retried_on_another_worker() {
+    let stack = GatewayStack::start(1, |_| {}).await.unwrap();
+    let failing = play(Play::Fail500).await;
+    let answering = play(Play::Answer).await;
+    let _a = register(&stack.env, http_card(910, "flaky", &failing.url))
+        .await
+        .unwrap();
+    let _b = register(&stack.env, http_card(911, "flaky", &answering.url))
+        .await
+        .unwrap();
+    let gateway = stack.gateway("g", &[]).unwrap();
+    let http = reqwest::Client::new();
+    let retries =
+        || gateway.metric("kvroute_gateway_upstream_retries_total{reason=\"status_5xx\"}");
+    // Round robin over the two puts one of the first two requests on the failing worker.
+    let mut retried = 0;
+    for i in 0..4u32 {
+        let before = failing.requests.load(Ordering::SeqCst);
+        let prompt: Vec<u32> = (0..16).map(|t| t + i * 100).collect();
+        let r = http
+            .post(gateway.url("/v1/completions"))
+            .header("x-kvroute-policy", "round-robin")
+            .json(&completion("flaky", &prompt, false))
+            .send()
+            .await
+            .unwrap();
+        let worker = r.headers()["x-kvroute-worker-id"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        let status = r.status();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["choices"][0]["text"], "ok", "{v}");
+        assert_eq!(worker, "911", "answered by the worker that answers");
+        if failing.requests.load(Ordering::SeqCst) > before {
+            retried += 1;
+        }
+        assert_eq!(retries(), f64::from(retried), "request {i}");
+    }
+    assert!(retried >= 1, "the failing worker was never chosen");
+    assert_eq!(answering.requests.load(Ordering::SeqCst), 4);
+    assert_eq!(
+        gateway.metric(
+            "kvroute_gateway_requests_total{endpoint=\"completions\",model=\"flaky\",status=\"200\"}"
+        ),
+        4.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_workers_failing_is_a_502_in_openai_error_json() {
+    let stack = GatewayStack::start(1, |_| {}).await.unwrap();
+    let first = play(Play::Fail500).await;
+    let second = play(Play::Fail500).await;
+    let _a = register(&stack.env, http_card(912, "broken", &first.url))
+        .await
+        .unwrap();
+    let _b = register(&stack.env, http_card(913, "broken", &second.url))
+        .await
+        .unwrap();
+    let gateway = stack.gateway("g", &[]).unwrap();
+    let r = reqwest::Client::new()
+        .post(gateway.url("/v1/completions"))
+        .json(&completion("broken", &[1, 2, 3, 4, 5], false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "upstream_failed", "{v}");
+    assert!(v["error"]["type"].is_string(), "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("500"),
+        "{v}"
+    );
+    assert_eq!(
+        (
+            first.requests.load(Ordering::SeqCst),
+            second.requests.load(Ordering::SeqCst)
+        ),
+        (1, 1),
+        "each worker tried once"
+    );
+    assert_eq!(
+        gateway.metric("kvroute_gateway_upstream_retries_total{reason=\"status_5xx\"}"),
+        2.0,
+        "both failures counted"
+    );
+    assert_eq!(
+        gateway.metric(
+            "kvroute_gateway_requests_total{endpoint=\"completions\",model=\"broken\",status=\"502\"}"
+        ),
+        1.0
+    );
+    wait_nothing_in_flight(&gateway).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_silent_before_its_headers_is_a_504() {
+    let stack = GatewayStack::start(1, |_| {}).await.unwrap();
+    let engine = play(Play::FreezeBeforeHeaders).await;
+    let _card = register(&stack.env, http_card(914, "mute", &engine.url))
+        .await
+        .unwrap();
+    let gateway = stack
+        .gateway("g", &["--response-timeout-ms", "500"])
+        .unwrap();
+    let names = Names::new(&stack.env.namespace);
+    let nats = stack.env.nats.connect().await.unwrap();
+    let mut lifecycle = nats.subscribe(names.lifecycle(914)).await.unwrap();
+    let started = Instant::now();
+    let r = tokio::time::timeout(
+        Duration::from_secs(10),
+        reqwest::Client::new()
+            .post(gateway.url("/v1/completions"))
+            .json(&completion("mute", &[1, 2, 3, 4, 5], true))
+            .send(),
+    )
+    .await
+    .expect("answered, never a hang")
+    .unwrap();
+    assert_eq!(r.status(), 504);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "upstream_timeout", "{v}");
+    assert_eq!(v["error"]["type"], "timeout_error", "{v}");
+    assert!(started.elapsed() >= Duration::from_millis(500));
+    assert_eq!(engine.requests.load(Ordering::SeqCst), 1, "not retried");
+    wait_until("the engine's connection closed", || {
+        engine.gone.load(Ordering::SeqCst)
+    })
+    .await;
+    let kinds = lifecycle_kinds(&mut lifecycle, 1).await;
+    assert!(
+        matches!(kinds[0], LifecycleKind::Finished { .. }),
+        "{kinds:?}"
+    );
+    assert_eq!(
+        gateway.metric(
+            "kvroute_gateway_requests_total{endpoint=\"completions\",model=\"mute\",status=\"504\"}"
+        ),
+        1.0
+    );
+    wait_nothing_in_flight(&gateway).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_frozen_mid_stream_ends_the_stream_with_a_timeout_event() {
+    let stack = GatewayStack::start(1, |_| {}).await.unwrap();
+    let engine = play(Play::FreezeAfterFirstChunk).await;
+    let _card = register(&stack.env, http_card(915, "frozen", &engine.url))
+        .await
+        .unwrap();
+    let gateway = stack
+        .gateway("g", &["--upstream-idle-timeout-ms", "500"])
+        .unwrap();
+    let names = Names::new(&stack.env.namespace);
+    let nats = stack.env.nats.connect().await.unwrap();
+    let mut lifecycle = nats.subscribe(names.lifecycle(915)).await.unwrap();
+    let started = Instant::now();
+    let r = reqwest::Client::new()
+        .post(gateway.url("/v1/completions"))
+        .json(&completion("frozen", &[1, 2, 3, 4, 5], true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body = tokio::time::timeout(Duration::from_secs(10), r.text())
+        .await
+        .expect("the stream ends, never hangs")
+        .unwrap();
+    let elapsed = started.elapsed();
+    let events: Vec<&str> = body.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.len(), 2, "the first chunk, then the error: {body}");
+    assert!(events[0].contains("t0"), "{body}");
+    let error: Value = serde_json::from_str(events[1].strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(error["error"]["code"], "upstream_timeout", "{body}");
+    assert_eq!(error["error"]["type"], "timeout_error", "{body}");
+    assert!(!body.contains("[DONE]"));
+    assert!(
+        elapsed >= Duration::from_millis(500) && elapsed < Duration::from_secs(5),
+        "ended after the idle timeout: {elapsed:?}"
+    );
+    wait_until("the engine's connection closed", || {
+        engine.gone.load(Ordering::SeqCst)
+    })
+    .await;
+    let kinds = lifecycle_kinds(&mut lifecycle, 2).await;
+    assert!(
+        matches!(kinds[0], LifecycleKind::PrefillDone { .. }),
+        "{kinds:?}"
+    );
+    assert!(
+        matches!(kinds[1], LifecycleKind::Finished { .. }),
+        "{kinds:?}"
+    );
+    assert_eq!(
+        gateway.metric("kvroute_gateway_upstream_failures_total{reason=\"idle_timeout\"}"),
+        1.0
+    );
+    wait_nothing_in_flight(&gateway).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_answer_whose_body_stalls_is_a_504() {
+    let stack = GatewayStack::start(1, |_| {}).await.unwrap();
+    let engine = play(Play::FreezeMidAnswer).await;
+    let _card = register(&stack.env, http_card(916, "stalled", &engine.url))
+        .await
+        .unwrap();
+    let gateway = stack
+        .gateway("g", &["--upstream-idle-timeout-ms", "500"])
+        .unwrap();
+    let names = Names::new(&stack.env.namespace);
+    let nats = stack.env.nats.connect().await.unwrap();
+    let mut lifecycle = nats.subscribe(names.lifecycle(916)).await.unwrap();
+    let r = tokio::time::timeout(
+        Duration::from_secs(10),
+        reqwest::Client::new()
+            .post(gateway.url("/v1/completions"))
+            .json(&completion("stalled", &[1, 2, 3, 4, 5], false))
+            .send(),
+    )
+    .await
+    .expect("answered, never a hang")
+    .unwrap();
+    assert_eq!(r.status(), 504);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "upstream_timeout", "{v}");
+    wait_until("the engine's connection closed", || {
+        engine.gone.load(Ordering::SeqCst)
+    })
+    .await;
+    // Half the body arrived: the prefill was over; then the load is released.
+    let kinds = lifecycle_kinds(&mut lifecycle, 2).await;
+    assert!(
+        matches!(kinds[0], LifecycleKind::PrefillDone { .. }),
+        "{kinds:?}"
+    );
+    assert!(
+        matches!(kinds[1], LifecycleKind::Finished { .. }),
+        "{kinds:?}"
+    );
+    assert_eq!(
+        gateway.metric(
+            "kvroute_gateway_requests_total{endpoint=\"completions\",model=\"stalled\",status=\"504\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        gateway.metric("kvroute_gateway_upstream_failures_total{reason=\"idle_timeout\"}"),
+        1.0
+    );
+    wait_nothing_in_flight(&gateway).await;
 }

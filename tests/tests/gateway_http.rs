@@ -60,18 +60,29 @@ async fn completions_streamed_and_not_with_lifecycle_and_request_ids() {
     assert_eq!(v["object"], "text_completion");
     assert_eq!(v["usage"]["prompt_tokens"], 20);
     assert_eq!(v["usage"]["completion_tokens"], 5);
-    // kvroute's request id is derived from the header; the load is released at the end.
-    let m = tokio::time::timeout(Duration::from_secs(5), lifecycle.next())
-        .await
-        .expect("a lifecycle event")
-        .unwrap();
-    let event: RequestLifecycle = decode(&m.payload).unwrap();
-    assert_eq!(
-        event.request_id,
-        kvroute_gateway::request_id::derive("job-17")
+    // kvroute's request id is derived from the header; the prefill load goes at the answer's
+    // first byte, the rest at the end.
+    let mut events = Vec::new();
+    for _ in 0..2 {
+        let m = tokio::time::timeout(Duration::from_secs(5), lifecycle.next())
+            .await
+            .expect("a lifecycle event")
+            .unwrap();
+        events.push(decode::<RequestLifecycle>(&m.payload).unwrap());
+    }
+    for event in &events {
+        assert_eq!(
+            event.request_id,
+            kvroute_gateway::request_id::derive("job-17")
+        );
+        assert_eq!(event.worker_id, 100);
+    }
+    assert!(
+        matches!(events[0].kind, LifecycleKind::PrefillDone { .. }),
+        "{:?}",
+        events[0].kind
     );
-    assert_eq!(event.worker_id, 100);
-    assert_eq!(event.kind, LifecycleKind::Finished { output_tokens: 5 });
+    assert_eq!(events[1].kind, LifecycleKind::Finished { output_tokens: 5 });
 
     let body = json!({"model": STACK_MODEL, "prompt": prompt(2, 20), "max_tokens": 4,
         "stream": true, "stream_options": {"include_usage": true}});
@@ -223,6 +234,9 @@ async fn the_selection_api_selects_reserves_and_releases() {
     let (id, kind) = next_kind().await;
     assert_eq!(id.to_string(), v["request_id"].as_str().unwrap());
     assert!(matches!(kind, LifecycleKind::Finished { .. }));
+    // Selections are timed; requests refused before selecting (below) are not.
+    let selections = || gateway.metric("kvroute_gateway_select_seconds_count{model=\"-\"}");
+    assert_eq!(selections(), 1.0);
 
     let (status, v) = post(
         "/v1/select_and_reserve",
@@ -296,6 +310,7 @@ async fn the_selection_api_selects_reserves_and_releases() {
     )
     .await;
     assert_eq!(status, 404);
+    assert_eq!(selections(), 2.0, "the select and the select_and_reserve");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -397,6 +412,17 @@ async fn bad_input_gets_openai_errors_and_the_gateway_keeps_serving() {
         let (status, v) = send(path, key, body).await;
         assert_eq!(status, want, "{path}: {v}");
     }
+    // A completions prompt too long names `prompt` (a chat's names `messages`).
+    let long = json!({"model": STACK_MODEL, "prompt": (0..101).collect::<Vec<u32>>()});
+    let (status, v) = send(
+        "/v1/completions",
+        Some("sk-good"),
+        long.to_string().into_bytes(),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    assert_eq!(v["error"]["param"], "prompt", "{v}");
     // Unauthenticated health and metrics; the process still serves.
     assert_eq!(
         http.get(gateway.url("/health"))

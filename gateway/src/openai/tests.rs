@@ -133,3 +133,30 @@ fn sessions_from_headers_win_over_the_body_extension() {
     let bad = json!({"model": "m", "prompt": "x", "kvroute": {"session": 3}});
     assert_eq!(param_of(Api::Completions, bad), Some(EXTENSION));
 }
+
+#[test]
+fn session_headers_without_the_session_id_are_refused_naming_the_header() {
+    let body = json!({"model": "m", "prompt": "x",
+        "kvroute": {"session": {"id": "body"}}})
+    .to_string();
+    for (alone, value) in [(SESSION_PARENT_ID, "root"), (SESSION_FINAL, "1")] {
+        let mut h = HeaderMap::new();
+        h.insert(alone, value.parse().expect("value"));
+        let e = Parsed::from_body(Api::Completions, body.as_bytes(), &h).unwrap_err();
+        assert_eq!(e.status, 400);
+        assert!(
+            e.message.contains(alone) && e.message.contains(SESSION_ID),
+            "{}",
+            e.message
+        );
+        h.insert(SESSION_ID, "hdr".parse().expect("value"));
+        let p = Parsed::from_body(Api::Completions, body.as_bytes(), &h).expect("with the id");
+        assert_eq!(p.session.expect("session").id, "hdr");
+    }
+}
+
+#[test]
+fn prompt_errors_name_the_field_of_the_endpoint() {
+    assert_eq!(Api::Completions.prompt_field(), "prompt");
+    assert_eq!(Api::Chat.prompt_field(), "messages");
+}
