@@ -1,13 +1,15 @@
 //! kvroute-bridge's event path against the engines' own publisher code (vLLM 0.32 and SGLang
 //! 0.5.23 `ZmqEventPublisher`, run by tests/engines/engine_publisher.py): two data-parallel
 //! ranks, stored / removed / cleared, LoRA, offloaded tiers, a second physical copy, a gap
-//! replayed, a gap that cannot be replayed, an engine restart and a resync — each time an indexer
-//! fed through the bridge must hold exactly the state built from the same events by hand with
+//! replayed, a gap that cannot be replayed (no replay endpoint, or a replay buffer that no
+//! longer reaches back to it), an engine restart and a resync — each time an indexer fed
+//! through the bridge must hold exactly the state built from the same events by hand with
 //! kvroute's hashing: the same digest, and the same answers to overlap queries.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
 use kvroute_bridge::BridgeMetrics;
 use kvroute_bridge::config::{EngineKind, EngineSpec};
 use kvroute_bridge::relay::{Relay, RelaySettings};
@@ -15,7 +17,8 @@ use kvroute_common::Names;
 use kvroute_common::codec::{decode, encode};
 use kvroute_common::hashing::{local_block_hashes, seed_for_lora};
 use kvroute_common::messages::{
-    IndexQuery, IndexQueryResponse, KvEventData, StorageTier, StoredBlock, WorkerMatch,
+    IndexQuery, IndexQueryResponse, KvEventBatch, KvEventData, StorageTier, StoredBlock,
+    WorkerMatch,
 };
 use kvroute_common::worker::{PublisherConfig, RegistrationConfig, WorkerAgent, WorkerAgentConfig};
 use kvroute_indexer::{IndexConfig, RadixIndex};
@@ -645,4 +648,115 @@ async fn a_bridge_started_late_learns_the_history_without_a_new_batch() {
             .get("kvroute_bridge_gaps_total", "e", Some(0), ""),
         0.0
     );
+}
+
+/// A gap the engine's replay buffer no longer reaches back to (it keeps the last 2 batches; 3
+/// in a row were lost) cannot be filled: the bridge publishes `Cleared` for that rank only,
+/// counts it, and rebuilds the rank from the following events — the blocks stored before the
+/// gap are lost to routing until the engine stores them again.
+async fn gap_older_than_the_replay_buffer(e: Engine) {
+    let env = TestEnv::start().unwrap();
+    let indexer = IndexerProcess::start(&env, "a", &[]).unwrap();
+    let nats = env.nats.connect().await.unwrap();
+    let names = Names::new(&env.namespace);
+    let mut options = EngineOptions::new(e);
+    options.buffer_steps = 2;
+    let mut publisher = EnginePublisher::start(options).unwrap();
+    let bridged = bridge(&env, &publisher).await;
+    let mut events = nats.subscribe(names.kv_events(WORKER)).await.unwrap();
+    let (t1, t2, t3) = (tokens(100, 1), tokens(200, 1), tokens(300, 1));
+    publisher
+        .publish(0, json!([stored(e, &[1], None, &t1, "GPU", None)]))
+        .unwrap();
+    publisher
+        .publish(1, json!([stored(e, &[20], None, &t2, "GPU", None)]))
+        .unwrap();
+    let before = reference(&[
+        (0, chain(e, &[1], None, &t1, StorageTier::Device, None)),
+        (1, chain(e, &[20], None, &t2, StorageTier::Device, None)),
+    ]);
+    wait_digest(&indexer, before.digest(), "before the gap").await;
+    // Seqs 1-3 never leave the PUB socket; by seq 4 the buffer holds only seqs 3 and 4.
+    for _ in 0..3 {
+        publisher.drop_next(0).unwrap();
+    }
+    publisher
+        .publish(0, json!([stored(e, &[2], Some(1), &t2, "GPU", None)]))
+        .unwrap();
+    publisher
+        .publish(0, json!([stored(e, &[3], None, &t2, "GPU", None)]))
+        .unwrap();
+    publisher
+        .publish(0, json!([removed(e, &[3], "GPU")]))
+        .unwrap();
+    let seq = publisher
+        .publish(0, json!([stored(e, &[4], None, &t3, "GPU", None)]))
+        .unwrap();
+    assert_eq!(seq, 4);
+    let expected = reference(&[
+        (0, chain(e, &[4], None, &t3, StorageTier::Device, None)),
+        (1, chain(e, &[20], None, &t2, StorageTier::Device, None)),
+    ]);
+    wait_digest(
+        &indexer,
+        expected.digest(),
+        "a gap the buffer no longer covers",
+    )
+    .await;
+    let probes = [
+        probe("rank 0's block from before the gap", t1.clone(), None, &[]),
+        probe(
+            "rank 0's block from after the gap",
+            t3.clone(),
+            None,
+            &[(0, 1, 0)],
+        ),
+        probe("rank 1's block", t2.clone(), None, &[(1, 1, 0)]),
+    ];
+    check_queries(&nats, &names, &indexer, &expected, &probes, "after the gap").await;
+
+    let m =
+        |rank, name: &'static str, extra: &str| bridged.metrics.get(name, "e", Some(rank), extra);
+    assert_eq!(m(0, "kvroute_bridge_gaps_total", ""), 1.0);
+    // (The start-up catch-up may have replayed seq 0 as "ok": it races the first publish.)
+    assert_eq!(m(0, "kvroute_bridge_replays_total", "not_covered"), 1.0);
+    assert_eq!(m(0, "kvroute_bridge_ranks_cleared_total", ""), 1.0);
+    assert_eq!(m(1, "kvroute_bridge_ranks_cleared_total", ""), 0.0);
+
+    // What the bridge published for rank 0 up to block 4: `Cleared`, then block 4 — nothing of
+    // the lost batches, nor of seq 3, which the buffer still had. (What came before the gap may
+    // be missing: the subscription raced its publication.)
+    let last = chain(e, &[4], None, &t3, StorageTier::Device, None);
+    let mut seen = Vec::new();
+    let start = Instant::now();
+    while seen.last() != Some(&last) {
+        let left = Duration::from_secs(10).saturating_sub(start.elapsed());
+        let msg = tokio::time::timeout(left, events.next())
+            .await
+            .unwrap_or_else(|_| panic!("rank 0's events never reached block 4: {seen:?}"))
+            .unwrap();
+        let batch: KvEventBatch = decode(&msg.payload).unwrap();
+        assert_eq!(batch.worker_id, WORKER);
+        if batch.dp_rank == 0 {
+            seen.extend(batch.events.into_iter().map(|event| event.data));
+        }
+    }
+    assert_eq!(seen[seen.len() - 2], KvEventData::Cleared, "{seen:?}");
+    let lost = [hv(e, 2), hv(e, 3)];
+    let names_lost = |d: &KvEventData| match d {
+        KvEventData::Stored { blocks, .. } => blocks.iter().any(|b| lost.contains(&b.block_hash)),
+        KvEventData::Removed { block_hashes, .. } => block_hashes.iter().any(|h| lost.contains(h)),
+        KvEventData::Cleared => false,
+    };
+    assert!(!seen.iter().any(names_lost), "{seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_gap_older_than_the_replay_buffer_clears_the_rank() {
+    gap_older_than_the_replay_buffer(Engine::Vllm).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_gap_older_than_the_replay_buffer_clears_the_rank() {
+    gap_older_than_the_replay_buffer(Engine::Sglang).await;
 }
