@@ -2,7 +2,10 @@
 //! behind `kvroute-bridge` (its whole process: relay, mirror, registration, load, requests),
 //! driven by `kvroute-replay` like native mocker workers. KV-aware routing through the bridge
 //! reaches the native run's hit rate; the engine's metrics arrive as `WorkerLoad`s; an engine
-//! whose `/health` fails leaves within the lease TTL + 2 s and comes back.
+//! whose `/health` fails leaves within the lease TTL + 2 s and comes back. One engine
+//! impersonating vLLM, and one impersonating SGLang, each behind a bridge: the card the bridge
+//! learns, a request through the bridge whose prompt then shows in the index, and load reports
+//! whose running and waiting counts follow the engine's requests.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -11,8 +14,11 @@ use clap::Parser as _;
 use futures::StreamExt;
 use kvroute_bridge::BridgeArgs;
 use kvroute_common::Names;
-use kvroute_common::codec::decode;
-use kvroute_common::messages::WorkerLoad;
+use kvroute_common::codec::{decode, encode};
+use kvroute_common::messages::{
+    GenerateRequest, GenerateResponse, IndexQuery, IndexQueryResponse, WorkerCard, WorkerLoad,
+    WorkerMatch,
+};
 use kvroute_mocker::engine_face::{EngineApi, EngineFleet, WorkerEndpoints};
 use kvroute_mocker::fleet::{EngineArgs, Fleet, FleetConfig};
 use kvroute_mocker::replay::{self, ReplayArgs};
@@ -132,7 +138,7 @@ fn start_bridge(
 ) {
     let yaml: String = engines
         .iter()
-        .map(|e| format!("  - engine: vllm\n    engine_url: {}\n    zmq_endpoint: {}\n    zmq_replay_endpoint: {}\n    worker_id: {}\n", e.url(), e.zmq[0], e.replay[0], 100 + e.index))
+        .map(|e| format!("  - engine: {}\n    engine_url: {}\n    zmq_endpoint: {}\n    zmq_replay_endpoint: {}\n    worker_id: {}\n", e.engine.as_str(), e.url(), e.zmq[0], e.replay[0], 100 + e.index))
         .collect();
     let file = dir.join("engines.yaml");
     std::fs::write(&file, format!("engines:\n{yaml}")).unwrap();
@@ -311,4 +317,191 @@ async fn mocker_as_vllm_behind_bridges_routes_like_native_workers() {
         "a stopped bridge deregisters its engines"
     );
     b.engines.shutdown().await;
+}
+
+/// The card registered for worker `id`.
+async fn card(env: &TestEnv, id: u64) -> WorkerCard {
+    let mut etcd = env.etcd.connect().await.unwrap();
+    let names = Names::new(&env.namespace);
+    let got = etcd.get(names.worker_key(id), None).await.unwrap();
+    let kv = got.kvs().first().expect("the card");
+    decode(kv.value()).unwrap()
+}
+
+/// The next load report of the subscription that satisfies `want` (within 10 s).
+async fn load_where(
+    loads: &mut async_nats::Subscriber,
+    what: &str,
+    want: impl Fn(&WorkerLoad) -> bool,
+) -> WorkerLoad {
+    let start = Instant::now();
+    let mut last = None;
+    loop {
+        let left = Duration::from_secs(10).saturating_sub(start.elapsed());
+        let Ok(Some(msg)) = tokio::time::timeout(left, loads.next()).await else {
+            panic!("no load report with {what} within 10 s; the last: {last:?}");
+        };
+        let load: WorkerLoad = decode(&msg.payload).unwrap();
+        if want(&load) {
+            return load;
+        }
+        last = Some(load);
+    }
+}
+
+/// A streamed completion of `prompt` that runs until dropped (at real time, 10 ms a step,
+/// 20 000 tokens take minutes); returned once the engine answered its headers.
+async fn long_stream(http: &reqwest::Client, url: &str, prompt: Vec<u32>) -> reqwest::Response {
+    let body = serde_json::json!({
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": 20_000,
+        "stream": true,
+    });
+    let response = http
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response
+}
+
+/// One engine of `api` (2 request slots, real time) behind a bridge: the card the bridge
+/// registers from the engine's own endpoints; a request on the worker's NATS subject answered
+/// by the engine, whose prompt the index then holds on that worker; load reports whose running
+/// and waiting counts are those of the engine's requests, back to 0 once they end.
+async fn one_engine_behind_a_bridge(api: EngineApi) {
+    const ID: u64 = 100;
+    let dir = tempfile::tempdir().unwrap();
+    let env = TestEnv::start().unwrap();
+    let indexer = IndexerProcess::start(&env, "a", &[]).unwrap();
+    let mut config = fleet_config(Setup {
+        workers: 1,
+        blocks: BLOCKS,
+        speedup: 1.0,
+    });
+    config.engine.max_num_seqs = 2;
+    config.face.engine_api = api;
+    config.face.engine_http_port = 0;
+    config.face.engine_zmq_port = 0;
+    config.face.engine_replay_port = 0;
+    let engines = EngineFleet::start(&config).await.unwrap();
+    let endpoints = engines.endpoints();
+    let url = endpoints[0].url();
+    let (stop, bridge) = start_bridge(&env, dir.path(), &endpoints, QUICK_HEALTH);
+    wait_until(
+        "the engine registered",
+        Duration::from_secs(20),
+        async || workers_registered(&env).await == 1,
+    )
+    .await;
+    let c = card(&env, ID).await;
+    assert_eq!(
+        (c.model.as_str(), c.block_size, c.total_kv_blocks, c.dp_size),
+        ("m", 64, BLOCKS, 1)
+    );
+    assert_eq!(c.http_url.as_deref(), Some(url.as_str()));
+
+    // A request through the bridge: the engine's answer, then its prompt's 4 blocks in the
+    // index on this worker.
+    let nats = env.nats.connect().await.unwrap();
+    let names = Names::new(&env.namespace);
+    let prompt: Vec<u32> = (1000..1000 + 4 * 64).collect();
+    let request = GenerateRequest {
+        request_id: uuid::Uuid::new_v4(),
+        token_ids: Some(prompt.clone()),
+        max_tokens: 4,
+        ..GenerateRequest::default()
+    };
+    let reply = nats
+        .request(names.worker_requests(ID), encode(&request).unwrap())
+        .await
+        .unwrap();
+    match decode::<GenerateResponse>(&reply.payload).unwrap() {
+        GenerateResponse::Ok(r) => {
+            assert_eq!((r.worker_id, r.request_id), (ID, request.request_id));
+            assert_eq!(
+                (r.prompt_tokens, r.cached_tokens, r.output_tokens),
+                (256, 0, 4)
+            );
+        }
+        GenerateResponse::Error(e) => panic!("the request failed: {e:?}"),
+    }
+    let query = IndexQuery {
+        model: "m".into(),
+        token_ids: Some(prompt),
+        block_size: Some(64),
+        ..IndexQuery::default()
+    };
+    let mut matches: Vec<WorkerMatch> = Vec::new();
+    wait_until(
+        "the prompt's blocks in the index",
+        Duration::from_secs(10),
+        async || {
+            let reply = nats
+                .request(names.index_query(), encode(&query).unwrap())
+                .await
+                .unwrap();
+            if let IndexQueryResponse::Ok(r) = decode(&reply.payload).unwrap() {
+                matches = r.matches;
+            }
+            matches.iter().any(|m| m.device == 4)
+        },
+    )
+    .await;
+    assert_eq!(matches.len(), 1, "{matches:?}\n{}", indexer.log());
+    assert_eq!(
+        (matches[0].worker_id, matches[0].dp_rank, matches[0].device),
+        (ID, 0, 4)
+    );
+
+    // Load: three long requests on two slots are 2 running and 1 waiting, holding blocks; once
+    // their clients leave (the engines abort them) the counts go back to 0.
+    let mut loads = nats.subscribe(names.load(ID)).await.unwrap();
+    let idle = load_where(&mut loads, "no requests", |l| l.active_requests == 0).await;
+    assert_eq!((idle.waiting_requests, idle.total_kv_blocks), (0, BLOCKS));
+    let http = reqwest::Client::new();
+    let mut streams = Vec::new();
+    for i in 0..3u32 {
+        let prompt = (0..4 * 64).map(|t| 100_000 * (i + 1) + t).collect();
+        streams.push(long_stream(&http, &url, prompt).await);
+    }
+    let busy = load_where(&mut loads, "2 running and 1 waiting", |l| {
+        (l.active_requests, l.waiting_requests) == (2, 1)
+    })
+    .await;
+    assert!(busy.kv_used_blocks > 0, "{busy:?}");
+    // SGLang reports the waiting prompt's uncached tokens; vLLM reports nothing of the kind.
+    match api {
+        EngineApi::Sglang => assert!(busy.active_prefill_tokens >= 256, "{busy:?}"),
+        _ => assert_eq!(busy.active_prefill_tokens, 0, "{busy:?}"),
+    }
+    // The waiting one takes the slot of a running one that ends.
+    streams.remove(0);
+    load_where(&mut loads, "2 running and none waiting", |l| {
+        (l.active_requests, l.waiting_requests) == (2, 0)
+    })
+    .await;
+    drop(streams);
+    let done = load_where(&mut loads, "none running or waiting", |l| {
+        (l.active_requests, l.waiting_requests) == (0, 0)
+    })
+    .await;
+    assert_eq!(done.kv_used_blocks, 0, "{done:?}");
+
+    drop(stop);
+    bridge.await.unwrap().unwrap();
+    engines.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mocker_as_vllm_behind_a_bridge_reports_its_requests_as_load() {
+    one_engine_behind_a_bridge(EngineApi::Vllm).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mocker_as_sglang_behind_a_bridge_registers_indexes_and_reports_load() {
+    one_engine_behind_a_bridge(EngineApi::Sglang).await;
 }
