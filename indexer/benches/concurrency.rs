@@ -57,12 +57,12 @@ impl Design {
     }
 
     /// A snapshot as the indexer takes one: under the read lock, or from a pinned copy.
-    fn snapshot(&self) -> usize {
+    fn snapshot(&self) -> Vec<u8> {
         match self {
-            Design::RwLock(l) => l.read().unwrap().snapshot().len(),
+            Design::RwLock(l) => l.read().unwrap().snapshot(),
             Design::TwoCopies(s) => {
                 let pin = s.try_pin().expect("no other pin");
-                pin.snapshot().len()
+                pin.snapshot()
             }
         }
     }
@@ -173,7 +173,7 @@ fn main() {
     );
     println!();
     println!(
-        "| design | reader alone p50 / p99 / max µs | + writer p50 / p99 / max µs | lookups/s + writer / alone | writer M block events/s | writer's longest message under a snapshot, ms (snapshot ms) |"
+        "| design | reader alone p50 / p99 / max µs | + writer p50 / p99 / max µs | lookups/s + writer / alone | writer M block events/s | writer's longest message, ms: with readers / under a snapshot (snapshot ms) |"
     );
     println!("|---|---|---|---|---|---|");
     let designs = [
@@ -191,41 +191,72 @@ fn main() {
             let msgs = msgs.clone();
             std::thread::spawn(move || {
                 let t = Instant::now();
+                let mut longest = Duration::ZERO;
                 for m in &msgs {
+                    let one = Instant::now();
                     d.write(m);
+                    longest = longest.max(one.elapsed());
                 }
                 done.store(true, Ordering::Relaxed);
-                t.elapsed().as_secs_f64()
+                (t.elapsed().as_secs_f64(), longest)
             })
         };
         let busy = read_until(&design, &queries, |_| done.load(Ordering::Relaxed));
-        let secs = writer.join().unwrap();
+        let (secs, longest_alone) = writer.join().unwrap();
         // The writer while a snapshot is taken on another thread: its longest message.
         let stop = Arc::new(AtomicBool::new(false));
         let writer = {
             let (d, stop) = (design.clone_handle(), stop.clone());
             let msgs = msgs.clone();
             std::thread::spawn(move || {
-                let mut longest = Duration::ZERO;
+                let mut longest = (Duration::ZERO, Instant::now());
+                let mut slow = Vec::new();
                 let mut i = 0;
                 while !stop.load(Ordering::Relaxed) {
                     let t = Instant::now();
                     d.write(&msgs[i % msgs.len()]);
-                    longest = longest.max(t.elapsed());
+                    if t.elapsed() > Duration::from_millis(2) {
+                        slow.push((t, t.elapsed(), msgs[i % msgs.len()].1.len()));
+                    }
+                    if t.elapsed() > longest.0 {
+                        longest = (t.elapsed(), t);
+                    }
                     i += 1;
+                }
+                if std::env::var_os("KVROUTE_BENCH_WHEN").is_some() {
+                    for (t, took, n) in &slow {
+                        eprintln!(
+                            "  slow write: {:.2} ms, {n} events, at +{:.1} ms",
+                            took.as_secs_f64() * 1e3,
+                            t.duration_since(slow[0].0).as_secs_f64() * 1e3
+                        );
+                    }
                 }
                 longest
             })
         };
         std::thread::sleep(Duration::from_millis(200));
         let t = Instant::now();
-        std::hint::black_box(design.snapshot());
+        // Freed after the writer stops: unmapping a buffer this large holds the process's
+        // memory map while other threads fault pages in (see BENCHMARKS.md).
+        let bytes = design.snapshot();
         let snap_ms = t.elapsed().as_secs_f64() * 1e3;
         std::thread::sleep(Duration::from_millis(200));
         stop.store(true, Ordering::Relaxed);
-        let longest = writer.join().unwrap();
+        let (longest, at) = writer.join().unwrap();
+        drop(std::hint::black_box(bytes));
+        if std::env::var_os("KVROUTE_BENCH_WHEN").is_some() {
+            eprintln!(
+                "{}: longest message {:.2} ms, starting {:.1} ms after the snapshot began",
+                design.name(),
+                longest.as_secs_f64() * 1e3,
+                (at.duration_since(t.min(at)).as_secs_f64()
+                    - t.duration_since(at.min(t)).as_secs_f64())
+                    * 1e3
+            );
+        }
         println!(
-            "| {} | {:.2} / {:.2} / {:.0} | {:.2} / {:.2} / {:.0} | {:.0} / {:.0} ({:.0} %) | {:.2} | {:.2} ({:.0}) |",
+            "| {} | {:.2} / {:.2} / {:.0} | {:.2} / {:.2} / {:.0} | {:.0} / {:.0} ({:.0} %) | {:.2} | {:.2} / {:.2} ({:.0}) |",
             design.name(),
             alone.p(0.5),
             alone.p(0.99),
@@ -237,6 +268,7 @@ fn main() {
             alone.per_sec(),
             100.0 * busy.per_sec() / alone.per_sec(),
             rest_blocks as f64 / secs / 1e6,
+            longest_alone.as_secs_f64() * 1e3,
             longest.as_secs_f64() * 1e3,
             snap_ms,
         );

@@ -16,8 +16,9 @@ pub struct IndexConfig {
     /// counted in `IndexStats::anomalies.evicted_entries`. Allowed: 1 to [`MAX_ENTRIES_LIMIT`].
     pub max_entries: Option<usize>,
     /// How fast a [`crate::SharedIndex`] copy that was pinned for a long read catches up:
-    /// each write applies at most 4 × this many of the changes it missed, so the catch-up
-    /// never stalls the writer (unit: events; default 64; at least 1).
+    /// each write also applies changes it missed worth at most 64 × this many blocks (or twice
+    /// the write's own blocks, if more), so the catch-up never stalls the writer for long
+    /// (unit: 64 blocks; default 64, i.e. 4,096 blocks per write; at least 1).
     pub write_chunk_events: usize,
 }
 

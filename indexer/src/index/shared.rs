@@ -12,7 +12,7 @@
 //!
 //! A long read [pins](SharedIndex::try_pin) a copy in its current state. While a copy is pinned
 //! the writer applies changes to the other copy only and queues them for the pinned one
-//! (cloned); once unpinned, the copy catches up a bounded number of queued changes per write,
+//! (cloned); once unpinned, the copy catches up a bounded amount of queued work per write,
 //! so neither the pin nor the catch-up stalls the writer. Meanwhile readers use the up-to-date
 //! copy, and read the lagging one (a consistent state, older by the queued changes) only in
 //! the instants the writer holds the up-to-date copy.
@@ -53,16 +53,56 @@ struct Inner {
     /// The copy readers use: the one written first, so always at least as new as the other.
     front: AtomicUsize,
     writer: Mutex<WriterState>,
-    /// Queued changes a copy catches up per write at most, beyond the write's own.
-    catch_up_per_write: usize,
+    /// Work (in blocks) of queued changes a copy catches up per write, at most (or twice the
+    /// write's own work, if more).
+    catch_up_blocks: usize,
 }
 
 #[derive(Debug, Default)]
 struct WriterState {
     /// Changes each copy has not had yet, oldest first.
-    behind: [VecDeque<Change>; 2],
+    behind: [ChangeQueue; 2],
     /// Pins held on each copy.
     pins: [usize; 2],
+}
+
+/// Changes a copy has not had yet, oldest first, in segments of [`SEGMENT`] changes: growing
+/// never copies what is queued (a `VecDeque` doubling under a million queued changes copies
+/// tens of megabytes while the writer waits).
+#[derive(Debug, Default)]
+struct ChangeQueue {
+    segments: VecDeque<VecDeque<Change>>,
+    len: usize,
+}
+
+const SEGMENT: usize = 4096;
+
+impl ChangeQueue {
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn push(&mut self, change: Change) {
+        match self.segments.back_mut() {
+            Some(last) if last.len() < SEGMENT => last.push_back(change),
+            _ => {
+                let mut seg = VecDeque::with_capacity(SEGMENT);
+                seg.push_back(change);
+                self.segments.push_back(seg);
+            }
+        }
+        self.len += 1;
+    }
+
+    fn pop(&mut self) -> Option<Change> {
+        let first = self.segments.front_mut()?;
+        let change = first.pop_front();
+        if first.is_empty() {
+            self.segments.pop_front();
+        }
+        self.len -= usize::from(change.is_some());
+        change
+    }
 }
 
 /// One change, owned, for a copy that applies it later.
@@ -77,7 +117,23 @@ enum Change {
     RemoveWorkerDpRank(WorkerId, DpRank),
 }
 
+/// Work of one event, in blocks (what applying it costs, roughly).
+fn blocks_of(data: &KvEventData) -> usize {
+    match data {
+        KvEventData::Stored { blocks, .. } => blocks.len().max(1),
+        KvEventData::Removed { block_hashes, .. } => block_hashes.len().max(1),
+        KvEventData::Cleared => 1,
+    }
+}
+
 impl Change {
+    fn cost(&self) -> usize {
+        match self {
+            Change::Event { data, .. } => blocks_of(data),
+            Change::RemoveWorker(_) | Change::RemoveWorkerDpRank(..) => 1,
+        }
+    }
+
     fn apply(&self, ix: &mut RadixIndex) {
         match self {
             Change::Event {
@@ -107,6 +163,14 @@ enum Write<'a> {
 }
 
 impl Write<'_> {
+    fn cost(self) -> usize {
+        match self {
+            Write::Events { events, .. } => events.iter().map(blocks_of).sum(),
+            Write::Batch(b) => b.events.iter().map(|e| blocks_of(&e.data)).sum(),
+            Write::RemoveWorker(_) | Write::RemoveWorkerDpRank(..) => 1,
+        }
+    }
+
     fn apply(self, ix: &mut RadixIndex) -> BatchOutcome {
         let mut outcome = BatchOutcome::default();
         match self {
@@ -126,7 +190,7 @@ impl Write<'_> {
         outcome
     }
 
-    fn queue(self, behind: &mut VecDeque<Change>) {
+    fn queue(self, behind: &mut ChangeQueue) {
         let event = |worker_id, dp_rank, data: &KvEventData| Change::Event {
             worker_id,
             dp_rank,
@@ -137,14 +201,18 @@ impl Write<'_> {
                 worker_id,
                 dp_rank,
                 events,
-            } => behind.extend(events.iter().map(|d| event(worker_id, dp_rank, d))),
-            Write::Batch(b) => behind.extend(
-                b.events
-                    .iter()
-                    .map(|e| event(b.worker_id, b.dp_rank, &e.data)),
-            ),
-            Write::RemoveWorker(w) => behind.push_back(Change::RemoveWorker(w)),
-            Write::RemoveWorkerDpRank(w, r) => behind.push_back(Change::RemoveWorkerDpRank(w, r)),
+            } => {
+                for d in events {
+                    behind.push(event(worker_id, dp_rank, d));
+                }
+            }
+            Write::Batch(b) => {
+                for e in &b.events {
+                    behind.push(event(b.worker_id, b.dp_rank, &e.data));
+                }
+            }
+            Write::RemoveWorker(w) => behind.push(Change::RemoveWorker(w)),
+            Write::RemoveWorkerDpRank(w, r) => behind.push(Change::RemoveWorkerDpRank(w, r)),
         }
     }
 }
@@ -224,8 +292,13 @@ impl Inner {
             }
             let mut ix = self.write_copy(c);
             let behind = &mut state.behind[c];
-            let budget = self.catch_up_per_write.min(behind.len());
-            for change in behind.drain(..budget) {
+            // Catch up a bounded amount of work, and always more than this write adds, so the
+            // queue drains.
+            let budget = self.catch_up_blocks.max(2 * w.cost());
+            let mut spent = 0;
+            while spent < budget {
+                let Some(change) = behind.pop() else { break };
+                spent += change.cost();
                 change.apply(&mut ix);
             }
             if behind.is_empty() {
@@ -275,14 +348,14 @@ impl SharedIndex {
 
     /// Shares an existing index (for example one just restored); the second copy is a clone.
     pub fn from_index(index: RadixIndex) -> Self {
-        let catch_up_per_write = 4 * index.config().write_chunk_events;
+        let catch_up_blocks = 64 * index.config().write_chunk_events;
         let second = index.clone();
         Self {
             inner: Arc::new(Inner {
                 copies: [RwLock::new(index), RwLock::new(second)],
                 front: AtomicUsize::new(0),
                 writer: Mutex::new(WriterState::default()),
-                catch_up_per_write,
+                catch_up_blocks,
             }),
         }
     }

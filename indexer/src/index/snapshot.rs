@@ -129,7 +129,20 @@ impl RadixIndex {
             new_id[id as usize] = starts[d] as NodeId;
         }
 
-        let mut out = Vec::with_capacity(64 + self.tree.len() * 12 + self.entries * 17 + 16);
+        // Exactly sized: a reallocation of a buffer this large (a copy, and page faults on
+        // fresh memory) also stalls the index's writer thread in the kernel.
+        let size = 8
+            + 4
+            + 16
+            + 7 * 8
+            + 4
+            + 8
+            + self.tree.len() * 12
+            + 8
+            + self.workers.len() * 20
+            + self.entries * 17
+            + 8;
+        let mut out = Vec::with_capacity(size);
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
         let cap = self.config.max_entries.map_or(0, |c| c as u64);
@@ -160,6 +173,7 @@ impl RadixIndex {
         }
         let sum = xxh3_64(&out);
         out.extend_from_slice(&sum.to_le_bytes());
+        debug_assert_eq!(out.len(), size, "snapshot size");
         out
     }
 

@@ -128,7 +128,14 @@ fn a_pinned_copy_keeps_its_state_while_the_writer_goes_on_and_then_catches_up() 
         assert_eq!(shared.apply(*w, 0, data), reference.apply(*w, 0, data));
     }
     assert_eq!(copy_digests(&shared), [reference.digest(); 2]);
-    assert!(shared.inner.writer().behind.iter().all(VecDeque::is_empty));
+    assert!(
+        shared
+            .inner
+            .writer()
+            .behind
+            .iter()
+            .all(ChangeQueue::is_empty)
+    );
     assert!(shared.try_pin().is_some());
 }
 
