@@ -18,7 +18,9 @@
 //! the instants the writer holds the up-to-date copy.
 //!
 //! Costs: twice the memory of one [`RadixIndex`], and every change is applied twice (the
-//! second time to memory the first application did not warm). After every change returns,
+//! second time to memory the first application did not warm). A state built before anyone
+//! reads it — an indexer catching up with the log — can start as [one copy](SharedIndex::solo)
+//! and take its second when it starts answering. After every change returns,
 //! both copies hold the same state unless one is pinned or catching up.
 //!
 //! *Invariants:* copy `c` equals the current state minus `behind[c]` applied in order; a pinned
@@ -26,7 +28,7 @@
 //! applied at once to at least one copy, and the front copy is always up to date.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 
 use kvroute_common::hashing::LocalBlockHash;
@@ -53,6 +55,9 @@ struct Inner {
     /// The copy readers use: the one written first, so always at least as new as the other.
     front: AtomicUsize,
     writer: Mutex<WriterState>,
+    /// One copy only (copy 0), for a state nobody reads while it is built: see
+    /// [`SharedIndex::solo`].
+    solo: AtomicBool,
     /// Work (in blocks) of queued changes a copy catches up per write, at most (or twice the
     /// write's own work, if more).
     catch_up_blocks: usize,
@@ -264,6 +269,9 @@ impl Inner {
     /// The newest readable state: the front copy, or, in the instants the writer holds it,
     /// the other one.
     fn read(&self) -> RwLockReadGuard<'_, RadixIndex> {
+        if self.solo.load(Ordering::Acquire) {
+            return self.read_copy(0);
+        }
         loop {
             let f = self.front.load(Ordering::Acquire);
             for c in [f, 1 - f] {
@@ -282,6 +290,9 @@ impl Inner {
     /// the outcome of its first application.
     fn write(&self, w: Write<'_>) -> BatchOutcome {
         let mut state = self.writer();
+        if self.solo.load(Ordering::Relaxed) {
+            return w.apply(&mut self.write_copy(0));
+        }
         let front = self.front.load(Ordering::Relaxed);
         let mut outcome = None;
         // The back copy first, so readers keep an untouched front meanwhile.
@@ -326,6 +337,9 @@ impl Inner {
     /// a copy is still catching up after an earlier pin).
     fn try_pin(self: &Arc<Self>) -> Option<PinnedIndex> {
         let mut state = self.writer();
+        if self.solo.load(Ordering::Relaxed) {
+            return None;
+        }
         let front = self.front.load(Ordering::Relaxed);
         // The back copy first, so readers keep the front to themselves.
         let copy = [1 - front, front].into_iter().find(|&c| {
@@ -348,13 +362,18 @@ impl SharedIndex {
 
     /// Shares an existing index (for example one just restored); the second copy is a clone.
     pub fn from_index(index: RadixIndex) -> Self {
-        let catch_up_blocks = 64 * index.config().write_chunk_events;
         let second = index.clone();
+        Self::from_parts(index, second)
+    }
+
+    fn from_parts(index: RadixIndex, second: RadixIndex) -> Self {
+        let catch_up_blocks = 64 * index.config().write_chunk_events;
         Self {
             inner: Arc::new(Inner {
                 copies: [RwLock::new(index), RwLock::new(second)],
                 front: AtomicUsize::new(0),
                 writer: Mutex::new(WriterState::default()),
+                solo: AtomicBool::new(false),
                 catch_up_blocks,
             }),
         }
@@ -363,6 +382,33 @@ impl SharedIndex {
     /// Restores a snapshot into a shared index.
     pub fn restore(bytes: &[u8]) -> Result<Self, SnapshotError> {
         RadixIndex::restore(bytes).map(Self::from_index)
+    }
+
+    /// Shares `index` as one copy, for a state that is built before anyone reads it (an
+    /// indexer catching up with the log applies at the one-copy rate): readers and the writer
+    /// exclude each other, and nothing can be pinned, until
+    /// [`SharedIndex::attach_second_copy`].
+    pub fn solo(index: RadixIndex) -> Self {
+        let shared = Self::from_parts(index, RadixIndex::new(IndexConfig::default()));
+        shared.inner.solo.store(true, Ordering::Release);
+        shared
+    }
+
+    /// Ends [`SharedIndex::solo`]: the second copy becomes a clone of the first (writes wait
+    /// for the clone), and from then on readers never wait. Does nothing on two copies.
+    pub fn attach_second_copy(&self) {
+        let _state = self.inner.writer();
+        if self.inner.solo.load(Ordering::Relaxed) {
+            let second = self.inner.read_copy(0).clone();
+            *self.inner.write_copy(1) = second;
+            self.inner.front.store(0, Ordering::Release);
+            self.inner.solo.store(false, Ordering::Release);
+        }
+    }
+
+    /// Whether the index is one copy (see [`SharedIndex::solo`]).
+    pub fn is_solo(&self) -> bool {
+        self.inner.solo.load(Ordering::Acquire)
     }
 
     pub fn apply(
@@ -458,9 +504,11 @@ impl SharedIndex {
     /// Stats of the current state; `bytes_in_use` counts both copies.
     pub fn stats(&self) -> IndexStats {
         let mut stats = self.inner.read().stats();
-        stats.bytes_in_use = (0..2)
-            .map(|c| self.inner.read_copy(c).stats().bytes_in_use)
-            .sum();
+        if !self.is_solo() {
+            stats.bytes_in_use = (0..2)
+                .map(|c| self.inner.read_copy(c).stats().bytes_in_use)
+                .sum();
+        }
         stats
     }
 

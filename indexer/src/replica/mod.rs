@@ -98,9 +98,11 @@ pub enum RestoreError {
 }
 
 impl ReplicaState {
+    /// An empty state. Its index is one copy (fast to build) until the owner calls
+    /// [`SharedIndex::attach_second_copy`] on it, when readers arrive.
     pub fn new(names: &Names, config: IndexConfig) -> Self {
         Self {
-            index: SharedIndex::new(config),
+            index: SharedIndex::solo(crate::index::RadixIndex::new(config)),
             tracker: EventTracker::default(),
             applied_seq: 0,
             names: names.clone(),
@@ -198,7 +200,8 @@ impl ReplicaState {
         }
     }
 
-    /// Rebuilds a state from [`ReplicaState::snapshot`] bytes.
+    /// Rebuilds a state from [`ReplicaState::snapshot`] bytes (its index one copy, as with
+    /// [`ReplicaState::new`]).
     pub fn restore(names: &Names, bytes: &[u8]) -> Result<Self, RestoreError> {
         let file: SnapshotFile =
             rmp_serde::from_slice(bytes).map_err(|e| RestoreError::File(e.to_string()))?;
@@ -206,7 +209,7 @@ impl ReplicaState {
             return Err(RestoreError::Version(file.v));
         }
         Ok(Self {
-            index: SharedIndex::restore(&file.index)?,
+            index: SharedIndex::solo(crate::index::RadixIndex::restore(&file.index)?),
             tracker: file.tracker,
             applied_seq: file.applied_seq,
             names: names.clone(),

@@ -116,6 +116,8 @@ async fn follow(
             continue;
         };
         shared.bootstraps.fetch_add(1, Ordering::Relaxed);
+        // The router reads this replica whether or not it is caught up.
+        state.index().attach_second_copy();
         *shared.index.write().unwrap_or_else(|p| p.into_inner()) = state.index().clone();
         shared
             .applied_seq

@@ -502,6 +502,8 @@ impl Replica {
         if self.shared.ready.set(ready) {
             let applied_seq = self.state.applied_seq();
             if ready {
+                // From now on queries read the index: readers must never wait for the writer.
+                self.state.index().attach_second_copy();
                 tracing::info!(applied_seq, "ready: caught up with the log");
             } else {
                 tracing::warn!(

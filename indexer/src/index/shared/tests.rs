@@ -265,3 +265,33 @@ fn readers_on_other_threads_always_see_a_whole_write() {
         assert!(r.join().unwrap() > 0);
     }
 }
+
+#[test]
+fn a_solo_index_is_one_copy_until_its_second_is_attached() {
+    let shared = SharedIndex::solo(RadixIndex::new(IndexConfig::default()));
+    let mut reference = RadixIndex::new(IndexConfig::default());
+    let all = events(3, 1_000);
+    for (w, data) in &all[..500] {
+        assert_eq!(shared.apply(*w, 0, data), reference.apply(*w, 0, data));
+    }
+    assert!(shared.is_solo());
+    assert!(shared.try_pin().is_none(), "nothing to pin on one copy");
+    // The second copy is untouched until attached, and costs nothing meanwhile.
+    assert_eq!(
+        shared.inner.read_copy(1).digest(),
+        RadixIndex::new(IndexConfig::default()).digest()
+    );
+    assert_eq!(shared.stats().bytes_in_use, reference.stats().bytes_in_use);
+    assert_eq!(shared.digest(), reference.digest());
+    shared.attach_second_copy();
+    assert!(!shared.is_solo());
+    assert_eq!(copy_digests(&shared), [reference.digest(); 2]);
+    for (w, data) in &all[500..] {
+        assert_eq!(shared.apply(*w, 0, data), reference.apply(*w, 0, data));
+    }
+    assert_eq!(copy_digests(&shared), [reference.digest(); 2]);
+    assert!(shared.try_pin().is_some());
+    // Attaching twice changes nothing.
+    shared.attach_second_copy();
+    assert_eq!(copy_digests(&shared), [reference.digest(); 2]);
+}
