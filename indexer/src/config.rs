@@ -93,7 +93,9 @@ pub struct IndexerConfig {
         default_value_t = 15
     )]
     pub unregistered_grace_secs: u64,
-    /// Maximum resident (block, worker) entries in the index (absent: no cap).
+    /// Maximum resident (block, worker) entries in the index (absent: no cap). A serving
+    /// replica holds its index twice (readers never wait for the writer): budget about
+    /// 2 × 70 bytes per entry (`kvroute_indexer_index_bytes` counts both copies).
     #[arg(long = "max-entries", env = "KVROUTE_MAX_ENTRIES")]
     pub max_entries: Option<usize>,
 }

@@ -93,7 +93,7 @@ impl IndexerMetrics {
             index_nodes: r.gauge("kvroute_indexer_index_nodes", "Radix tree nodes."),
             index_bytes: r.gauge(
                 "kvroute_indexer_index_bytes",
-                "Bytes allocated by the index.",
+                "Bytes allocated by the index (both copies once the replica serves).",
             ),
             index_evicted: r.gauge(
                 "kvroute_indexer_index_evicted_entries",
