@@ -188,6 +188,24 @@ fn connected(env: &TestEnv, name: &str) -> bool {
         .is_some_and(|c| c.iter().any(|c| c["name"] == name))
 }
 
+/// Answers every resync request of `worker` 8 s late, so a bootstrap that waits for it lasts
+/// that long.
+async fn answer_resyncs_late(nats: &async_nats::Client, names: &Names, worker: WorkerId) {
+    let mut resyncs = nats.subscribe(names.worker_resync(worker)).await.unwrap();
+    let responder = nats.clone();
+    tokio::spawn(async move {
+        while let Some(msg) = resyncs.next().await {
+            let nats = responder.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(8)).await;
+                if let Some(reply) = msg.reply {
+                    let _ = nats.publish(reply, "ok".into()).await;
+                }
+            });
+        }
+    });
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_indexer_bootstrapping_again_answers_nothing_until_it_is_ready() {
     let env = TestEnv::start().unwrap();
@@ -209,19 +227,7 @@ async fn an_indexer_bootstrapping_again_answers_nothing_until_it_is_ready() {
     const SLOW: WorkerId = 99;
     let _etcd = register_card(&env, &worker_card(&names, SLOW, "m")).await;
     let nats = env.nats.connect().await.unwrap();
-    let mut resyncs = nats.subscribe(names.worker_resync(SLOW)).await.unwrap();
-    let responder = nats.clone();
-    tokio::spawn(async move {
-        while let Some(msg) = resyncs.next().await {
-            let nats = responder.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_secs(8)).await;
-                if let Some(reply) = msg.reply {
-                    let _ = nats.publish(reply, "ok".into()).await;
-                }
-            });
-        }
-    });
+    answer_resyncs_late(&nats, &names, SLOW).await;
     let first = prompt(1, BLOCKS);
     w1.store_prompt(&first).await;
     let router = RouterProcess::start(&env, "r1", &[]).unwrap();
@@ -347,19 +353,7 @@ async fn while_one_indexer_bootstraps_again_routers_use_the_ready_one() {
     const SLOW: WorkerId = 99;
     let _etcd = register_card(&env, &worker_card(&names, SLOW, "m")).await;
     let nats = env.nats.connect().await.unwrap();
-    let mut resyncs = nats.subscribe(names.worker_resync(SLOW)).await.unwrap();
-    let responder = nats.clone();
-    tokio::spawn(async move {
-        while let Some(msg) = resyncs.next().await {
-            let nats = responder.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_secs(8)).await;
-                if let Some(reply) = msg.reply {
-                    let _ = nats.publish(reply, "ok".into()).await;
-                }
-            });
-        }
-    });
+    answer_resyncs_late(&nats, &names, SLOW).await;
     let first = prompt(1, BLOCKS);
     w1.store_prompt(&first).await;
     let router = RouterProcess::start(&env, "r1", &[]).unwrap();
@@ -398,7 +392,7 @@ async fn while_one_indexer_bootstraps_again_routers_use_the_ready_one() {
     // another replica within the same deadline.
     let ok2_before = ix2
         .metric("kvroute_indexer_queries_total{result=\"ok\"}")
-        .unwrap_or(0.0);
+        .expect("ix-2 answered the router's queries before");
     let fallbacks_before = fallbacks_total(&router);
     let (mut rounds, mut load_only) = (0, 0);
     while !ix1.is_ready() {
