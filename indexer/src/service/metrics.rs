@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use kvroute_common::messages::IndexErrorCode;
 use kvroute_common::ops::{Counter, CounterVec, Gauge, Histogram, Registry, WatchdogMetrics};
 
 #[derive(Debug)]
@@ -40,6 +41,24 @@ pub struct IndexerMetrics {
 impl IndexerMetrics {
     pub fn new() -> Self {
         let r = Registry::default();
+        let queries = r.counter_vec(
+            "kvroute_indexer_queries_total",
+            "Overlap queries, by result.",
+            "result",
+        );
+        // Every result is exported from the start (at 0), so a rate or a difference over a
+        // window is defined before the first query of that kind.
+        for result in ["ok", "expired"].into_iter().chain(
+            [
+                IndexErrorCode::BadRequest,
+                IndexErrorCode::TooLarge,
+                IndexErrorCode::UnsupportedVersion,
+                IndexErrorCode::NotReady,
+            ]
+            .map(IndexErrorCode::as_str),
+        ) {
+            queries.add(result, 0);
+        }
         Self {
             log_messages: r.counter(
                 "kvroute_indexer_log_messages_total",
@@ -99,11 +118,7 @@ impl IndexerMetrics {
                 "kvroute_indexer_index_evicted_entries",
                 "Entries evicted by the memory cap.",
             ),
-            queries: r.counter_vec(
-                "kvroute_indexer_queries_total",
-                "Overlap queries, by result.",
-                "result",
-            ),
+            queries,
             query_latency: r.histogram(
                 "kvroute_indexer_query_latency_seconds",
                 "Time to answer an overlap query.",
@@ -161,5 +176,19 @@ impl IndexerMetrics {
 impl Default for IndexerMetrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_query_result_is_exported_before_the_first_query() {
+        let text = IndexerMetrics::new().registry.render();
+        for result in ["ok", "expired", "not_ready", "bad_request"] {
+            let line = format!("kvroute_indexer_queries_total{{result=\"{result}\"}} 0\n");
+            assert!(text.contains(&line), "{line} missing from\n{text}");
+        }
     }
 }
