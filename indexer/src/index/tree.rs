@@ -226,7 +226,10 @@ impl Tree {
         self.nodes.len()
     }
 
-    #[inline]
+    /// The child of `parent` for `tokens_hash`. The hint is checked inline (the common case on
+    /// a chain: one read of a node the walk touches anyway); the edge table out of line, so
+    /// this stays small enough to inline into the query walk.
+    #[inline(always)]
     pub fn child(&self, parent: NodeId, tokens_hash: u64) -> Option<NodeId> {
         let nodes = &self.nodes;
         let p = &nodes[parent as usize];
@@ -246,6 +249,13 @@ impl Tree {
         if in_table == 0 {
             return None;
         }
+        self.child_in_table(parent, tokens_hash)
+    }
+
+    /// The edge-table part of [`Self::child`].
+    #[inline(never)]
+    fn child_in_table(&self, parent: NodeId, tokens_hash: u64) -> Option<NodeId> {
+        let nodes = &self.nodes;
         let hash = edge_hash(parent, tokens_hash);
         self.edges[shard_of(hash)]
             .find(hash, |&c| {
