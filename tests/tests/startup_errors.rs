@@ -11,8 +11,10 @@ use kvroute_tests::{Exited, NatsServer, TestEnv, free_port, kvroute_bin, run_to_
 const LIMIT: Duration = Duration::from_secs(60);
 
 /// Every binary, with the package it comes from.
-const BINS: [(&str, &str); 8] = [
+const BINS: [(&str, &str); 10] = [
     ("kvroute-router", "kvroute-router"),
+    ("kvroute-gateway", "kvroute-gateway"),
+    ("kvroute-sim-custom", "kvroute-example-custom-policy"),
     ("kvroute-bridge", "kvroute-bridge"),
     ("kvroute-router-custom", "kvroute-example-custom-policy"),
     ("kvroute-indexer", "kvroute-indexer"),
@@ -74,6 +76,8 @@ fn every_binary_reports_bad_usage_in_one_line_with_status_2() {
         ("kvroute-bridge", "--load-interval-ms"),
         ("kvroute-replay", "--limit"),
         ("kvroute-sim", "--workers"),
+        ("kvroute-sim-custom", "--workers"),
+        ("kvroute-gateway", "--upstream-idle-timeout-ms"),
     ] {
         let out = run(bin, &[flag, "-5"], &[]);
         assert_eq!(
