@@ -67,6 +67,63 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
     sorted[i]
 }
 
+/// Times `find_matches` on the last `count` typical and long prompts of `queries`, `repeats`
+/// times each, and prints the figures under `label`.
+fn time_queries(ix: &RadixIndex, queries: &[Vec<u64>], count: usize, repeats: usize, label: &str) {
+    for long in [false, true] {
+        let picked: Vec<&Vec<u64>> = queries
+            .iter()
+            .rev()
+            .filter(|q| (q.len() >= 1000) == long)
+            .take(count)
+            .collect();
+        if picked.is_empty() {
+            println!(
+                "{label} find_matches {}: no such prompt in the replay",
+                if long { "long" } else { "typical" }
+            );
+            continue;
+        }
+        let mut lat = Vec::with_capacity(picked.len() * repeats);
+        // Each prompt's fastest repeat: its own cost, without what the machine added to a run.
+        let mut fastest = vec![u64::MAX; picked.len()];
+        let mut rows = 0u64;
+        for _ in 0..repeats {
+            for (i, q) in picked.iter().enumerate() {
+                let t = Instant::now();
+                let scores = std::hint::black_box(ix.find_matches(q));
+                let ns = t.elapsed().as_nanos() as u64;
+                lat.push(ns);
+                fastest[i] = fastest[i].min(ns);
+                rows += scores.matches.len() as u64;
+            }
+        }
+        lat.sort_unstable();
+        fastest.sort_unstable();
+        let mean_len = picked.iter().map(|q| q.len()).sum::<usize>() as f64 / picked.len() as f64;
+        println!(
+            "{label} find_matches {} ({} prompts, mean {:.0} blocks, {:.0} (worker, rank) rows per \
+             answer): p50 {:.1} µs, p99 {:.1} µs, max {:.1} µs, {} of {} over 10 ms",
+            if long { "long" } else { "typical" },
+            picked.len(),
+            mean_len,
+            rows as f64 / lat.len().max(1) as f64,
+            percentile(&lat, 0.50) as f64 / 1e3,
+            percentile(&lat, 0.99) as f64 / 1e3,
+            lat.last().copied().unwrap_or(0) as f64 / 1e3,
+            lat.iter().filter(|&&ns| ns > 10_000_000).count(),
+            lat.len()
+        );
+        println!(
+            "  each prompt's fastest of {} repeats: p50 {:.1} µs, p99 {:.1} µs, max {:.1} µs",
+            repeats,
+            percentile(&fastest, 0.50) as f64 / 1e3,
+            percentile(&fastest, 0.99) as f64 / 1e3,
+            fastest.last().copied().unwrap_or(0) as f64 / 1e3
+        );
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let trace = read_trace(&args.trace)?;
@@ -150,59 +207,7 @@ fn main() -> anyhow::Result<()> {
     drop(w.events);
     let _ = events_len;
 
-    for long in [false, true] {
-        let picked: Vec<&Vec<u64>> = queries
-            .iter()
-            .rev()
-            .filter(|q| (q.len() >= 1000) == long)
-            .take(args.queries)
-            .collect();
-        if picked.is_empty() {
-            println!(
-                "find_matches {}: no such prompt in the replay",
-                if long { "long" } else { "typical" }
-            );
-            continue;
-        }
-        let mut lat = Vec::with_capacity(picked.len() * args.repeats);
-        // Each prompt's fastest repeat: its own cost, without what the machine added to a run.
-        let mut fastest = vec![u64::MAX; picked.len()];
-        let mut rows = 0u64;
-        for _ in 0..args.repeats {
-            for (i, q) in picked.iter().enumerate() {
-                let t = Instant::now();
-                let scores = std::hint::black_box(ix.find_matches(q));
-                let ns = t.elapsed().as_nanos() as u64;
-                lat.push(ns);
-                fastest[i] = fastest[i].min(ns);
-                rows += scores.matches.len() as u64;
-            }
-        }
-        lat.sort_unstable();
-        fastest.sort_unstable();
-        let mean_len = picked.iter().map(|q| q.len()).sum::<usize>() as f64 / picked.len() as f64;
-        println!(
-            "find_matches {} ({} prompts, mean {:.0} blocks, {:.0} (worker, rank) rows per \
-             answer): p50 {:.1} µs, p99 {:.1} µs, max {:.1} µs, {} of {} over 10 ms",
-            if long { "long" } else { "typical" },
-            picked.len(),
-            mean_len,
-            rows as f64 / lat.len().max(1) as f64,
-            percentile(&lat, 0.50) as f64 / 1e3,
-            percentile(&lat, 0.99) as f64 / 1e3,
-            lat.last().copied().unwrap_or(0) as f64 / 1e3,
-            lat.iter().filter(|&&ns| ns > 10_000_000).count(),
-            lat.len()
-        );
-        println!(
-            "  each prompt's fastest of {} repeats: p50 {:.1} µs, p99 {:.1} µs, max {:.1} µs",
-            args.repeats,
-            percentile(&fastest, 0.50) as f64 / 1e3,
-            percentile(&fastest, 0.99) as f64 / 1e3,
-            fastest.last().copied().unwrap_or(0) as f64 / 1e3
-        );
-    }
-    drop(queries);
+    time_queries(&ix, &queries, args.queries, args.repeats, "built:");
 
     let t = Instant::now();
     let digest = ix.digest();
@@ -215,6 +220,9 @@ fn main() -> anyhow::Result<()> {
     let restored = RadixIndex::restore(&bytes)?;
     let restore_secs = t.elapsed().as_secs_f64();
     assert_eq!(restored.digest(), digest, "restore gives the same state");
+    // The same prompts on the restored index (its nodes laid out in snapshot order).
+    time_queries(&restored, &queries, args.queries, args.repeats, "restored:");
+    drop(queries);
     println!(
         "snapshot: write {:.2} s, {:.2} GiB ({:.1} bytes per entry); restore {:.2} s; digest {:.2} s",
         write_secs,

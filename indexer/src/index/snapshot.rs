@@ -4,9 +4,10 @@
 //! `"KVRIDX\0\0"`, version `u32`, config (`max_entries` `u64`, 0 = none; `write_chunk_events`
 //! `u64`), the anomaly counters (7 × `u64`), the next eviction stamp `u32`; nodes (`u64`
 //! count, then per node its parent `u32` and `tokens_hash` `u64`, parents before children,
-//! ids from 1); (worker, rank) pairs (`u64` count, then per pair `worker_id` `u64`, `dp_rank`
-//! `u32`, entry count `u64`, and per entry `block_hash` `u64`, node `u32`, tiers `u8`, stamp
-//! `u32`); and last an XXH3-64 of everything before it. Restore checks every invariant the
+//! ids from 1; written in depth-first preorder, so a chain restores into consecutive ids);
+//! (worker, rank) pairs (`u64` count, then per pair `worker_id` `u64`, `dp_rank` `u32`, entry
+//! count `u64`, and per entry `block_hash` `u64`, node `u32`, tiers `u8`, stamp `u32`); and
+//! last an XXH3-64 of everything before it. Restore checks every invariant the
 //! index relies on, so corrupt bytes give an error, never a broken index.
 
 use hashbrown::HashTable;
@@ -94,40 +95,41 @@ fn anomalies_fields(a: &mut Anomalies) -> [&mut u64; 7] {
 impl RadixIndex {
     /// The whole index as versioned bytes (format in the module docs). O(entries + nodes).
     pub fn snapshot(&self) -> Vec<u8> {
-        // Renumber live nodes parents-first: sort by depth.
+        // Renumber live nodes in depth-first preorder: parents come before their children (the
+        // format's rule), and a chain's nodes get consecutive ids, so the arena a restore
+        // builds keeps each chain's nodes adjacent, as a live index's are. (Ordered by depth,
+        // every block of a walk was a cache miss: queries on a restored index ran ~10x slower.)
         let bound = self.tree.id_bound();
-        let mut depth = vec![u32::MAX; bound];
-        depth[ROOT as usize] = 0;
-        let mut stack = Vec::new();
-        let mut max_depth = 0;
+        // Each node's children as a range of one array, from the parent links.
+        let mut first = vec![0u32; bound + 1];
         for id in self.tree.live_ids() {
-            let mut n = id;
-            while depth[n as usize] == u32::MAX {
-                stack.push(n);
-                n = self.tree.node(n).parent;
-            }
-            let mut d = depth[n as usize];
-            while let Some(m) = stack.pop() {
-                d += 1;
-                depth[m as usize] = d;
-            }
-            max_depth = max_depth.max(depth[id as usize]);
+            first[self.tree.node(id).parent as usize + 1] += 1;
         }
-        let mut starts = vec![0usize; max_depth as usize + 2];
+        for i in 1..first.len() {
+            first[i] += first[i - 1];
+        }
+        let mut kids = vec![ROOT; self.tree.len()];
+        let mut next = first.clone();
         for id in self.tree.live_ids() {
-            starts[depth[id as usize] as usize + 1] += 1;
+            let p = self.tree.node(id).parent as usize;
+            kids[next[p] as usize] = id;
+            next[p] += 1;
         }
-        for d in 1..starts.len() {
-            starts[d] += starts[d - 1];
-        }
-        let mut order = vec![ROOT; self.tree.len() + 1];
+        drop(next);
+        let mut order = Vec::with_capacity(self.tree.len() + 1);
+        order.push(ROOT);
         let mut new_id = vec![0 as NodeId; bound];
-        for id in self.tree.live_ids() {
-            let d = depth[id as usize] as usize;
-            starts[d] += 1;
-            order[starts[d]] = id;
-            new_id[id as usize] = starts[d] as NodeId;
+        let mut stack = vec![ROOT];
+        while let Some(n) = stack.pop() {
+            if n != ROOT {
+                new_id[n as usize] = order.len() as NodeId;
+                order.push(n);
+            }
+            let children = &kids[first[n as usize] as usize..first[n as usize + 1] as usize];
+            stack.extend(children.iter().rev());
         }
+        drop((first, kids, stack));
+        debug_assert_eq!(order.len(), self.tree.len() + 1, "every live node once");
 
         // Exactly sized: a reallocation of a buffer this large (a copy, and page faults on
         // fresh memory) also stalls the index's writer thread in the kernel.
