@@ -297,3 +297,46 @@ impl RadixIndex {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kvroute_common::messages::{KvEventData, StorageTier, StoredBlock};
+
+    use super::*;
+
+    /// Stores a chain of `len` blocks from the root on `worker` (hashes `first..first + len`).
+    fn store_chain(ix: &mut RadixIndex, worker: u64, first: u64, len: u64) {
+        let blocks = (first..first + len)
+            .map(|h| StoredBlock {
+                block_hash: h,
+                tokens_hash: h,
+            })
+            .collect();
+        let stored = KvEventData::Stored {
+            parent_hash: None,
+            blocks,
+            tier: StorageTier::Device,
+        };
+        ix.apply(worker, 0, &stored).unwrap();
+    }
+
+    #[test]
+    fn a_restored_chain_has_consecutive_node_ids() {
+        let mut ix = RadixIndex::new(IndexConfig::default());
+        // Two chains from the root: numbered by depth, their nodes would alternate.
+        store_chain(&mut ix, 1, 1_000, 50);
+        store_chain(&mut ix, 2, 5_000, 50);
+        let restored = RadixIndex::restore(&ix.snapshot()).unwrap();
+        assert_eq!(restored.digest(), ix.digest());
+        for first in [1_000u64, 5_000] {
+            let mut node = ROOT;
+            let ids: Vec<NodeId> = (first..first + 50)
+                .map(|h| {
+                    node = restored.tree.child(node, h).expect("the chain is restored");
+                    node
+                })
+                .collect();
+            assert!(ids.windows(2).all(|w| w[1] == w[0] + 1), "{ids:?}");
+        }
+    }
+}
