@@ -162,13 +162,7 @@ fn main() -> anyhow::Result<()> {
     let (mut done, mut tail_start, mut tail_blocks) = (0u64, None, 0u64);
     let t = Instant::now();
     for e in &w.events {
-        let n = match &e.data {
-            kvroute_common::messages::KvEventData::Stored { blocks, .. } => blocks.len(),
-            kvroute_common::messages::KvEventData::Removed { block_hashes, .. } => {
-                block_hashes.len()
-            }
-            kvroute_common::messages::KvEventData::Cleared => 0,
-        } as u64;
+        let n = e.data.block_count() as u64;
         if tail_start.is_none() && done >= quarter_from {
             tail_start = Some(Instant::now());
         }
@@ -202,10 +196,8 @@ fn main() -> anyhow::Result<()> {
         stats.bytes_in_use as f64 / ix.len().max(1) as f64,
         stats.bytes_in_use as f64 / f64::from(1u32 << 30)
     );
-    let events_len = w.events.len();
     let queries = w.queries;
     drop(w.events);
-    let _ = events_len;
 
     time_queries(&ix, &queries, args.queries, args.repeats, "built:");
 

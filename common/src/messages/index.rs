@@ -115,6 +115,14 @@ pub enum IndexErrorCode {
 }
 
 impl IndexErrorCode {
+    /// Every code (the metrics export each from startup; add a new code here too).
+    pub const ALL: [IndexErrorCode; 4] = [
+        IndexErrorCode::BadRequest,
+        IndexErrorCode::TooLarge,
+        IndexErrorCode::UnsupportedVersion,
+        IndexErrorCode::NotReady,
+    ];
+
     /// The code as on the wire (also the metrics label).
     pub fn as_str(self) -> &'static str {
         match self {

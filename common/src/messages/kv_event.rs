@@ -61,6 +61,17 @@ pub enum KvEventData {
     Cleared,
 }
 
+impl KvEventData {
+    /// Blocks the event names (stored or removed; 0 for `Cleared`).
+    pub fn block_count(&self) -> usize {
+        match self {
+            KvEventData::Stored { blocks, .. } => blocks.len(),
+            KvEventData::Removed { block_hashes, .. } => block_hashes.len(),
+            KvEventData::Cleared => 0,
+        }
+    }
+}
+
 /// One stored block: the engine's opaque sequence hash and the block's local (tokens) hash.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct StoredBlock {

@@ -124,11 +124,7 @@ enum Change {
 
 /// Work of one event, in blocks (what applying it costs, roughly).
 fn blocks_of(data: &KvEventData) -> usize {
-    match data {
-        KvEventData::Stored { blocks, .. } => blocks.len().max(1),
-        KvEventData::Removed { block_hashes, .. } => block_hashes.len().max(1),
-        KvEventData::Cleared => 1,
-    }
+    data.block_count().max(1)
 }
 
 impl Change {

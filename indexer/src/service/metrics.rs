@@ -48,15 +48,10 @@ impl IndexerMetrics {
         );
         // Every result is exported from the start (at 0), so a rate or a difference over a
         // window is defined before the first query of that kind.
-        for result in ["ok", "expired"].into_iter().chain(
-            [
-                IndexErrorCode::BadRequest,
-                IndexErrorCode::TooLarge,
-                IndexErrorCode::UnsupportedVersion,
-                IndexErrorCode::NotReady,
-            ]
-            .map(IndexErrorCode::as_str),
-        ) {
+        for result in ["ok", "expired"]
+            .into_iter()
+            .chain(IndexErrorCode::ALL.map(IndexErrorCode::as_str))
+        {
             queries.add(result, 0);
         }
         Self {

@@ -53,14 +53,6 @@ struct Args {
     rounds: usize,
 }
 
-fn blocks_of(data: &KvEventData) -> usize {
-    match data {
-        KvEventData::Stored { blocks, .. } => blocks.len(),
-        KvEventData::Removed { block_hashes, .. } => block_hashes.len(),
-        KvEventData::Cleared => 0,
-    }
-}
-
 /// The workload as encoded batches per worker, interleaved in replay order.
 fn batches(args: &Args) -> anyhow::Result<(Vec<bytes::Bytes>, Vec<u64>, u64, usize)> {
     let path = if args.trace.is_absolute() {
@@ -92,7 +84,7 @@ fn batches(args: &Args) -> anyhow::Result<(Vec<bytes::Bytes>, Vec<u64>, u64, usi
     }
     let mut current: Option<(u64, Vec<KvEvent>, usize)> = None;
     for e in workload.events {
-        let n = blocks_of(&e.data);
+        let n = e.data.block_count();
         if let Some((w, events, blocks)) = current.as_mut()
             && (*w != e.worker_id || *blocks + n > args.batch_blocks)
         {

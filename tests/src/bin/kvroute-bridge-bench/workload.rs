@@ -189,14 +189,6 @@ pub fn generate(shape: &Shape) -> Workload {
     w
 }
 
-pub fn blocks_of(data: &KvEventData) -> u64 {
-    match data {
-        KvEventData::Stored { blocks, .. } => blocks.len() as u64,
-        KvEventData::Removed { block_hashes, .. } => block_hashes.len() as u64,
-        KvEventData::Cleared => 0,
-    }
-}
-
 /// The bridge's pure core alone on one thread, and what each payload becomes.
 #[derive(Debug)]
 pub struct CoreRun {
@@ -238,7 +230,7 @@ pub fn core_run(w: &Workload, max_blocks: usize) -> anyhow::Result<CoreRun> {
     }
     let decode_mirror = t.elapsed();
     for (i, (t, &b)) in translations.iter().zip(&w.blocks).enumerate() {
-        let out: u64 = t.iter().map(blocks_of).sum();
+        let out: u64 = t.iter().map(|d| d.block_count() as u64).sum();
         anyhow::ensure!(out == b, "batch {i}: {b} block events in, {out} out");
     }
     Ok(CoreRun {
