@@ -256,12 +256,8 @@ pub fn shrink<S: Subject>(mut steps: Vec<Step>, cap: Option<usize>) -> Vec<Step>
     steps
 }
 
-/// One random case; on failure returns the seed's shrunk failing steps and the message.
-pub fn check_case<S: Subject>(
-    seed: u64,
-    len: usize,
-    cap: Option<usize>,
-) -> Result<Coverage, (Vec<Step>, String)> {
+/// The steps of one seeded case.
+pub fn gen_steps(seed: u64, len: usize, cap: Option<usize>) -> Vec<Step> {
     let mut rng = Rng::new(seed);
     let mut model = Reference::new(cap);
     let mut steps = Vec::with_capacity(len);
@@ -277,6 +273,16 @@ pub fn check_case<S: Subject>(
         }
         steps.push(step);
     }
+    steps
+}
+
+/// One random case; on failure returns the seed's shrunk failing steps and the message.
+pub fn check_case<S: Subject>(
+    seed: u64,
+    len: usize,
+    cap: Option<usize>,
+) -> Result<Coverage, (Vec<Step>, String)> {
+    let steps = gen_steps(seed, len, cap);
     match run::<S>(&steps, cap) {
         Ok(coverage) => Ok(coverage),
         Err(_) => {

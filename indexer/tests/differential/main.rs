@@ -6,6 +6,7 @@
 //! (`KVROUTE_DIFF_STEPS` sets steps per case, `KVROUTE_DIFF_SEED` the first seed). A failure
 //! prints the seed and a shrunk list of steps that still fails.
 
+mod compat;
 mod harness;
 mod reference;
 
