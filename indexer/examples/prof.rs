@@ -2,6 +2,7 @@
 //! workload --example prof -- [apply|query] [workers] [cache_blocks] [max_requests]`.
 use std::time::Instant;
 
+use kvroute_common::messages::KvEventData;
 use kvroute_common::trace::read_trace;
 use kvroute_indexer::workload::{WorkloadConfig, build};
 use kvroute_indexer::{IndexConfig, RadixIndex};
@@ -35,17 +36,40 @@ fn main() {
     };
     let t = Instant::now();
     let mut ix = RadixIndex::new(IndexConfig::default());
+    // Time per kind of event, too (stored and removed blocks cost differently).
+    let (mut stored, mut removed) = ((0f64, 0u64), (0f64, 0u64));
     for e in events {
+        let start = Instant::now();
         let _ = ix.apply(e.worker_id, 0, &e.data);
+        let d = start.elapsed().as_secs_f64();
+        match &e.data {
+            KvEventData::Stored { blocks, .. } => {
+                stored.0 += d;
+                stored.1 += blocks.len() as u64;
+            }
+            KvEventData::Removed { block_hashes, .. } => {
+                removed.0 += d;
+                removed.1 += block_hashes.len() as u64;
+            }
+            KvEventData::Cleared => {}
+        }
     }
     let secs = t.elapsed().as_secs_f64();
+    eprintln!(
+        "stored {:.1} ns/block ({} blocks), removed {:.1} ns/block ({} blocks)",
+        stored.0 * 1e9 / stored.1.max(1) as f64,
+        stored.1,
+        removed.0 * 1e9 / removed.1.max(1) as f64,
+        removed.1
+    );
     let st = ix.stats();
     eprintln!(
-        "apply: {:.2} M block events/s ({} events) entries {} nodes {} bytes/entry {:.1}",
-        w.block_events as f64 / secs / 1e6,
+        "apply: {:.2} M block events/s ({} events) entries {} blocks {} runs {} bytes/entry {:.1}",
+        (stored.1 + removed.1) as f64 / secs / 1e6,
         events.len(),
         ix.len(),
         st.nodes,
+        st.runs,
         st.bytes_in_use as f64 / ix.len().max(1) as f64
     );
     if mode == "query" {

@@ -234,3 +234,113 @@ fn tokens_variant_hashes_with_the_lora_seed() {
             .is_empty()
     );
 }
+
+/// Blocks `first..=last` as (block hash, tokens hash) pairs: block hash `1000 + t`.
+fn chain(first: u64, last: u64) -> Vec<(u64, u64)> {
+    (first..=last).map(|t| (1000 + t, t)).collect()
+}
+
+fn runs(ix: &RadixIndex) -> usize {
+    let s = ix.stats();
+    assert!(!ix.has_unused_node());
+    s.runs
+}
+
+#[test]
+fn a_chain_leaving_a_run_inside_it_splits_the_run() {
+    let mut ix = RadixIndex::new(IndexConfig::default());
+    let dev = StorageTier::Device;
+    ix.apply(1, 0, &stored(None, &chain(1, 10), dev)).unwrap();
+    assert_eq!(runs(&ix), 1);
+    let mut other = chain(1, 4);
+    other.extend([(2099, 99), (2100, 100)]);
+    ix.apply(2, 0, &stored(None, &other, dev)).unwrap();
+    assert_eq!(
+        runs(&ix),
+        3,
+        "the common prefix, the rest of the run, the new branch"
+    );
+    assert_eq!(ix.stats().nodes, 12);
+    let q: Vec<u64> = (1..=10).collect();
+    assert_eq!(rows(&ix, &q), vec![(1, 0, 10, 0, 0), (2, 0, 4, 0, 0)]);
+    assert_eq!(
+        rows(&ix, &[1, 2, 3, 4, 99, 100]),
+        vec![(1, 0, 4, 0, 0), (2, 0, 6, 0, 0)]
+    );
+    // The branch gone, the two halves are one run again.
+    ix.apply(2, 0, &removed(&[2100, 2099, 1004, 1003, 1002, 1001], dev))
+        .unwrap();
+    assert_eq!(runs(&ix), 1);
+    assert_eq!(rows(&ix, &q), vec![(1, 0, 10, 0, 0)]);
+}
+
+#[test]
+fn a_hole_in_the_middle_of_a_run_stops_the_match_there() {
+    let mut ix = RadixIndex::new(IndexConfig::default());
+    let dev = StorageTier::Device;
+    ix.apply(1, 0, &stored(None, &chain(1, 10), dev)).unwrap();
+    ix.apply(2, 0, &stored(None, &chain(1, 10), dev)).unwrap();
+    ix.apply(1, 0, &removed(&[1005], dev)).unwrap();
+    assert_eq!(runs(&ix), 2);
+    let q: Vec<u64> = (1..=10).collect();
+    assert_eq!(rows(&ix, &q), vec![(1, 0, 4, 0, 0), (2, 0, 10, 0, 0)]);
+    // Blocks after the hole are still held (and counted), just not matched through it.
+    assert_eq!(ix.find_matches(&q).get(1, 0).unwrap().total_blocks, 9);
+    ix.apply(1, 0, &stored(Some(1004), &chain(5, 5), dev))
+        .unwrap();
+    assert_eq!(rows(&ix, &q), vec![(1, 0, 10, 0, 0), (2, 0, 10, 0, 0)]);
+    assert_eq!(runs(&ix), 1, "filled again, the run is whole");
+}
+
+#[test]
+fn owners_holding_part_of_a_run_keep_one_run() {
+    let mut ix = RadixIndex::new(IndexConfig::default());
+    let dev = StorageTier::Device;
+    ix.apply(1, 0, &stored(None, &chain(1, 10), dev)).unwrap();
+    ix.apply(2, 0, &stored(None, &chain(1, 4), dev)).unwrap();
+    ix.apply(3, 0, &stored(None, &chain(1, 7), dev)).unwrap();
+    assert_eq!(runs(&ix), 1);
+    let q: Vec<u64> = (1..=10).collect();
+    assert_eq!(
+        rows(&ix, &q),
+        vec![(1, 0, 10, 0, 0), (2, 0, 4, 0, 0), (3, 0, 7, 0, 0)]
+    );
+    // Leaf-first eviction of the longest holder shortens the run to what others hold.
+    ix.apply(1, 0, &removed(&[1010, 1009, 1008, 1007, 1006], dev))
+        .unwrap();
+    assert_eq!(runs(&ix), 1);
+    assert_eq!(ix.stats().nodes, 7);
+    assert_eq!(
+        rows(&ix, &q),
+        vec![(1, 0, 5, 0, 0), (2, 0, 4, 0, 0), (3, 0, 7, 0, 0)]
+    );
+}
+
+#[test]
+fn a_tier_change_inside_a_run_splits_it_and_merges_back() {
+    let mut ix = RadixIndex::new(IndexConfig::default());
+    let (dev, host) = (StorageTier::Device, StorageTier::Host);
+    ix.apply(1, 0, &stored(None, &chain(1, 10), host)).unwrap();
+    ix.apply(1, 0, &stored(Some(1003), &chain(4, 6), dev))
+        .unwrap();
+    assert_eq!(runs(&ix), 3, "blocks 4..=6 in another set of tiers");
+    let q: Vec<u64> = (1..=10).collect();
+    assert_eq!(rows(&ix, &q), vec![(1, 0, 3, 7, 0)]);
+    ix.apply(1, 0, &removed(&[1004, 1005, 1006], dev)).unwrap();
+    assert_eq!(rows(&ix, &q), vec![(1, 0, 0, 10, 0)]);
+    assert_eq!(runs(&ix), 1);
+}
+
+#[test]
+fn a_decode_storing_a_block_at_a_time_grows_a_few_runs() {
+    let mut ix = RadixIndex::new(IndexConfig::default());
+    let dev = StorageTier::Device;
+    ix.apply(1, 0, &stored(None, &chain(1, 4), dev)).unwrap();
+    for t in 5..=200 {
+        ix.apply(1, 0, &stored(Some(1000 + t - 1), &chain(t, t), dev))
+            .unwrap();
+    }
+    let q: Vec<u64> = (1..=200).collect();
+    assert_eq!(rows(&ix, &q), vec![(1, 0, 200, 0, 0)]);
+    assert!(runs(&ix) <= 7, "{} runs for 200 blocks", runs(&ix));
+}

@@ -18,7 +18,7 @@ use kvroute_indexer::{IndexConfig, RadixIndex, SharedIndex};
 /// Sorted `(worker, leading blocks)` of one answer, to check the indexes agree.
 pub type Answer = Vec<(u64, u32)>;
 
-pub fn ours_answer(ix: &RadixIndex, q: &[u64]) -> Answer {
+pub fn ours_answer(ix: &SharedIndex, q: &[u64]) -> Answer {
     ix.find_matches(q)
         .matches
         .iter()

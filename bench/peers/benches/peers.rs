@@ -242,7 +242,7 @@ fn latencies(trace: &[TraceRequest], workers: usize) -> (Vec<Vec<Option<Lat>>>, 
         .iter()
         .map(|qs| {
             qs.iter()
-                .map(|q| ours_ix.with_read(|ix: &RadixIndex| ours_answer(ix, q)))
+                .map(|q| ours_answer(&ours_ix, q))
                 .collect()
         })
         .collect();

@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 
 use kvroute_common::hashing::SequenceHash;
 
-use super::tree::Slot;
+use super::view::Slot;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Queued {

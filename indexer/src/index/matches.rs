@@ -1,11 +1,12 @@
 //! Overlap queries: for a prompt's local block hashes, how many leading blocks each
 //! (worker, dp rank) holds, split by tier.
 
+use std::sync::atomic::Ordering;
+
 use kvroute_common::hashing::{LocalBlockHash, local_block_hashes, seed_for_lora};
 use kvroute_common::messages::WorkerMatch;
 
-use super::radix::RadixIndex;
-use super::tree::{ROOT, Slot, owner_slot, owner_tiers};
+use super::view::{Owner, ROOT, Slot, View, owner_end, owner_slot, owner_tiers};
 
 /// The answer to one query.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -38,147 +39,137 @@ impl OverlapScores {
     }
 }
 
-/// A worker still on the path, with its counts by tier.
+/// A pair met on the path, with its blocks by tier.
 #[derive(Debug, Clone, Copy)]
 struct Run {
     slot: Slot,
     by_tier: [u32; 3],
-    /// Best tier on the last node merged.
-    tier: usize,
 }
 
-#[inline]
-fn best_tier(tiers: u8) -> usize {
-    tiers.trailing_zeros() as usize
-}
-
-/// Credits `pending` more blocks to every live run, in the tier of its last node.
-#[inline]
-fn flush(runs: &mut [Run], live: &[u32], pending: &mut u32) {
-    if *pending > 0 {
-        for &i in live {
-            let run = &mut runs[i as usize];
-            run.by_tier[run.tier] += *pending;
-        }
-        *pending = 0;
-    }
-}
-
-/// `a == b` for owner lists, without a call to `memcmp` for the short lists most nodes have.
+/// Credits `owner`'s part of a run of which the query matched `m` blocks; true if the pair
+/// holds the whole run.
 #[inline(always)]
-fn same_owners(a: &[u32], b: &[u32]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    if a.len() <= 4 {
-        return a.iter().zip(b).all(|(x, y)| x == y);
-    }
-    a == b
+fn credit(run: &mut Run, o: Owner, m: u32, len: u32) -> bool {
+    let end = owner_end(o);
+    run.by_tier[owner_tiers(o).trailing_zeros() as usize] += end.min(m);
+    end == len
 }
 
-impl RadixIndex {
+impl View {
     /// Matches a prompt given as local block hashes (`tokens_hash` of each full block).
     ///
-    /// Walks the query's path once and stops as soon as no worker remains on it; a miss on the
-    /// first block costs one hash lookup.
+    /// Walks the query's path once, comparing it with each run's hashes, and stops as soon as
+    /// no pair remains on it; a miss on the first block costs one hash lookup.
     pub fn find_matches(&self, local_hashes: &[LocalBlockHash]) -> OverlapScores {
         let query_blocks = u32::try_from(local_hashes.len()).unwrap_or(u32::MAX);
-        let Some((&first, rest)) = local_hashes.split_first() else {
+        let Some(&first) = local_hashes.first() else {
             return OverlapScores::default();
         };
-        let Some(mut node) = self.tree.child(ROOT, first) else {
+        let Some(mut node) = self.child(ROOT, first) else {
             return OverlapScores {
                 matches: Vec::new(),
                 query_blocks,
             };
         };
-        let owners = self.tree.owners(node);
-        let mut runs: Vec<Run> = owners
-            .iter()
-            .map(|&e| {
-                let tier = best_tier(owner_tiers(e));
-                let mut by_tier = [0; 3];
-                by_tier[tier] = 1;
-                Run {
-                    slot: owner_slot(e),
-                    by_tier,
-                    tier,
-                }
-            })
-            .collect();
-        // A run of nodes with identical owner lists (a prefix shared by the same workers in the
-        // same tiers) is counted once at its end: one slice compare per node instead of a merge.
-        let mut prev: &[u32] = owners;
-        let mut pending = 0u32;
-        // Indices into `runs` of workers still on the path, in slot order (as owners are).
-        let mut live: Vec<u32> = (0..runs.len() as u32).collect();
-        for &h in rest {
-            let Some(child) = self.tree.child(node, h) else {
-                break;
-            };
-            node = child;
-            let owners = self.tree.owners(node);
-            if same_owners(owners, prev) {
-                pending += 1;
-                continue;
+        let mut runs: Vec<Run> = Vec::new();
+        // Indices into `runs` of the pairs still on the path, in slot order (as owners are).
+        let mut live: Vec<u32> = Vec::new();
+        let mut at = 0usize;
+        loop {
+            let n = self.node(node);
+            let tokens = self.arena.run(n.start, n.len);
+            let rest = &local_hashes[at..];
+            let limit = tokens.len().min(rest.len());
+            // The first block matched already (it is how the node was found).
+            let mut m = 1;
+            while m < limit && tokens[m].load(Ordering::Relaxed) == rest[m] {
+                m += 1;
             }
-            flush(&mut runs, &live, &mut pending);
-            prev = owners;
-            let mut kept = 0;
-            if live.len() * 16 < owners.len() {
-                // Few workers left on a crowded node: look each one up.
-                for i in 0..live.len() {
-                    let run = &mut runs[live[i] as usize];
-                    if let Ok(k) = owners.binary_search_by_key(&run.slot, |&e| owner_slot(e)) {
-                        run.tier = best_tier(owner_tiers(owners[k]));
-                        run.by_tier[run.tier] += 1;
-                        live[kept] = live[i];
-                        kept += 1;
+            let owners = self.owners(node);
+            // Pairs holding the whole run go on only if the query goes past it.
+            let goes_on = m == n.len as usize && at + m < local_hashes.len();
+            let m = m as u32;
+            if runs.is_empty() {
+                runs.reserve_exact(owners.len());
+                for &o in owners {
+                    let mut run = Run {
+                        slot: owner_slot(o),
+                        by_tier: [0; 3],
+                    };
+                    if credit(&mut run, o, m, n.len) && goes_on {
+                        live.push(runs.len() as u32);
                     }
+                    runs.push(run);
                 }
             } else {
-                // Merge the two slot-ordered lists.
-                let mut k = 0;
-                for i in 0..live.len() {
-                    let run = &mut runs[live[i] as usize];
-                    while k < owners.len() && owner_slot(owners[k]) < run.slot {
-                        k += 1;
+                let mut kept = 0;
+                if live.len() * 16 < owners.len() {
+                    // Few pairs left on a crowded run: look each one up.
+                    for i in 0..live.len() {
+                        let run = &mut runs[live[i] as usize];
+                        if let Ok(k) = owners.binary_search_by_key(&run.slot, |&o| owner_slot(o))
+                            && credit(run, owners[k], m, n.len)
+                            && goes_on
+                        {
+                            live[kept] = live[i];
+                            kept += 1;
+                        }
                     }
-                    if k < owners.len() && owner_slot(owners[k]) == run.slot {
-                        run.tier = best_tier(owner_tiers(owners[k]));
-                        run.by_tier[run.tier] += 1;
-                        live[kept] = live[i];
-                        kept += 1;
-                        k += 1;
+                } else {
+                    // Merge the two slot-ordered lists.
+                    let mut k = 0;
+                    for i in 0..live.len() {
+                        let run = &mut runs[live[i] as usize];
+                        while k < owners.len() && owner_slot(owners[k]) < run.slot {
+                            k += 1;
+                        }
+                        if k < owners.len() && owner_slot(owners[k]) == run.slot {
+                            if credit(run, owners[k], m, n.len) && goes_on {
+                                live[kept] = live[i];
+                                kept += 1;
+                            }
+                            k += 1;
+                        }
                     }
                 }
+                live.truncate(kept);
             }
-            live.truncate(kept);
-            if live.is_empty() {
+            if live.is_empty() || !goes_on {
                 break;
             }
+            at += m as usize;
+            match self.child(node, local_hashes[at]) {
+                Some(c) => node = c,
+                None => break,
+            }
         }
-        flush(&mut runs, &live, &mut pending);
+        OverlapScores {
+            matches: self.rows(runs),
+            query_blocks,
+        }
+    }
+
+    /// The answer's rows, sorted by (worker, dp rank).
+    fn rows(&self, mut runs: Vec<Run>) -> Vec<WorkerMatch> {
         let row = |r: &Run| {
-            let s = self.workers.get(r.slot).expect("owner slot in use");
+            let p = self.pair(r.slot);
             WorkerMatch {
-                worker_id: s.worker_id,
-                dp_rank: s.dp_rank,
+                worker_id: p.worker_id,
+                dp_rank: p.dp_rank,
                 device: r.by_tier[0],
                 host: r.by_tier[1],
                 disk: r.by_tier[2],
-                total_blocks: s.blocks.len() as u64,
+                total_blocks: p.blocks,
             }
         };
-        // Sorted by (worker, dp rank): place by rank when many matched, else sort the few.
-        let pairs = self.workers.len();
-        let matches: Vec<WorkerMatch> = if runs.len() * 8 >= pairs {
+        let pairs = self.pairs_used();
+        // Place by rank when many matched, else sort the few.
+        if runs.len() * 8 >= pairs {
             let mut at = vec![u32::MAX; pairs];
             for (i, r) in runs.iter().enumerate() {
-                at[self.workers.rank(r.slot) as usize] = i as u32;
+                at[self.pair(r.slot).rank as usize] = i as u32;
             }
-            // Sized up front: a filtered iterator's size hint is 0, so `collect` would grow the
-            // answer by doubling (about eight reallocations and copies at 1,024 workers).
+            // Sized up front: a filtered iterator's size hint is 0.
             let mut rows = Vec::with_capacity(runs.len());
             rows.extend(
                 at.iter()
@@ -187,12 +178,8 @@ impl RadixIndex {
             );
             rows
         } else {
-            runs.sort_unstable_by_key(|r| self.workers.rank(r.slot));
+            runs.sort_unstable_by_key(|r| self.pair(r.slot).rank);
             runs.iter().map(row).collect()
-        };
-        OverlapScores {
-            matches,
-            query_blocks,
         }
     }
 

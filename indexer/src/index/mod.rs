@@ -1,28 +1,39 @@
 //! The radix index: an exact prefix index of which (worker, dp rank) holds which chain of KV
 //! blocks, and the thread-safe handle around it.
 //!
-//! - [`RadixIndex`] (`radix.rs`): the single-writer core; `apply` / `find_matches`;
-//! - `tree.rs`: the shared prefix tree keyed by `tokens_hash`, with each node's owners;
-//! - `workers.rs`: per (worker, dp rank), the engine's block hash → node;
+//! - [`RadixIndex`] (`radix.rs`): the single-writer index; `apply` / `find_matches`;
+//! - `arena.rs`: every block's `tokens_hash` in one slot of a chunked arena; `extents.rs`: the
+//!   ranges of it that runs live in;
+//! - `view.rs`: what readers use — runs of blocks (nodes), their owners, the child edges, the
+//!   (worker, rank) table — changed only through `ops.rs`;
+//! - `core/`: the writer's side — per (worker, rank) the engine hash → slot map
+//!   (`blockmap.rs`), each slot's node, and applying events;
 //! - `matches.rs`: overlap queries and [`OverlapScores`];
 //! - `eviction.rs`: the eviction order behind [`IndexConfig::max_entries`];
-//! - `digest.rs`, `snapshot.rs`: state digest, and snapshot / restore;
+//! - `digest.rs`, `snapshot.rs` (`snapshot_v1.rs`): state digest, and snapshot / restore;
 //! - [`SharedIndex`] (`shared.rs`): one writer, many concurrent readers that never wait for
-//!   it (two copies), and pinned copies for long reads.
+//!   it (two views), and pins for snapshots that never stop it.
 //!
-//! *Invariant:* no I/O, no clock, no global state, no `unsafe`.
+//! *Invariant:* no I/O, no clock, no global state; no `unsafe` but the prefetch hint in
+//! `prefetch.rs`.
 
+mod arena;
+mod blockmap;
 mod config;
+mod core;
 mod digest;
 mod eviction;
+mod extents;
 mod matches;
+mod ops;
 mod outcome;
+mod prefetch;
 mod radix;
 mod shared;
 mod snapshot;
+mod snapshot_v1;
 mod stats;
-mod tree;
-mod workers;
+mod view;
 
 pub use config::{ConfigError, IndexConfig, MAX_ENTRIES_LIMIT};
 pub use matches::OverlapScores;

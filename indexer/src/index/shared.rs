@@ -1,31 +1,25 @@
 //! [`SharedIndex`]: one writer applying events while many readers match, across threads, with
-//! readers that never wait for the writer and long reads (snapshots, digests) that never make
-//! the writer wait.
+//! readers that never wait for the writer and snapshots that never make the writer wait.
 //!
-//! Design (measured alternatives in ARCHITECTURE.md, "Radix index"): two copies of the
-//! single-writer [`RadixIndex`], each behind its own reader-writer lock, and an atomic naming
-//! the *front* copy, the one readers use. The writer applies each change to the back copy,
-//! makes it the front, then applies the same change to the old front. It holds at most one
-//! copy's lock at a time and never the front's, so a reader's read lock is always free at
-//! once; a reader that loaded the front just before a flip and finds its copy taken reads the
-//! other, which is then the new front.
+//! Design (measured alternatives in ARCHITECTURE.md, "Radix index"): the writer's side (the
+//! pairs' maps, each block's node, the extents) exists once, behind the writer's mutex; readers
+//! use two [`View`]s of the tree, each behind its own reader-writer lock, and an atomic naming
+//! the *front* view. The block hashes live in the arena both views share; the views themselves
+//! are small (runs, owners, edges). A write runs the core on the back view, recording its
+//! [`Op`]s, makes that view the front, then replays the ops on the old front. The writer holds
+//! at most one view's lock at a time and never the front's while it is current, so a reader's
+//! read lock is free at once; a reader that finds its view taken (just after a flip) reads the
+//! other, which is then the front.
 //!
-//! A long read [pins](SharedIndex::try_pin) a copy in its current state. While a copy is pinned
-//! the writer applies changes to the other copy only and queues them for the pinned one
-//! (cloned); once unpinned, the copy catches up a bounded amount of queued work per write,
-//! so neither the pin nor the catch-up stalls the writer. Meanwhile readers use the up-to-date
-//! copy, and read the lagging one (a consistent state, older by the queued changes) only in
-//! the instants the writer holds the up-to-date copy.
+//! A snapshot [pins](SharedIndex::try_pin) the back view: while pinned the writer applies to the
+//! front only and queues the ops for the pinned view, which catches up a bounded amount per
+//! write once unpinned. The maps of the pin's moment are copied by the writer before it changes
+//! each one and by the snapshot's thread for the rest, a bounded amount at a time (`core/pin.rs`).
+//! Freed ranges of the arena are reused only once no view references them.
 //!
-//! Costs: twice the memory of one [`RadixIndex`], and every change is applied twice (the
-//! second time to memory the first application did not warm). A state built before anyone
-//! reads it — an indexer catching up with the log — can start as [one copy](SharedIndex::solo)
-//! and take its second when it starts answering. After every change returns,
-//! both copies hold the same state unless one is pinned or catching up.
-//!
-//! *Invariants:* copy `c` equals the current state minus `behind[c]` applied in order; a pinned
-//! copy is never written; at most one copy is pinned or behind at a time, so every write is
-//! applied at once to at least one copy, and the front copy is always up to date.
+//! *Invariants:* a view equals the current state minus its queued ops; a pinned view is never
+//! written; at most one view is pinned or behind at a time, so every write is applied at once
+//! to at least one view, and the front view is always up to date.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -36,13 +30,17 @@ use kvroute_common::ids::{DpRank, WorkerId};
 use kvroute_common::messages::{KvEventBatch, KvEventData};
 
 use super::config::IndexConfig;
+use super::core::{Core, PinMaps};
+use super::digest::digest_of;
 use super::matches::OverlapScores;
+use super::ops::{Op, Rec};
 use super::outcome::{ApplyError, ApplyOk, BatchOutcome};
 use super::radix::RadixIndex;
-use super::snapshot::SnapshotError;
+use super::snapshot::{Meta, SnapshotError};
 use super::stats::IndexStats;
+use super::view::View;
 
-/// A cloneable, thread-safe handle to one index held as two copies. Any clone may write;
+/// A cloneable, thread-safe handle to one index read through two views. Any clone may write;
 /// writes are serialized.
 #[derive(Debug, Clone)]
 pub struct SharedIndex {
@@ -51,106 +49,28 @@ pub struct SharedIndex {
 
 #[derive(Debug)]
 struct Inner {
-    copies: [RwLock<RadixIndex>; 2],
-    /// The copy readers use: the one written first, so always at least as new as the other.
+    views: [RwLock<View>; 2],
+    /// The view readers use: always up to date.
     front: AtomicUsize,
-    writer: Mutex<WriterState>,
-    /// One copy only (copy 0), for a state nobody reads while it is built: see
+    writer: Mutex<Writer>,
+    /// One view only (view 0), for a state nobody reads while it is built: see
     /// [`SharedIndex::solo`].
     solo: AtomicBool,
-    /// Work (in blocks) of queued changes a copy catches up per write, at most (or twice the
-    /// write's own work, if more).
-    catch_up_blocks: usize,
+    /// Ops a lagging view catches up per write, at most (or twice the write's own, if more).
+    catch_up_ops: usize,
 }
 
-#[derive(Debug, Default)]
-struct WriterState {
-    /// Changes each copy has not had yet, oldest first.
-    behind: [ChangeQueue; 2],
-    /// Pins held on each copy.
+#[derive(Debug)]
+struct Writer {
+    core: Core,
+    /// Ops each view has not had yet, one entry per write, oldest first.
+    behind: [VecDeque<Vec<Op>>; 2],
     pins: [usize; 2],
+    /// The ops of the write in progress (kept to reuse its allocation).
+    log: Vec<Op>,
 }
 
-/// Changes a copy has not had yet, oldest first, in segments of [`SEGMENT`] changes: growing
-/// never copies what is queued (a `VecDeque` doubling under a million queued changes copies
-/// tens of megabytes while the writer waits).
-#[derive(Debug, Default)]
-struct ChangeQueue {
-    segments: VecDeque<VecDeque<Change>>,
-    len: usize,
-}
-
-const SEGMENT: usize = 4096;
-
-impl ChangeQueue {
-    fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    fn push(&mut self, change: Change) {
-        match self.segments.back_mut() {
-            Some(last) if last.len() < SEGMENT => last.push_back(change),
-            _ => {
-                let mut seg = VecDeque::with_capacity(SEGMENT);
-                seg.push_back(change);
-                self.segments.push_back(seg);
-            }
-        }
-        self.len += 1;
-    }
-
-    fn pop(&mut self) -> Option<Change> {
-        let first = self.segments.front_mut()?;
-        let change = first.pop_front();
-        if first.is_empty() {
-            self.segments.pop_front();
-        }
-        self.len -= usize::from(change.is_some());
-        change
-    }
-}
-
-/// One change, owned, for a copy that applies it later.
-#[derive(Debug, Clone)]
-enum Change {
-    Event {
-        worker_id: WorkerId,
-        dp_rank: DpRank,
-        data: KvEventData,
-    },
-    RemoveWorker(WorkerId),
-    RemoveWorkerDpRank(WorkerId, DpRank),
-}
-
-/// Work of one event, in blocks (what applying it costs, roughly).
-fn blocks_of(data: &KvEventData) -> usize {
-    data.block_count().max(1)
-}
-
-impl Change {
-    fn cost(&self) -> usize {
-        match self {
-            Change::Event { data, .. } => blocks_of(data),
-            Change::RemoveWorker(_) | Change::RemoveWorkerDpRank(..) => 1,
-        }
-    }
-
-    fn apply(&self, ix: &mut RadixIndex) {
-        match self {
-            Change::Event {
-                worker_id,
-                dp_rank,
-                data,
-            } => {
-                let _ = ix.apply(*worker_id, *dp_rank, data);
-            }
-            Change::RemoveWorker(w) => ix.remove_worker(*w),
-            Change::RemoveWorkerDpRank(w, r) => ix.remove_worker_dp_rank(*w, *r),
-        }
-    }
-}
-
-/// The events of one write, borrowed from the caller.
+/// The changes of one write, borrowed from the caller.
 #[derive(Clone, Copy)]
 enum Write<'a> {
     Events {
@@ -164,15 +84,7 @@ enum Write<'a> {
 }
 
 impl Write<'_> {
-    fn cost(self) -> usize {
-        match self {
-            Write::Events { events, .. } => events.iter().map(blocks_of).sum(),
-            Write::Batch(b) => b.events.iter().map(|e| blocks_of(&e.data)).sum(),
-            Write::RemoveWorker(_) | Write::RemoveWorkerDpRank(..) => 1,
-        }
-    }
-
-    fn apply(self, ix: &mut RadixIndex) -> BatchOutcome {
+    fn apply(self, core: &mut Core, rec: &mut Rec<'_>) -> BatchOutcome {
         let mut outcome = BatchOutcome::default();
         match self {
             Write::Events {
@@ -181,97 +93,93 @@ impl Write<'_> {
                 events,
             } => {
                 for data in events {
-                    outcome.record(ix.apply(worker_id, dp_rank, data));
+                    outcome.record(core.apply(rec, worker_id, dp_rank, data));
                 }
             }
-            Write::Batch(batch) => outcome = ix.apply_batch(batch),
-            Write::RemoveWorker(w) => ix.remove_worker(w),
-            Write::RemoveWorkerDpRank(w, r) => ix.remove_worker_dp_rank(w, r),
+            Write::Batch(batch) => {
+                for e in &batch.events {
+                    outcome.record(core.apply(rec, batch.worker_id, batch.dp_rank, &e.data));
+                }
+            }
+            Write::RemoveWorker(w) => core.remove_worker(rec, w),
+            Write::RemoveWorkerDpRank(w, r) => core.remove_worker_dp_rank(rec, w, r),
         }
         outcome
     }
-
-    fn queue(self, behind: &mut ChangeQueue) {
-        let event = |worker_id, dp_rank, data: &KvEventData| Change::Event {
-            worker_id,
-            dp_rank,
-            data: data.clone(),
-        };
-        match self {
-            Write::Events {
-                worker_id,
-                dp_rank,
-                events,
-            } => {
-                for d in events {
-                    behind.push(event(worker_id, dp_rank, d));
-                }
-            }
-            Write::Batch(b) => {
-                for e in &b.events {
-                    behind.push(event(b.worker_id, b.dp_rank, &e.data));
-                }
-            }
-            Write::RemoveWorker(w) => behind.push(Change::RemoveWorker(w)),
-            Write::RemoveWorkerDpRank(w, r) => behind.push(Change::RemoveWorkerDpRank(w, r)),
-        }
-    }
 }
 
-/// A copy held in one state for a long read; see [`SharedIndex::pin`]. `Send` and `Sync`:
-/// take it on the writer's thread, read it on another.
+/// A view held in one state for a long read (a snapshot or a digest); see
+/// [`SharedIndex::try_pin`]. `Send` and `Sync`: take it on the writer's thread, read it on
+/// another.
 #[derive(Debug)]
 pub struct PinnedIndex {
     inner: Arc<Inner>,
-    copy: usize,
+    view: usize,
+    maps: Arc<PinMaps>,
+    meta: Meta,
 }
 
+/// Map entries the snapshot's thread copies per hold of the writer's lock (about a
+/// millisecond of `memcpy`).
+const COPY_BUDGET: usize = 1 << 16;
+
 impl PinnedIndex {
-    /// Runs `f` on the pinned state (which no write changes while the pin lives).
-    pub fn with<R>(&self, f: impl FnOnce(&RadixIndex) -> R) -> R {
-        f(&self.inner.read_copy(self.copy))
+    /// Waits until every map of the pin's moment is copied (copying, a bounded amount per hold
+    /// of the writer's lock, those the writer has not copied yet), then runs `f` on the state.
+    fn with<R>(&self, f: impl FnOnce(&View, &[Option<super::blockmap::BlockMap>]) -> R) -> R {
+        loop {
+            let done = self.inner.writer().core.copy_pending(COPY_BUDGET);
+            if done {
+                break;
+            }
+        }
+        let view = self.inner.read_view(self.view);
+        let maps = self.maps.lock();
+        f(&view, &maps)
     }
 
     pub fn snapshot(&self) -> Vec<u8> {
-        self.with(RadixIndex::snapshot)
+        self.with(|view, maps| super::snapshot::write(view, maps, &self.meta))
     }
 
     pub fn digest(&self) -> u64 {
-        self.with(RadixIndex::digest)
+        self.with(digest_of)
     }
 }
 
 impl Drop for PinnedIndex {
     fn drop(&mut self) {
-        self.inner.writer().pins[self.copy] -= 1;
+        let mut w = self.inner.writer();
+        w.pins[self.view] -= 1;
+        w.core.end_pin(&self.maps);
     }
 }
 
 impl Inner {
-    fn writer(&self) -> MutexGuard<'_, WriterState> {
-        // A panic inside the index would be a bug; each copy stays consistent per event, so
+    fn writer(&self) -> MutexGuard<'_, Writer> {
+        // A panic inside the index would be a bug; each view stays consistent per write, so
         // keep serving rather than poisoning every caller.
         self.writer.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn read_copy(&self, c: usize) -> RwLockReadGuard<'_, RadixIndex> {
-        self.copies[c].read().unwrap_or_else(|p| p.into_inner())
+    fn read_view(&self, v: usize) -> RwLockReadGuard<'_, View> {
+        self.views[v].read().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn write_copy(&self, c: usize) -> RwLockWriteGuard<'_, RadixIndex> {
-        self.copies[c].write().unwrap_or_else(|p| p.into_inner())
+    fn write_view(&self, v: usize) -> RwLockWriteGuard<'_, View> {
+        self.views[v].write().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The newest readable state: the front copy, or, in the instants the writer holds it,
+    /// The newest readable state: the front view, or, in the instants the writer holds it,
     /// the other one.
-    fn read(&self) -> RwLockReadGuard<'_, RadixIndex> {
+    fn read(&self) -> RwLockReadGuard<'_, View> {
         if self.solo.load(Ordering::Acquire) {
-            return self.read_copy(0);
+            return self.read_view(0);
         }
         loop {
             let f = self.front.load(Ordering::Acquire);
-            for c in [f, 1 - f] {
-                match self.copies[c].try_read() {
+            for v in [f, 1 - f] {
+                match self.views[v].try_read() {
                     Ok(g) => return g,
                     Err(TryLockError::Poisoned(p)) => return p.into_inner(),
                     Err(TryLockError::WouldBlock) => {}
@@ -282,71 +190,101 @@ impl Inner {
         }
     }
 
-    /// Applies `w` to every copy that can take it now and queues it for the others. Returns
-    /// the outcome of its first application.
+    /// Runs `w` through the core on an up-to-date view and replays its ops on the other (or
+    /// queues them). Returns the write's outcome.
     fn write(&self, w: Write<'_>) -> BatchOutcome {
-        let mut state = self.writer();
+        let mut guard = self.writer();
+        let st = &mut *guard;
         if self.solo.load(Ordering::Relaxed) {
-            return w.apply(&mut self.write_copy(0));
+            let mut view = self.write_view(0);
+            let outcome = w.apply(&mut st.core, &mut Rec::new(&mut view, None));
+            st.core.views_caught_up();
+            return outcome;
         }
         let front = self.front.load(Ordering::Relaxed);
-        let mut outcome = None;
-        // The back copy first, so readers keep an untouched front meanwhile.
-        for c in [1 - front, front] {
-            if state.pins[c] > 0 {
-                w.queue(&mut state.behind[c]);
-                continue;
-            }
-            let mut ix = self.write_copy(c);
-            let behind = &mut state.behind[c];
-            // Catch up a bounded amount of work, and always more than this write adds, so the
-            // queue drains.
-            let budget = self.catch_up_blocks.max(2 * w.cost());
+        let back = 1 - front;
+        // The back view first, so readers keep an untouched front meanwhile; the front when
+        // the back is pinned or still catching up.
+        let first = if st.pins[back] == 0 && st.behind[back].is_empty() {
+            back
+        } else {
+            front
+        };
+        let mut log = std::mem::take(&mut st.log);
+        log.clear();
+        let outcome = {
+            let mut view = self.write_view(first);
+            w.apply(&mut st.core, &mut Rec::new(&mut view, Some(&mut log)))
+        };
+        if first != front {
+            // Up to date: readers move here before the other view is touched.
+            self.front.store(first, Ordering::Release);
+        }
+        let other = 1 - first;
+        if st.pins[other] > 0 {
+            st.behind[other].push_back(log);
+        } else {
+            let mut view = self.write_view(other);
+            let behind = &mut st.behind[other];
+            // Catch up a bounded amount, and always more than this write adds, so the queue
+            // drains.
+            let budget = self.catch_up_ops.max(2 * log.len());
             let mut spent = 0;
             while spent < budget {
-                let Some(change) = behind.pop() else { break };
-                spent += change.cost();
-                change.apply(&mut ix);
+                let Some(ops) = behind.pop_front() else { break };
+                spent += ops.len().max(1);
+                for op in &ops {
+                    view.apply(op);
+                }
             }
             if behind.is_empty() {
-                let got = w.apply(&mut ix);
-                drop(ix);
-                if let Some(first) = &outcome {
-                    debug_assert_eq!(*first, got, "the copies diverged");
-                } else {
-                    outcome = Some(got);
+                for op in &log {
+                    view.apply(op);
                 }
-                // Up to date: readers move here before the other copy is touched.
-                if c != front {
-                    self.front.store(c, Ordering::Release);
-                }
+                st.log = log;
             } else {
-                w.queue(behind);
+                behind.push_back(log);
             }
         }
-        // One copy is always up to date (see `pin`), and it took the change.
-        outcome.expect("an up-to-date copy applied the change")
+        if st.pins == [0, 0] && st.behind.iter().all(VecDeque::is_empty) {
+            st.core.views_caught_up();
+        }
+        outcome
     }
 
-    /// Pins a copy that holds the current state, keeping the other one up to date for the
-    /// writer: `None` while that is impossible (the other copy is pinned with changes since, or
-    /// a copy is still catching up after an earlier pin).
+    /// Pins the back view in the current state while the front stays up to date for the
+    /// writer: `None` while that is impossible (a pin is held, or a view is still catching up
+    /// after an earlier one).
     fn try_pin(self: &Arc<Self>) -> Option<PinnedIndex> {
-        let mut state = self.writer();
-        if self.solo.load(Ordering::Relaxed) {
+        let mut st = self.writer();
+        if self.solo.load(Ordering::Relaxed)
+            || st.pins != [0, 0]
+            || st.behind.iter().any(|b| !b.is_empty())
+        {
             return None;
         }
-        let front = self.front.load(Ordering::Relaxed);
-        // The back copy first, so readers keep the front to themselves.
-        let copy = [1 - front, front].into_iter().find(|&c| {
-            let other = 1 - c;
-            state.behind[c].is_empty() && state.behind[other].is_empty() && state.pins[other] == 0
-        })?;
-        state.pins[copy] += 1;
+        let view = 1 - self.front.load(Ordering::Relaxed);
+        st.pins[view] += 1;
+        let maps = st.core.start_pin();
         Some(PinnedIndex {
             inner: self.clone(),
-            copy,
+            view,
+            maps,
+            meta: Meta::of(&st.core),
         })
+    }
+
+    /// Runs `f` on the whole current state with the writer stopped (for long reads when no
+    /// view can be pinned).
+    fn with_writer_stopped<R>(&self, f: impl FnOnce(&View, &Core) -> R) -> R {
+        let st = self.writer();
+        let v = if self.solo.load(Ordering::Relaxed) {
+            0
+        } else {
+            self.front.load(Ordering::Relaxed)
+        };
+        let view = self.read_view(v);
+        f(&view, &st.core)
     }
 }
 
@@ -356,21 +294,28 @@ impl SharedIndex {
         Self::from_index(RadixIndex::new(config))
     }
 
-    /// Shares an existing index (for example one just restored); the second copy is a clone.
+    /// Shares an existing index (for example one just restored); the second view is a copy of
+    /// its view (the arena is shared, not copied).
     pub fn from_index(index: RadixIndex) -> Self {
-        let second = index.clone();
-        Self::from_parts(index, second)
+        let second = index.view.clone();
+        Self::from_parts(index, second, false)
     }
 
-    fn from_parts(index: RadixIndex, second: RadixIndex) -> Self {
-        let catch_up_blocks = 64 * index.config().write_chunk_events;
+    fn from_parts(index: RadixIndex, second: View, solo: bool) -> Self {
+        let catch_up_ops = 64 * index.config().write_chunk_events;
+        let RadixIndex { core, view } = index;
         Self {
             inner: Arc::new(Inner {
-                copies: [RwLock::new(index), RwLock::new(second)],
+                views: [RwLock::new(view), RwLock::new(second)],
                 front: AtomicUsize::new(0),
-                writer: Mutex::new(WriterState::default()),
-                solo: AtomicBool::new(false),
-                catch_up_blocks,
+                writer: Mutex::new(Writer {
+                    core,
+                    behind: Default::default(),
+                    pins: [0, 0],
+                    log: Vec::new(),
+                }),
+                solo: AtomicBool::new(solo),
+                catch_up_ops,
             }),
         }
     }
@@ -380,29 +325,27 @@ impl SharedIndex {
         RadixIndex::restore(bytes).map(Self::from_index)
     }
 
-    /// Shares `index` as one copy, for a state that is built before anyone reads it (an
-    /// indexer catching up with the log applies at the one-copy rate): readers and the writer
-    /// exclude each other, and nothing can be pinned, until
-    /// [`SharedIndex::attach_second_copy`].
+    /// Shares `index` with one view, for a state that is built before anyone reads it (an
+    /// indexer catching up with the log writes one view): readers and the writer exclude each
+    /// other, and nothing can be pinned, until [`SharedIndex::attach_second_copy`].
     pub fn solo(index: RadixIndex) -> Self {
-        let shared = Self::from_parts(index, RadixIndex::new(IndexConfig::default()));
-        shared.inner.solo.store(true, Ordering::Release);
-        shared
+        Self::from_parts(index, View::default(), true)
     }
 
-    /// Ends [`SharedIndex::solo`]: the second copy becomes a clone of the first (writes wait
-    /// for the clone), and from then on readers never wait. Does nothing on two copies.
+    /// Ends [`SharedIndex::solo`]: the second view becomes a copy of the first (writes wait
+    /// for the copy, which leaves the shared arena alone), and from then on readers never
+    /// wait. Does nothing on two views.
     pub fn attach_second_copy(&self) {
-        let _state = self.inner.writer();
+        let _w = self.inner.writer();
         if self.inner.solo.load(Ordering::Relaxed) {
-            let second = self.inner.read_copy(0).clone();
-            *self.inner.write_copy(1) = second;
+            let second = self.inner.read_view(0).clone();
+            *self.inner.write_view(1) = second;
             self.inner.front.store(0, Ordering::Release);
             self.inner.solo.store(false, Ordering::Release);
         }
     }
 
-    /// Whether the index is one copy (see [`SharedIndex::solo`]).
+    /// Whether the index has one view (see [`SharedIndex::solo`]).
     pub fn is_solo(&self) -> bool {
         self.inner.solo.load(Ordering::Acquire)
     }
@@ -463,7 +406,7 @@ impl SharedIndex {
         block_size: usize,
         lora_name: Option<&str>,
     ) -> OverlapScores {
-        // Hash before taking the copy.
+        // Hash before taking the view.
         let hashes = kvroute_common::hashing::local_block_hashes(
             tokens,
             block_size,
@@ -472,50 +415,66 @@ impl SharedIndex {
         self.find_matches(&hashes)
     }
 
-    /// Holds a copy in the current state for a long read on any thread, without stopping the
-    /// writer (see the module docs). Drop the pin when done: until then the writer queues every
-    /// change for that copy. `None` while an earlier pin (or its catch-up) is in the way: at
-    /// most one copy is held back at a time, so the writer always has an up-to-date copy.
+    /// Holds the back view in the current state for a long read on any thread, without
+    /// stopping the writer (see the module docs). Drop the pin when done: until then the
+    /// writer queues every change for that view. `None` while an earlier pin (or its
+    /// catch-up) is in the way.
     pub fn try_pin(&self) -> Option<PinnedIndex> {
         self.inner.try_pin()
     }
 
-    /// The digest of the current state: on a pinned copy when one can be had, else on the front
-    /// (which makes a writer on another thread wait until it is done).
+    /// The digest of the current state: on a pin when one can be had, else with the writer
+    /// stopped until it is computed.
     pub fn digest(&self) -> u64 {
         match self.try_pin() {
             Some(p) => p.digest(),
-            None => self.inner.read().digest(),
+            None => self.inner.with_writer_stopped(digest_of),
         }
     }
 
-    /// A snapshot of the current state, written like [`SharedIndex::digest`] is computed.
+    /// A snapshot of the current state, taken like [`SharedIndex::digest`].
     pub fn snapshot(&self) -> Vec<u8> {
         match self.try_pin() {
             Some(p) => p.snapshot(),
-            None => self.inner.read().snapshot(),
+            None => self.inner.with_writer_stopped(|view, core| {
+                super::snapshot::write(view, core, &Meta::of(core))
+            }),
         }
     }
 
-    /// Stats of the current state; `bytes_in_use` counts both copies.
+    /// Stats of the current state; `bytes_in_use` counts both views and the arena once.
     pub fn stats(&self) -> IndexStats {
-        let mut stats = self.inner.read().stats();
-        if !self.is_solo() {
-            stats.bytes_in_use = (0..2)
-                .map(|c| self.inner.read_copy(c).stats().bytes_in_use)
-                .sum();
+        let st = self.inner.writer();
+        let views = if self.is_solo() { 1 } else { 2 };
+        let (nodes, runs, view_bytes) = {
+            let v = self.inner.read();
+            (v.blocks(), v.len(), v.bytes())
+        };
+        IndexStats {
+            nodes,
+            runs,
+            entries: st.core.entries,
+            blocks_per_worker: st.core.blocks_per_worker(),
+            bytes_in_use: std::mem::size_of::<Inner>()
+                + st.core.bytes()
+                + views * view_bytes
+                + st.core.arena.bytes(),
+            anomalies: st.core.anomalies,
         }
-        stats
     }
 
+    /// Every (worker, dp rank) holding at least one block, sorted.
     pub fn workers(&self) -> Vec<(WorkerId, DpRank)> {
         self.inner.read().workers()
     }
 
-    /// Runs `f` with read access to the newest readable state (several queries under one
-    /// hold). Keep it short: a long read belongs on a [`SharedIndex::pin`].
-    pub fn with_read<R>(&self, f: impl FnOnce(&RadixIndex) -> R) -> R {
-        f(&self.inner.read())
+    /// Total (block, worker, dp rank) entries.
+    pub fn len(&self) -> usize {
+        self.inner.writer().core.entries
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 

@@ -34,8 +34,10 @@ pub struct WorkerBlocks {
 /// A point-in-time view of the index's size.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IndexStats {
-    /// Tree nodes (distinct prefixes), not counting the root.
+    /// Distinct prefixes (blocks in the tree), not counting the root.
     pub nodes: usize,
+    /// Runs of blocks the tree keeps them in (its nodes).
+    pub runs: usize,
     /// (block, worker, dp rank) entries.
     pub entries: usize,
     /// Blocks held per (worker, dp rank), sorted by worker then rank; pairs holding nothing

@@ -142,7 +142,7 @@ fn digests_and_snapshots_of_the_earlier_layout_still_hold() {
         let steps = if seed >> 32 == 0x10 {
             long_chain_steps(seed, len)
         } else {
-            gen_steps(seed, len, cap)
+            gen_steps(seed, len, cap, false)
         };
         let ix = build(&steps, cap);
         let line = format!(
@@ -182,7 +182,7 @@ fn digests_and_snapshots_of_the_earlier_layout_still_hold() {
             }
             // And it goes on as the fresh index does.
             let (mut a, mut b) = (back, ix);
-            for step in gen_steps(seed ^ 0xabc, 100, cap) {
+            for step in gen_steps(seed ^ 0xabc, 100, cap, false) {
                 if let Op::Event(w, d, ev) = &step.op {
                     assert_eq!(a.apply(*w, *d, ev), b.apply(*w, *d, ev));
                 }

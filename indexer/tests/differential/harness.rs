@@ -102,7 +102,9 @@ fn tier(rng: &mut Rng) -> StorageTier {
 }
 
 /// Generates the next step from the reference's current state (so events are plausible).
-pub fn gen_step(rng: &mut Rng, model: &Reference) -> Step {
+/// `long`: chains of up to 12 blocks and removals of up to 6, so runs form and are cut by
+/// divergence, holes and tier changes inside them.
+pub fn gen_step(rng: &mut Rng, model: &Reference, long: bool) -> Step {
     let w = rng.below(WORKERS);
     let d = rng.below(u64::from(RANKS)) as u32;
     let held = model.hashes_of((w, d));
@@ -114,7 +116,12 @@ pub fn gen_step(rng: &mut Rng, model: &Reference) -> Step {
                 _ => Some(2000 + rng.below(4)),
             };
             let mut prev = parent.unwrap_or(0);
-            let blocks = (0..1 + rng.below(4))
+            let n = if long && rng.below(2) == 0 {
+                1 + rng.below(12)
+            } else {
+                1 + rng.below(4)
+            };
+            let blocks = (0..n)
                 .map(|_| {
                     let tokens_hash = rng.below(TOKENS);
                     let block_hash = engine_hash(rng, w, prev, tokens_hash);
@@ -136,7 +143,12 @@ pub fn gen_step(rng: &mut Rng, model: &Reference) -> Step {
             )
         }
         55..=91 => {
-            let block_hashes = (0..1 + rng.below(3))
+            let n = if long {
+                1 + rng.below(6)
+            } else {
+                1 + rng.below(3)
+            };
+            let block_hashes = (0..n)
                 .map(|_| match rng.pick(&held) {
                     Some(h) if rng.below(8) != 0 => h,
                     _ => 1000 + rng.below(8),
@@ -170,6 +182,10 @@ pub fn gen_step(rng: &mut Rng, model: &Reference) -> Step {
 pub struct Coverage {
     pub matched_queries: u64,
     pub deep_matches: u64,
+    /// Steps that cut a run without adding blocks (a hole, a tier change) and steps that
+    /// joined runs without removing blocks.
+    pub cut_runs: u64,
+    pub joined_runs: u64,
     pub anomalies: kvroute_indexer::Anomalies,
 }
 
@@ -178,6 +194,7 @@ pub fn run<S: Subject>(steps: &[Step], cap: Option<usize>) -> Result<Coverage, S
     let mut coverage = Coverage::default();
     let mut subject = S::build(cap);
     let mut model = Reference::new(cap);
+    let mut shape = (0, 0);
     for (i, step) in steps.iter().enumerate() {
         let (got, want) = match &step.op {
             Op::Event(w, d, ev) => (subject.apply(*w, *d, ev), model.apply(*w, *d, ev)),
@@ -220,8 +237,22 @@ pub fn run<S: Subject>(steps: &[Step], cap: Option<usize>) -> Result<Coverage, S
                 model.workers()
             ));
         }
-        if ix.stats().nodes > model.len() * 4 {
-            return Err(format!("step {i}: more nodes than 4 per entry: a leak"));
+        if i % 5 == 4 && ix.stats().nodes != model.prefixes() {
+            return Err(format!(
+                "step {i}: the tree holds {} blocks, the held paths have {} prefixes",
+                ix.stats().nodes,
+                model.prefixes()
+            ));
+        }
+        let stats = ix.stats();
+        let now = (stats.nodes, stats.runs);
+        coverage.cut_runs += u64::from(now.1 > shape.1 && now.0 <= shape.0);
+        coverage.joined_runs += u64::from(now.1 < shape.1 && now.0 >= shape.0);
+        shape = now;
+        if ix.has_unused_node() {
+            return Err(format!(
+                "step {i}: a run nobody holds, with no children: a leak"
+            ));
         }
         if i % 25 == 24 {
             let restored = RadixIndex::restore(&ix.snapshot())
@@ -257,12 +288,12 @@ pub fn shrink<S: Subject>(mut steps: Vec<Step>, cap: Option<usize>) -> Vec<Step>
 }
 
 /// The steps of one seeded case.
-pub fn gen_steps(seed: u64, len: usize, cap: Option<usize>) -> Vec<Step> {
+pub fn gen_steps(seed: u64, len: usize, cap: Option<usize>, long: bool) -> Vec<Step> {
     let mut rng = Rng::new(seed);
     let mut model = Reference::new(cap);
     let mut steps = Vec::with_capacity(len);
     for _ in 0..len {
-        let step = gen_step(&mut rng, &model);
+        let step = gen_step(&mut rng, &model, long);
         // Keep the generator's model in step so the next events stay plausible.
         match &step.op {
             Op::Event(w, d, ev) => {
@@ -282,7 +313,8 @@ pub fn check_case<S: Subject>(
     len: usize,
     cap: Option<usize>,
 ) -> Result<Coverage, (Vec<Step>, String)> {
-    let steps = gen_steps(seed, len, cap);
+    // Odd seeds store and remove longer chains.
+    let steps = gen_steps(seed, len, cap, seed % 2 == 1);
     match run::<S>(&steps, cap) {
         Ok(coverage) => Ok(coverage),
         Err(_) => {

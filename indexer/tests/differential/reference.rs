@@ -44,6 +44,19 @@ impl Reference {
             .unwrap_or_default()
     }
 
+    /// Distinct prefixes of every held path: exactly the blocks the tree must hold.
+    pub fn prefixes(&self) -> usize {
+        let mut seen = std::collections::HashSet::new();
+        for m in self.pairs.values() {
+            for h in m.values() {
+                for k in 1..=h.path.len() {
+                    seen.insert(&h.path[..k]);
+                }
+            }
+        }
+        seen.len()
+    }
+
     /// Every held path (for generating plausible queries).
     pub fn paths(&self) -> Vec<Vec<u64>> {
         self.pairs

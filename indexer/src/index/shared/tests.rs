@@ -70,8 +70,10 @@ fn events(seed: u64, n: usize) -> Vec<(WorkerId, KvEventData)> {
     out
 }
 
+/// The digest each view gives with the writer's maps (views that diverged differ).
 fn copy_digests(shared: &SharedIndex) -> [u64; 2] {
-    [0, 1].map(|c| shared.inner.read_copy(c).digest())
+    let st = shared.inner.writer();
+    [0, 1].map(|v| digest_of(&shared.inner.read_view(v), &st.core))
 }
 
 #[test]
@@ -89,10 +91,9 @@ fn every_write_reaches_both_copies_with_the_outcome_of_one_index() {
     assert_eq!(copy_digests(&shared), [reference.digest(); 2]);
     assert_eq!(shared.digest(), reference.digest());
     assert_eq!(shared.stats().entries, reference.len());
-    assert_eq!(
-        shared.stats().bytes_in_use,
-        2 * reference.stats().bytes_in_use
-    );
+    // The second view is small: the maps and the arena exist once.
+    let (two, one) = (shared.stats().bytes_in_use, reference.stats().bytes_in_use);
+    assert!(two > one && two < one * 3 / 2, "{two} vs {one}");
 }
 
 #[test]
@@ -107,11 +108,8 @@ fn a_pinned_copy_keeps_its_state_while_the_writer_goes_on_and_then_catches_up() 
     }
     let at_pin = reference.digest();
     let pin = shared.try_pin().expect("nothing else pinned");
-    // Only one copy is held back at a time.
-    assert!(
-        shared.try_pin().is_some(),
-        "a second pin of an unchanged copy"
-    );
+    // One pin at a time.
+    assert!(shared.try_pin().is_none(), "a second pin");
     for (w, data) in rest.iter().take(10) {
         assert_eq!(shared.apply(*w, 0, data), reference.apply(*w, 0, data));
     }
@@ -128,14 +126,7 @@ fn a_pinned_copy_keeps_its_state_while_the_writer_goes_on_and_then_catches_up() 
         assert_eq!(shared.apply(*w, 0, data), reference.apply(*w, 0, data));
     }
     assert_eq!(copy_digests(&shared), [reference.digest(); 2]);
-    assert!(
-        shared
-            .inner
-            .writer()
-            .behind
-            .iter()
-            .all(ChangeQueue::is_empty)
-    );
+    assert!(shared.inner.writer().behind.iter().all(VecDeque::is_empty));
     assert!(shared.try_pin().is_some());
 }
 
@@ -171,7 +162,9 @@ fn seeded_writes_pins_and_releases_leave_both_copies_equal_to_one_index() {
                 reference.apply(w, 0, &data),
                 "seed {seed} event {i}"
             );
-            assert_eq!(shared.with_read(RadixIndex::digest), reference.digest());
+            if i % 50 == 0 {
+                assert_eq!(shared.digest(), reference.digest(), "seed {seed} event {i}");
+            }
         }
         for (p, at) in pins.drain(..) {
             assert_eq!(p.digest(), at, "seed {seed}: a pinned copy changed");
@@ -194,7 +187,7 @@ fn a_long_read_on_a_pin_never_makes_the_writer_wait() {
     let all = events(5, 3_000);
     let pin = shared.try_pin().unwrap();
     let before = pin.digest();
-    pin.with(|_held| {
+    pin.with(|_view, _maps| {
         // The pinned copy is read-locked for as long as this closure runs; the writer must
         // finish every write meanwhile.
         let (done_tx, done_rx) = mpsc::channel();
@@ -276,12 +269,9 @@ fn a_solo_index_is_one_copy_until_its_second_is_attached() {
     }
     assert!(shared.is_solo());
     assert!(shared.try_pin().is_none(), "nothing to pin on one copy");
-    // The second copy is untouched until attached, and costs nothing meanwhile.
-    assert_eq!(
-        shared.inner.read_copy(1).digest(),
-        RadixIndex::new(IndexConfig::default()).digest()
-    );
-    assert_eq!(shared.stats().bytes_in_use, reference.stats().bytes_in_use);
+    // The second view is untouched until attached, and costs nothing meanwhile.
+    assert_eq!(copy_digests(&shared)[1], 0, "an empty view");
+    assert!(shared.stats().bytes_in_use <= reference.stats().bytes_in_use + 1024);
     assert_eq!(shared.digest(), reference.digest());
     shared.attach_second_copy();
     assert!(!shared.is_solo());
