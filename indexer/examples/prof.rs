@@ -7,6 +7,15 @@ use kvroute_common::trace::read_trace;
 use kvroute_indexer::workload::{WorkloadConfig, build};
 use kvroute_indexer::{IndexConfig, RadixIndex};
 
+/// The process's resident set, from /proc (0 if unknown).
+fn rss_bytes() -> usize {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let mode = args.get(1).map_or("apply", String::as_str).to_string();
@@ -34,6 +43,7 @@ fn main() {
     } else {
         &w.events
     };
+    let rss_before = rss_bytes();
     let t = Instant::now();
     let mut ix = RadixIndex::new(IndexConfig::default());
     // Time per kind of event, too (stored and removed blocks cost differently).
@@ -72,6 +82,18 @@ fn main() {
         st.runs,
         st.bytes_in_use as f64 / ix.len().max(1) as f64
     );
+    eprintln!(
+        "RSS growth while applying: {:.1} MB, {:.2} B/entry",
+        (rss_bytes() - rss_before) as f64 / 1e6,
+        (rss_bytes() - rss_before) as f64 / ix.len().max(1) as f64
+    );
+    for (part, bytes) in ix.memory_parts() {
+        eprintln!(
+            "  {part}: {:.1} MB, {:.2} B/entry",
+            bytes as f64 / 1e6,
+            bytes as f64 / ix.len().max(1) as f64
+        );
+    }
     if mode == "query" {
         let mut lat: Vec<(u64, usize)> = Vec::new();
         for _ in 0..3 {

@@ -3,9 +3,9 @@
 //!
 //! Open addressing with linear probing over 12-byte entries (hash, slot; stamps, when kept, in
 //! a parallel array), with no control bytes and no power-of-two size: the home bucket is a
-//! multiply-shift of the mixed hash, the table grows to 55 % full when it passes 80 % and
-//! shrinks when under 20 %, and a removal shifts later entries back instead of leaving a
-//! tombstone. Engine hashes are opaque, so every entry keeps its whole key.
+//! multiply-shift of the mixed hash, the table is resized to 55 % full when it passes 80 % or
+//! falls under 20 %, and a removal shifts later entries back instead of leaving a tombstone.
+//! Engine hashes are opaque, so every entry keeps its whole key.
 
 use kvroute_common::hashing::SequenceHash;
 
@@ -61,6 +61,7 @@ impl BlockMap {
         m
     }
 
+    /// Buckets for `n` entries at 55 % full.
     fn size_for(n: usize) -> usize {
         (n * 20 / 11).max(8)
     }
@@ -93,10 +94,18 @@ impl BlockMap {
         self.len == 0
     }
 
-    /// Makes room for `additional` more entries without growing in between.
+    /// Makes room for `additional` more entries, so that [`BlockMap::probe`] and
+    /// [`BlockMap::insert_at`] need not grow until that many are inserted.
     pub fn reserve(&mut self, additional: usize) {
         if (self.len + additional) * 5 > self.buckets() * 4 {
             self.resize(Self::size_for(self.len + additional));
+        }
+    }
+
+    /// Shrinks a table that has become mostly empty (so a pair's memory follows its blocks).
+    pub fn shrink_if_sparse(&mut self) {
+        if self.buckets() > 64 && self.len * 5 < self.buckets() {
+            self.resize(Self::size_for(self.len));
         }
     }
 
@@ -110,27 +119,33 @@ impl BlockMap {
         }
     }
 
-    /// The bucket holding `key`.
+    /// The bucket holding `key` (`Ok`), or the empty bucket that ends its probe (`Err`).
     #[inline]
-    pub fn find(&self, key: SequenceHash) -> Option<usize> {
-        if self.len == 0 {
-            return None;
-        }
+    fn scan(&self, key: SequenceHash) -> Result<usize, usize> {
         let n = self.buckets();
         let mut i = self.home(key);
         loop {
             let e = &self.entries[i];
             if e[2] == EMPTY {
-                return None;
+                return Err(i);
             }
             if key_of(e) == key {
-                return Some(i);
+                return Ok(i);
             }
             i += 1;
             if i == n {
                 i = 0;
             }
         }
+    }
+
+    /// The bucket holding `key`.
+    #[inline]
+    pub fn find(&self, key: SequenceHash) -> Option<usize> {
+        if self.len == 0 {
+            return None;
+        }
+        self.scan(key).ok()
     }
 
     /// The slot and stamp of `key`.
@@ -139,25 +154,17 @@ impl BlockMap {
         self.find(key).map(|i| (self.slot_at(i), self.stamp_at(i)))
     }
 
-    /// Where `key` is, or where it would go: room for one more entry is made first, so an
-    /// [`BlockMap::insert_at`] of the vacant bucket (with no other change in between) is valid.
+    /// Where `key` is, or the empty bucket it would take. Call after a
+    /// [`BlockMap::reserve`] that left room for it.
     #[inline]
     pub fn probe(&mut self, key: SequenceHash) -> Probe {
-        self.reserve(1);
-        let n = self.buckets();
-        let mut i = self.home(key);
-        loop {
-            let e = &self.entries[i];
-            if e[2] == EMPTY {
-                return Probe::Vacant(i);
-            }
-            if key_of(e) == key {
-                return Probe::Found(i);
-            }
-            i += 1;
-            if i == n {
-                i = 0;
-            }
+        debug_assert!(
+            (self.len + 1) * 5 <= self.buckets() * 4,
+            "probe without reserve"
+        );
+        match self.scan(key) {
+            Ok(i) => Probe::Found(i),
+            Err(i) => Probe::Vacant(i),
         }
     }
 
@@ -211,9 +218,6 @@ impl BlockMap {
         }
         self.entries[i] = VACANT;
         self.len -= 1;
-        if n > 64 && self.len * 5 < n {
-            self.resize(Self::size_for(self.len));
-        }
     }
 
     /// Removes `key`; returns its slot and stamp.
@@ -222,9 +226,11 @@ impl BlockMap {
         let i = self.find(key)?;
         let value = (self.slot_at(i), self.stamp_at(i));
         self.remove_at(i);
+        self.shrink_if_sparse();
         Some(value)
     }
 
+    /// Rehashes into a table of `buckets` buckets.
     fn resize(&mut self, buckets: usize) {
         let old = std::mem::replace(&mut self.entries, vec![VACANT; buckets]);
         let old_stamps = std::mem::take(&mut self.stamps);
@@ -283,6 +289,7 @@ mod tests {
                 if x >> 62 == 0 {
                     assert_eq!(m.remove(key).map(|v| v.0), model.remove(&key));
                 } else {
+                    m.reserve(1);
                     match m.probe(key) {
                         Probe::Found(i) => {
                             assert_eq!(Some(&m.slot_at(i)), model.get(&key));

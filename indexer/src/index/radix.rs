@@ -143,6 +143,20 @@ impl RadixIndex {
             .find_matches_for_tokens(tokens, block_size, lora_name)
     }
 
+    /// Where the bytes of [`RadixIndex::stats`] go, by part: a diagnostic for the benches.
+    pub fn memory_parts(&self) -> Vec<(&'static str, usize)> {
+        let core = self.core.memory();
+        vec![
+            ("block maps", core.maps),
+            ("arena (allocated)", self.core.arena.bytes()),
+            ("arena (live extents)", core.arena_slots_live * 8),
+            ("arena (blocks in runs)", self.view.blocks() * 8),
+            ("slot -> node", core.slot_nodes),
+            ("view", self.view.bytes()),
+            ("writer, other", core.other),
+        ]
+    }
+
     /// True if some node holds nothing for anyone (a leak; tests check there is none).
     pub fn has_unused_node(&self) -> bool {
         self.view.has_unused_node()

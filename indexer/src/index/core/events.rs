@@ -116,8 +116,8 @@ impl Core {
                 })?;
         self.before_map_change(slot);
         self.count(slot);
+        self.reserve_map(slot, blocks.len());
         let map = self.map_mut(slot);
-        map.reserve(blocks.len());
         for b in &blocks[..blocks.len().min(AHEAD)] {
             map.prefetch(b.block_hash);
         }

@@ -33,6 +33,18 @@ use super::view::{MAX_SLOTS, NodeId, ROOT, Slot, View};
 use own::Cursor;
 use pin::PinState;
 
+/// The writer's bytes by part (see [`Core::memory`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CoreMemory {
+    /// The pairs' block maps.
+    pub maps: usize,
+    /// Each arena slot's node.
+    pub slot_nodes: usize,
+    pub other: usize,
+    /// Arena slots in live extents (used or room to grow).
+    pub arena_slots_live: usize,
+}
+
 /// One (worker, dp rank) and its blocks.
 #[derive(Debug, Clone)]
 pub(crate) struct Pair {
@@ -114,6 +126,18 @@ impl Core {
         &mut self.pairs[slot as usize].as_mut().expect("slot in use").map
     }
 
+    /// Makes room in `slot`'s map for `additional` more entries.
+    fn reserve_map(&mut self, slot: Slot, additional: usize) {
+        self.map_mut(slot).reserve(additional);
+    }
+
+    /// Shrinks `slot`'s map if it has become mostly empty.
+    fn shrink_map(&mut self, slot: Slot) {
+        if let Some(p) = self.pairs.get_mut(slot as usize).and_then(Option::as_mut) {
+            p.map.shrink_if_sparse();
+        }
+    }
+
     /// Every pair in use, in slot order.
     pub fn pairs(&self) -> impl Iterator<Item = (Slot, &Pair)> {
         self.pairs
@@ -183,12 +207,14 @@ impl Core {
         Some(pair)
     }
 
-    /// Tells the view the block counts of pairs changed by this event.
+    /// Tells the view the block counts of pairs changed by this event (and shrinks their maps
+    /// if they have become mostly empty: never during an event, which reserved room).
     fn publish_counts(&mut self, rec: &mut Rec<'_>) {
         let mut counted = std::mem::take(&mut self.counted);
         counted.sort_unstable();
         counted.dedup();
         for &slot in &counted {
+            self.shrink_map(slot);
             if let Some(p) = self.pair(slot) {
                 rec.op(Op::PairBlocks {
                     slot,
@@ -262,14 +288,23 @@ impl Core {
 
     /// Bytes of the writer's own tables (the arena not included).
     pub fn bytes(&self) -> usize {
-        let maps: usize = self.pairs().map(|(_, p)| p.map.bytes()).sum();
-        maps + self.pairs.capacity() * std::mem::size_of::<Option<Pair>>()
-            + self.by_pair.allocation_size()
-            + self.node_of.bytes()
-            + self.node_ext.capacity() * 4
-            + self.free_nodes.capacity() * 4
-            + self.extents.bytes()
-            + self.queue.bytes()
+        let parts = self.memory();
+        parts.maps + parts.slot_nodes + parts.other
+    }
+
+    /// The writer's bytes by part.
+    pub fn memory(&self) -> CoreMemory {
+        CoreMemory {
+            maps: self.pairs().map(|(_, p)| p.map.bytes()).sum(),
+            slot_nodes: self.node_of.bytes(),
+            other: self.pairs.capacity() * std::mem::size_of::<Option<Pair>>()
+                + self.by_pair.allocation_size()
+                + self.node_ext.capacity() * 4
+                + self.free_nodes.capacity() * 4
+                + self.extents.bytes()
+                + self.queue.bytes(),
+            arena_slots_live: self.extents.live_slots(),
+        }
     }
 }
 
@@ -310,13 +345,12 @@ impl Core {
         tokens: &[u64],
     ) -> NodeId {
         let len = tokens.len() as u32;
-        let (ext, chunk) = self
-            .extents
-            .alloc(super::extents::order_for(len), len, &mut self.arena);
+        let (ext, chunk) = self.extents.alloc(len, len, &mut self.arena);
         if let Some(c) = chunk {
             self.node_of.grow();
             rec.op(Op::Chunk(c));
         }
+        self.extents.get_mut(ext).used = len;
         let start = self.extents.get(ext).start;
         self.arena.write(start, tokens.iter().copied());
         let id = self.alloc_node(ext);

@@ -8,7 +8,7 @@ use kvroute_common::messages::StoredBlock;
 
 use super::Core;
 use crate::index::arena::{BlockSlot, ROOT_ANCHOR};
-use crate::index::extents::{MAX_RUN, order_for};
+use crate::index::extents::MAX_RUN;
 use crate::index::ops::{Op, Rec};
 use crate::index::view::{NodeId, ROOT, owner_end, owner_slot, owner_tiers};
 
@@ -17,6 +17,10 @@ use crate::index::view::{NodeId, ROOT, owner_end, owner_slot, owner_tiers};
 /// [`DECODE_ROOM`]), so a long decode is a handful of runs, not one per few blocks.
 const DECODE_BLOCKS: u32 = 64;
 const DECODE_ROOM: u32 = 256;
+
+/// A run too long for any free extent is stored in pieces of at least this many blocks in the
+/// largest free extents before the arena grows.
+const MIN_PIECE: u32 = 128;
 
 impl Core {
     /// Fills `self.locs` with the slots of `blocks` stored under `parent` (a block slot, or the
@@ -87,9 +91,7 @@ impl Core {
             let p = *rec.view.node(parent);
             let ext_id = self.node_ext[parent as usize];
             let ext = *self.extents.get(ext_id);
-            if p.children == 0
-                && p.start + p.len == ext.start + ext.used
-                && ext.used + r <= ext.cap()
+            if p.children == 0 && p.start + p.len == ext.start + ext.used && ext.used + r <= ext.cap
             {
                 let from = p.start + p.len;
                 self.arena.write(from, blocks.iter().map(|b| b.tokens_hash));
@@ -109,16 +111,21 @@ impl Core {
         }
         let mut parent = parent;
         let mut anchor = pos.unwrap_or(ROOT_ANCHOR);
-        for piece in blocks.chunks(MAX_RUN as usize) {
-            let len = piece.len() as u32;
+        let mut rest = blocks;
+        while !rest.is_empty() {
+            let want = (rest.len() as u32).min(MAX_RUN);
             let (ext, chunk) = self
                 .extents
-                .alloc(order_for(len.max(room)), len, &mut self.arena);
+                .alloc(want.max(room), MIN_PIECE, &mut self.arena);
             if let Some(c) = chunk {
                 self.node_of.grow();
                 rec.op(Op::Chunk(c));
             }
-            let start = self.extents.get(ext).start;
+            let e = self.extents.get_mut(ext);
+            let len = want.min(e.cap);
+            e.used = len;
+            let start = e.start;
+            let (piece, more) = rest.split_at(len as usize);
             self.arena.write(start, piece.iter().map(|b| b.tokens_hash));
             let id = self.alloc_node(ext);
             self.node_of.fill(start, len, id);
@@ -133,6 +140,7 @@ impl Core {
             self.touch(id);
             parent = id;
             anchor = start + len - 1;
+            rest = more;
         }
     }
 
