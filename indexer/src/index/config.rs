@@ -15,10 +15,10 @@ pub struct IndexConfig {
     /// evicted entry is dropped as if its worker had sent `Removed` for it in every tier; it is
     /// counted in `IndexStats::anomalies.evicted_entries`. Allowed: 1 to [`MAX_ENTRIES_LIMIT`].
     pub max_entries: Option<usize>,
-    /// How fast a [`crate::SharedIndex`] copy that was pinned for a long read catches up:
-    /// each write also applies changes it missed worth at most 64 × this many blocks (or twice
-    /// the write's own blocks, if more), so the catch-up never stalls the writer for long
-    /// (unit: 64 blocks; default 64, i.e. 4,096 blocks per write; at least 1).
+    /// How fast a [`crate::SharedIndex`] view that was pinned for a snapshot catches up: each
+    /// write also replays at most 8 × this many of the changes (view ops) it missed, or twice
+    /// the write's own if more, so the catch-up never stalls the writer for long (unit: 8 ops;
+    /// default 64, i.e. 512 ops per write; at least 1).
     pub write_chunk_events: usize,
 }
 

@@ -46,6 +46,20 @@ struct Run {
     by_tier: [u32; 3],
 }
 
+/// A query's working memory, kept per thread and reused: at 1,024 workers a query's pairs
+/// need tens of kilobytes, and allocating them afresh each time made the allocator return and
+/// fault in pages on every query. Nothing survives from one query to the next.
+#[derive(Debug, Default)]
+struct Scratch {
+    runs: Vec<Run>,
+    live: Vec<u32>,
+    at: Vec<u32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
 /// Credits `owner`'s part of a run of which the query matched `m` blocks; true if the pair
 /// holds the whole run.
 #[inline(always)]
@@ -65,20 +79,39 @@ impl View {
         let Some(&first) = local_hashes.first() else {
             return OverlapScores::default();
         };
-        let Some(mut node) = self.child(ROOT, first) else {
+        let Some(node) = self.child(ROOT, first) else {
             return OverlapScores {
                 matches: Vec::new(),
                 query_blocks,
             };
         };
-        let mut runs: Vec<Run> = Vec::new();
+        let matches = SCRATCH.with(|s| match s.try_borrow_mut() {
+            Ok(mut s) => self.walk(node, local_hashes, &mut s),
+            // Only if a query ran inside another on this thread.
+            Err(_) => self.walk(node, local_hashes, &mut Scratch::default()),
+        });
+        OverlapScores {
+            matches,
+            query_blocks,
+        }
+    }
+
+    /// The walk of [`View::find_matches`] from the first node on; returns the rows.
+    fn walk(
+        &self,
+        mut node: super::view::NodeId,
+        local_hashes: &[LocalBlockHash],
+        scratch: &mut Scratch,
+    ) -> Vec<WorkerMatch> {
+        let Scratch { runs, live, at } = scratch;
+        runs.clear();
         // Indices into `runs` of the pairs still on the path, in slot order (as owners are).
-        let mut live: Vec<u32> = Vec::new();
-        let mut at = 0usize;
+        live.clear();
+        let mut pos = 0usize;
         loop {
             let n = self.node(node);
             let tokens = self.arena.run(n.start, n.len);
-            let rest = &local_hashes[at..];
+            let rest = &local_hashes[pos..];
             let limit = tokens.len().min(rest.len());
             // The first block matched already (it is how the node was found).
             let mut m = 1;
@@ -87,7 +120,7 @@ impl View {
             }
             let owners = self.owners(node);
             // Pairs holding the whole run go on only if the query goes past it.
-            let goes_on = m == n.len as usize && at + m < local_hashes.len();
+            let goes_on = m == n.len as usize && pos + m < local_hashes.len();
             let m = m as u32;
             if runs.is_empty() {
                 runs.reserve_exact(owners.len());
@@ -137,20 +170,17 @@ impl View {
             if live.is_empty() || !goes_on {
                 break;
             }
-            at += m as usize;
-            match self.child(node, local_hashes[at]) {
+            pos += m as usize;
+            match self.child(node, local_hashes[pos]) {
                 Some(c) => node = c,
                 None => break,
             }
         }
-        OverlapScores {
-            matches: self.rows(runs),
-            query_blocks,
-        }
+        self.rows(runs, at)
     }
 
     /// The answer's rows, sorted by (worker, dp rank).
-    fn rows(&self, mut runs: Vec<Run>) -> Vec<WorkerMatch> {
+    fn rows(&self, runs: &mut [Run], at: &mut Vec<u32>) -> Vec<WorkerMatch> {
         let row = |r: &Run| {
             let p = self.pair(r.slot);
             WorkerMatch {
@@ -165,7 +195,8 @@ impl View {
         let pairs = self.pairs_used();
         // Place by rank when many matched, else sort the few.
         if runs.len() * 8 >= pairs {
-            let mut at = vec![u32::MAX; pairs];
+            at.clear();
+            at.resize(pairs, u32::MAX);
             for (i, r) in runs.iter().enumerate() {
                 at[self.pair(r.slot).rank as usize] = i as u32;
             }

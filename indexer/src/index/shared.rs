@@ -53,6 +53,9 @@ struct Inner {
     /// The view readers use: always up to date.
     front: AtomicUsize,
     writer: Mutex<Writer>,
+    /// Writers waiting for `writer`, so a snapshot's thread copying maps between writes lets
+    /// them in before it takes the lock again.
+    waiting: AtomicUsize,
     /// One view only (view 0), for a state nobody reads while it is built: see
     /// [`SharedIndex::solo`].
     solo: AtomicBool,
@@ -119,18 +122,21 @@ pub struct PinnedIndex {
     meta: Meta,
 }
 
-/// Map entries the snapshot's thread copies per hold of the writer's lock (about a
-/// millisecond of `memcpy`).
-const COPY_BUDGET: usize = 1 << 16;
+/// Map entries the snapshot's thread copies per hold of the writer's lock (whole maps: a hold
+/// copies at least one). Between holds it lets a waiting writer in first (see
+/// [`Inner::waiting`]).
+const COPY_BUDGET: usize = 1 << 14;
 
 impl PinnedIndex {
     /// Waits until every map of the pin's moment is copied (copying, a bounded amount per hold
     /// of the writer's lock, those the writer has not copied yet), then runs `f` on the state.
     fn with<R>(&self, f: impl FnOnce(&View, &[Option<super::blockmap::BlockMap>]) -> R) -> R {
-        loop {
-            let done = self.inner.writer().core.copy_pending(COPY_BUDGET);
-            if done {
-                break;
+        while !self.inner.writer().core.copy_pending(COPY_BUDGET) {
+            // A mutex is not fair: released and taken again at once, it stays with this thread
+            // while the writer it woke is still getting a core (measured: writes held up to
+            // 25 ms). So wait until a waiting writer has it.
+            while self.inner.waiting.load(Ordering::Acquire) > 0 {
+                std::thread::yield_now();
             }
         }
         let view = self.inner.read_view(self.view);
@@ -193,7 +199,9 @@ impl Inner {
     /// Runs `w` through the core on an up-to-date view and replays its ops on the other (or
     /// queues them). Returns the write's outcome.
     fn write(&self, w: Write<'_>) -> BatchOutcome {
+        self.waiting.fetch_add(1, Ordering::AcqRel);
         let mut guard = self.writer();
+        self.waiting.fetch_sub(1, Ordering::AcqRel);
         let st = &mut *guard;
         if self.solo.load(Ordering::Relaxed) {
             let mut view = self.write_view(0);
@@ -302,12 +310,15 @@ impl SharedIndex {
     }
 
     fn from_parts(index: RadixIndex, second: View, solo: bool) -> Self {
-        let catch_up_ops = 64 * index.config().write_chunk_events;
+        // 512 ops by default: 4,096 made a write after a snapshot wait ~3 ms more for the
+        // catch-up (BENCHMARKS.md, "Readers under a writer").
+        let catch_up_ops = 8 * index.config().write_chunk_events;
         let RadixIndex { core, view } = index;
         Self {
             inner: Arc::new(Inner {
                 views: [RwLock::new(view), RwLock::new(second)],
                 front: AtomicUsize::new(0),
+                waiting: AtomicUsize::new(0),
                 writer: Mutex::new(Writer {
                     core,
                     behind: Default::default(),

@@ -213,7 +213,7 @@ async fn main() -> anyhow::Result<()> {
         let raw = t.elapsed();
         drop(msgs);
         // (b) the indexer's consumer and apply loop: a replica catching up (its index one
-        // copy) and a serving one (two copies, so that its readers never wait).
+        // view) and a serving one (two views, so that its readers never wait).
         let mut ingests = [Duration::ZERO; 2];
         for (serving, took) in ingests.iter_mut().enumerate() {
             let t = Instant::now();
@@ -234,7 +234,7 @@ async fn main() -> anyhow::Result<()> {
         }
         let [catch_up, ingest] = ingests;
         println!(
-            "round {round}: raw consume {:.2?} ({:.0} block events/s), ingest catching up (one copy) {:.2?} ({:.0} block events/s), serving (two copies) {:.2?} ({:.0} block events/s)",
+            "round {round}: raw consume {:.2?} ({:.0} block events/s), ingest catching up (one view) {:.2?} ({:.0} block events/s), serving (two views) {:.2?} ({:.0} block events/s)",
             raw,
             block_events as f64 / raw.as_secs_f64(),
             catch_up,
@@ -329,13 +329,13 @@ async fn main() -> anyhow::Result<()> {
     println!("| measure | kvroute | limit / peer | ratio |");
     println!("|---|---|---|---|");
     println!(
-        "| ingest through JetStream into a serving replica (two copies; block events/s) | {:.0} | raw consume of the same messages: {:.0} | {:.2} (target ≥ 0.80) |",
+        "| ingest through JetStream into a serving replica (two views; block events/s) | {:.0} | raw consume of the same messages: {:.0} | {:.2} (target ≥ 0.80) |",
         ingest_rate,
         raw_rate,
         ingest_rate / raw_rate
     );
     println!(
-        "| — into a replica catching up (one copy) | {:.0} | | {:.2} |",
+        "| — into a replica catching up (one view) | {:.0} | | {:.2} |",
         catch_up_rate,
         catch_up_rate / raw_rate
     );
