@@ -8,9 +8,10 @@
 //! index ends at about 10,000 × 5,000 = 50 M entries, and the last passes are steady churn: every
 //! stored block evicts one.
 //!
-//! Measured, one copy of the index (a serving replica holds two, `SharedIndex`):
+//! Measured, one `RadixIndex` (the writer's parts and one view; a serving replica,
+//! `SharedIndex`, holds a second view):
 //! - apply rate over the whole replay and over its last quarter (the index at full size);
-//! - memory per entry (`IndexStats::bytes_in_use`) and the process's peak RSS;
+//! - memory per entry (`IndexStats::bytes_in_use`), by part, and the process's peak RSS;
 //! - `find_matches` p50 / p99 / max of the last `--queries` typical (< 1,000 blocks) and long
 //!   prompts of the replay;
 //! - snapshot write and restore time, and the snapshot's size.
@@ -189,13 +190,22 @@ fn main() -> anyhow::Result<()> {
         tail_blocks as f64 / tail_secs / 1e6
     );
     println!(
-        "index: {} workers, {} entries, {} nodes, {:.2} bytes per entry (one copy), {:.2} GiB",
+        "index: {} workers, {} entries, {} nodes, {:.2} bytes per entry (the writer's parts and one view), {:.2} GiB",
         workers,
         ix.len(),
         stats.nodes,
         stats.bytes_in_use as f64 / ix.len().max(1) as f64,
         stats.bytes_in_use as f64 / f64::from(1u32 << 30)
     );
+    // By part: a serving replica (`SharedIndex`) holds the writer's parts once and the view
+    // twice.
+    for (part, bytes) in ix.memory_parts() {
+        println!(
+            "  {part}: {:.2} GiB, {:.2} B/entry",
+            bytes as f64 / f64::from(1u32 << 30),
+            bytes as f64 / ix.len().max(1) as f64
+        );
+    }
     let queries = w.queries;
     drop(w.events);
 
