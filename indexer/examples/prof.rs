@@ -4,17 +4,8 @@ use std::time::Instant;
 
 use kvroute_common::messages::KvEventData;
 use kvroute_common::trace::read_trace;
-use kvroute_indexer::workload::{WorkloadConfig, build};
+use kvroute_indexer::workload::{WorkloadConfig, build, rss_bytes};
 use kvroute_indexer::{IndexConfig, RadixIndex};
-
-/// The process's resident set, from /proc (0 if unknown).
-fn rss_bytes() -> usize {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
-        .map_or(0, |kb| kb * 1024)
-}
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();

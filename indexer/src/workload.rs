@@ -141,3 +141,13 @@ pub fn build(requests: &[TraceRequest], config: &WorkloadConfig) -> Workload {
     out.final_entries = caches.iter().map(|c| c.tick_of.len()).sum();
     out
 }
+
+/// The process's resident set, from /proc (0 if unknown): the benches measure memory as its
+/// growth.
+pub fn rss_bytes() -> usize {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
+        .map_or(0, |kb| kb * 1024)
+}

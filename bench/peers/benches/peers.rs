@@ -15,7 +15,7 @@ use adapters::*;
 use dynamo_kv_router::indexer::SyncIndexer;
 use kvroute_common::trace::{TraceRequest, read_trace};
 use kvroute_indexer::RadixIndex;
-use kvroute_indexer::workload::{Workload, WorkloadConfig, build};
+use kvroute_indexer::workload::{Workload, WorkloadConfig, build, rss_bytes};
 
 const IMPLS: [&str; 5] = [
     "kvroute",
@@ -42,14 +42,6 @@ fn workload(trace: &[TraceRequest], workers: usize, cache_blocks: usize) -> Work
             max_requests: usize::MAX,
         },
     )
-}
-
-fn rss_bytes() -> usize {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
-        .map_or(0, |kb| kb * 1024)
 }
 
 fn new_runtime() -> tokio::runtime::Runtime {
@@ -240,11 +232,7 @@ fn latencies(trace: &[TraceRequest], workers: usize) -> (Vec<Vec<Option<Lat>>>, 
     let ours_ix = ours_shared(pre);
     let reference: Vec<Vec<Answer>> = qsets
         .iter()
-        .map(|qs| {
-            qs.iter()
-                .map(|q| ours_answer(&ours_ix, q))
-                .collect()
-        })
+        .map(|qs| qs.iter().map(|q| ours_answer(&ours_ix, q)).collect())
         .collect();
     let mut row = Vec::new();
     for qs in &qsets {

@@ -18,13 +18,22 @@ fn kvroute_hashes_as_dynamo_does() {
         ((1..=32).collect(), 16, Some("adapter-a")),
         ((7..7 + 64).collect(), 16, Some("é-unicode")),
     ] {
-        let options = BlockHashOptions { lora_name: lora, ..Default::default() };
+        let options = BlockHashOptions {
+            lora_name: lora,
+            ..Default::default()
+        };
         let local = compute_block_hash_for_seq(&tokens, block_size, options);
         let sequence = compute_seq_hash_for_block(&local);
         let ours = BlockHashes::of_tokens(&tokens, block_size as usize, lora);
         let local: Vec<u64> = local.iter().map(|h| h.0).collect();
         let sequence: Vec<u64> = sequence.to_vec();
-        println!("tokens {}..{} block {block_size} lora {lora:?}: local {:x?} sequence {:x?}", tokens[0], tokens[tokens.len() - 1], local, sequence);
+        println!(
+            "tokens {}..{} block {block_size} lora {lora:?}: local {:x?} sequence {:x?}",
+            tokens[0],
+            tokens[tokens.len() - 1],
+            local,
+            sequence
+        );
         assert_eq!(ours.local, local, "local hashes, lora {lora:?}");
         assert_eq!(ours.sequence, sequence, "sequence hashes, lora {lora:?}");
     }

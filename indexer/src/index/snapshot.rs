@@ -15,6 +15,7 @@
 
 use std::sync::atomic::Ordering;
 
+use kvroute_common::hashing::SequenceHash;
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::arena::BlockSlot;
@@ -27,7 +28,7 @@ use super::extents::MAX_RUN;
 use super::ops::{Op, Rec};
 use super::radix::RadixIndex;
 use super::stats::Anomalies;
-use super::view::{NodeId, ROOT, View, owner_end, owner_slot, owner_tiers};
+use super::view::{NodeId, ROOT, Slot, View, owner_end, owner_slot, owner_tiers};
 
 pub(crate) const MAGIC: &[u8; 8] = b"KVRIDX\0\0";
 /// The snapshot format this build writes and the newest it reads.
@@ -52,6 +53,31 @@ pub enum SnapshotError {
 
 pub(crate) fn corrupt(detail: &'static str) -> SnapshotError {
     SnapshotError::Corrupt { detail }
+}
+
+/// Names restored block `loc` by `h` in pair `slot`'s map, and queues it for eviction when the
+/// index is capped; a hash the pair already names is corrupt.
+pub(crate) fn restore_entry(
+    core: &mut Core,
+    slot: Slot,
+    h: SequenceHash,
+    loc: BlockSlot,
+    stamp: u32,
+    queued: Option<&mut Vec<Queued>>,
+) -> Result<(), SnapshotError> {
+    let map = core.restored_map(slot);
+    match map.probe(h) {
+        Probe::Found(_) => return Err(corrupt("one block hash twice for a worker")),
+        Probe::Vacant(i) => map.insert_at(i, h, loc, stamp),
+    }
+    if let Some(q) = queued {
+        q.push(Queued {
+            block_hash: h,
+            slot,
+            stamp,
+        });
+    }
+    Ok(())
 }
 
 pub(crate) struct Reader<'b> {
@@ -425,18 +451,7 @@ fn read_v2(ix: &mut RadixIndex, r: &mut Reader<'_>) -> Result<Vec<Queued>, Snaps
                 return Err(corrupt("an entry names a block its pair does not hold"));
             }
             let loc: BlockSlot = rec.view.node(node).start + offset;
-            let map = core.restored_map(slot);
-            match map.probe(h) {
-                Probe::Found(_) => return Err(corrupt("one block hash twice for a worker")),
-                Probe::Vacant(i) => map.insert_at(i, h, loc, stamp),
-            }
-            if capped {
-                queued.push(Queued {
-                    block_hash: h,
-                    slot,
-                    stamp,
-                });
-            }
+            restore_entry(core, slot, h, loc, stamp, capped.then_some(&mut queued))?;
         }
         rec.op(Op::PairBlocks {
             slot,

@@ -10,13 +10,13 @@
 use hashbrown::HashSet;
 
 use super::arena::BlockSlot;
-use super::blockmap::{BlockMap, Probe};
+use super::blockmap::BlockMap;
 use super::core::Pair;
 use super::eviction::Queued;
 use super::extents::MAX_RUN;
 use super::ops::{Op, Rec};
 use super::radix::RadixIndex;
-use super::snapshot::{Reader, SnapshotError, corrupt};
+use super::snapshot::{Reader, SnapshotError, corrupt, restore_entry};
 use super::view::{NodeId, ROOT};
 
 /// Reads a v1 body (after the shared header) into an empty index; returns the eviction
@@ -135,18 +135,7 @@ pub(crate) fn read(ix: &mut RadixIndex, r: &mut Reader<'_>) -> Result<Vec<Queued
             if core.own(&mut rec, loc, slot, tiers) != 0 {
                 return Err(corrupt("a worker holds one block under two hashes"));
             }
-            let map = core.restored_map(slot);
-            match map.probe(h) {
-                Probe::Found(_) => return Err(corrupt("one block hash twice for a worker")),
-                Probe::Vacant(i) => map.insert_at(i, h, loc, stamp),
-            }
-            if capped {
-                queued.push(Queued {
-                    block_hash: h,
-                    slot,
-                    stamp,
-                });
-            }
+            restore_entry(core, slot, h, loc, stamp, capped.then_some(&mut queued))?;
         }
         rec.op(Op::PairBlocks {
             slot,

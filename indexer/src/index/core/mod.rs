@@ -345,14 +345,37 @@ impl Core {
         tokens: &[u64],
     ) -> NodeId {
         let len = tokens.len() as u32;
-        let (ext, chunk) = self.extents.alloc(len, len, &mut self.arena);
+        let ext = self.alloc_extent(rec, len, len);
+        self.new_run(rec, ext, len, parent, anchor, tokens.iter().copied())
+    }
+
+    /// An extent of at least `min` slots, `want` if a free one has room (see
+    /// [`Extents::alloc`]); a new arena chunk, if one was needed, is recorded.
+    #[inline]
+    pub(super) fn alloc_extent(&mut self, rec: &mut Rec<'_>, want: u32, min: u32) -> ExtentId {
+        let (ext, chunk) = self.extents.alloc(want, min, &mut self.arena);
         if let Some(c) = chunk {
             self.node_of.grow();
             rec.op(Op::Chunk(c));
         }
+        ext
+    }
+
+    /// Writes a run of `len` tokens hashes at the start of `ext` and adds its node under
+    /// `parent` (whose last block is `anchor`).
+    #[inline]
+    pub(super) fn new_run(
+        &mut self,
+        rec: &mut Rec<'_>,
+        ext: ExtentId,
+        len: u32,
+        parent: NodeId,
+        anchor: BlockSlot,
+        tokens: impl Iterator<Item = u64>,
+    ) -> NodeId {
         self.extents.get_mut(ext).used = len;
         let start = self.extents.get(ext).start;
-        self.arena.write(start, tokens.iter().copied());
+        self.arena.write(start, tokens);
         let id = self.alloc_node(ext);
         self.node_of.fill(start, len, id);
         rec.op(Op::NewNode {

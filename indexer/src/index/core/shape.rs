@@ -114,28 +114,18 @@ impl Core {
         let mut rest = blocks;
         while !rest.is_empty() {
             let want = (rest.len() as u32).min(MAX_RUN);
-            let (ext, chunk) = self
-                .extents
-                .alloc(want.max(room), MIN_PIECE, &mut self.arena);
-            if let Some(c) = chunk {
-                self.node_of.grow();
-                rec.op(Op::Chunk(c));
-            }
-            let e = self.extents.get_mut(ext);
-            let len = want.min(e.cap);
-            e.used = len;
-            let start = e.start;
+            let ext = self.alloc_extent(rec, want.max(room), MIN_PIECE);
+            let len = want.min(self.extents.get(ext).cap);
             let (piece, more) = rest.split_at(len as usize);
-            self.arena.write(start, piece.iter().map(|b| b.tokens_hash));
-            let id = self.alloc_node(ext);
-            self.node_of.fill(start, len, id);
-            rec.op(Op::NewNode {
-                id,
-                parent,
-                start,
+            let id = self.new_run(
+                rec,
+                ext,
                 len,
+                parent,
                 anchor,
-            });
+                piece.iter().map(|b| b.tokens_hash),
+            );
+            let start = self.extents.get(ext).start;
             self.locs.extend(start..start + len);
             self.touch(id);
             parent = id;
