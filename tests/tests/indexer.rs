@@ -116,11 +116,26 @@ async fn two_replicas_reach_the_same_sequence_and_digest() {
         w.flush().await;
     }
     let (_, digest) = converged(&env, &[&a, &b]).await;
-    assert_eq!(
-        digest,
-        expected_index(&workers.iter().collect::<Vec<_>>()).digest()
-    );
+    let expected = expected_index(&workers.iter().collect::<Vec<_>>());
+    assert_eq!(digest, expected.digest());
     assert!(a.metric("kvroute_indexer_events_applied_total").unwrap() > 1000.0);
+    // The tree's gauges, refreshed on the replica's tick: blocks in the tree are the prefixes
+    // held (independent of history); runs depend on history but are at least one per chain.
+    let stats = expected.stats();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let nodes = a.metric("kvroute_indexer_index_nodes");
+        let runs = a.metric("kvroute_indexer_index_runs").unwrap_or(0.0);
+        if nodes == Some(stats.nodes as f64) && runs >= 1.0 && runs <= stats.nodes as f64 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "index gauges: nodes {nodes:?} runs {runs} (expected nodes {})",
+            stats.nodes
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,6 +21,7 @@ pub struct IndexerMetrics {
     pub lag: Arc<Gauge>,
     pub index_entries: Arc<Gauge>,
     pub index_nodes: Arc<Gauge>,
+    pub index_runs: Arc<Gauge>,
     pub index_bytes: Arc<Gauge>,
     pub index_evicted: Arc<Gauge>,
     pub queries: Arc<CounterVec>,
@@ -104,10 +105,17 @@ impl IndexerMetrics {
                 "kvroute_indexer_index_entries",
                 "(block, worker, rank) entries in the index.",
             ),
-            index_nodes: r.gauge("kvroute_indexer_index_nodes", "Radix tree nodes."),
+            index_nodes: r.gauge(
+                "kvroute_indexer_index_nodes",
+                "Blocks in the radix tree (prefixes held by some worker).",
+            ),
+            index_runs: r.gauge(
+                "kvroute_indexer_index_runs",
+                "Radix tree nodes, each a run of consecutive blocks.",
+            ),
             index_bytes: r.gauge(
                 "kvroute_indexer_index_bytes",
-                "Bytes allocated by the index (both copies once the replica serves).",
+                "Bytes allocated by the index (the writer's side once, and both views once the replica serves).",
             ),
             index_evicted: r.gauge(
                 "kvroute_indexer_index_evicted_entries",

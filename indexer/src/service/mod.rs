@@ -476,6 +476,7 @@ impl Replica {
         let stats = self.state.index().stats();
         m.index_entries.set(stats.entries as i64);
         m.index_nodes.set(stats.nodes as i64);
+        m.index_runs.set(stats.runs as i64);
         m.index_bytes.set(stats.bytes_in_use as i64);
         m.index_evicted.set(stats.anomalies.evicted_entries as i64);
         if let Some((_, at)) = self.last_snapshot {
