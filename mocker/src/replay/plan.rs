@@ -68,6 +68,7 @@ mod tests {
             input_length: 10,
             output_length: 1,
             hash_ids: vec![0],
+            ..TraceRequest::default()
         }
     }
 

@@ -23,6 +23,7 @@ fn conversations(conversations: u64, turns: u64) -> Vec<TraceRequest> {
                 input_length: (chain.len() * 512) as u32,
                 output_length: 20,
                 hash_ids: chain.clone(),
+                ..TraceRequest::default()
             });
         }
     }
@@ -140,12 +141,14 @@ fn the_ttft_floor_is_the_engine_alone_with_the_oracle_prefix() {
             input_length: 10_000,
             output_length: 1,
             hash_ids: vec![],
+            ..TraceRequest::default()
         },
         TraceRequest {
             timestamp: 0,
             input_length: 1_000,
             output_length: 1,
             hash_ids: vec![],
+            ..TraceRequest::default()
         },
     ];
     // 10,000 uncached tokens: a step of 8,192 and one of 1,808; 1,000 with 15 of 15 full
