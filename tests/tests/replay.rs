@@ -289,7 +289,7 @@ async fn sessions_sent_stick_to_one_worker_through_the_router() {
     let names = Names::new(&env.namespace);
     let _indexer = kvroute_tests::IndexerProcess::start(&env, "ix-1", &[]).unwrap();
     let fleet = start_fleet(&env, &names, 3, 50.0).await;
-    let _router = kvroute_tests::RouterProcess::start(&env, "r1", &[]).unwrap();
+    let router = kvroute_tests::RouterProcess::start(&env, "r1", &[]).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("sessions.jsonl");
     let params = SessionTraceParams {
@@ -316,6 +316,15 @@ async fn sessions_sent_stick_to_one_worker_through_the_router() {
         .await
         .unwrap();
     fleet.shutdown().await;
+    // Each mode's sessions were new to the router (bindings outlive a mode; the replay scopes
+    // the ids), and every later turn kept its binding.
+    let binding = |state: &str| {
+        router.metric(&format!(
+            "kvroute_router_sessions_total{{binding=\"{state}\"}}"
+        ))
+    };
+    assert_eq!(binding("new"), 2.0 * 16.0);
+    assert_eq!(binding("kept"), 2.0 * (n - 16) as f64);
 
     let oracle = sent.session_oracle.clone().expect("the trace has sessions");
     let finite = oracle.finite.unwrap();

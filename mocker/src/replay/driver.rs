@@ -35,6 +35,9 @@ pub struct DriveSettings {
     pub workers: Vec<WorkerId>,
     /// Send a row's `session_id` as the request's `SessionContext`.
     pub send_sessions: bool,
+    /// Put before every session id sent, so that this mode's sessions are new to the routers
+    /// (their bindings outlive a mode: an earlier mode's would decide this one's placements).
+    pub session_scope: String,
 }
 
 /// Running totals, for progress displays.
@@ -163,7 +166,7 @@ impl<S: Selector> RequestTask<S> {
             expected_output_tokens: Some(output),
             policy: self.settings.mode.router_policy().map(str::to_owned),
             session: if self.settings.send_sessions {
-                session_context(&self.trace)
+                session_context(&self.trace, &self.settings.session_scope)
             } else {
                 None
             },

@@ -77,6 +77,9 @@ pub async fn run(args: &ReplayArgs) -> anyhow::Result<RunReport> {
         })
         .await?
     };
+    // Session ids are sent as `<run>-<mode>/<id>`: the routers' bindings outlive a mode and a
+    // run (their idle TTL), and the workers' caches are reset between modes.
+    let run_id = &uuid::Uuid::new_v4().simple().to_string()[..8];
     let mut modes = Vec::new();
     for &mode in &args.modes {
         let cards = read_cards(&mut etcd, &names, &args.model).await?;
@@ -97,6 +100,7 @@ pub async fn run(args: &ReplayArgs) -> anyhow::Result<RunReport> {
             request_timeout: args.request_timeout(),
             workers,
             send_sessions: !args.no_sessions,
+            session_scope: format!("replay-{run_id}-{mode}/"),
         };
         let report = match args.selector {
             SelectorKind::Router => {

@@ -12,10 +12,12 @@ use serde::{Deserialize, Serialize};
 
 use super::oracle::ratio;
 
-/// The session a trace row names, as a client sends it: a user's message in that session.
-pub fn session_context(request: &TraceRequest) -> Option<SessionContext> {
+/// The session a trace row names, as a client sends it: a user's message in that session,
+/// its id after `scope` (which keeps one run's or mode's sessions apart from another's in the
+/// routers' shared bindings; empty: the row's id as it is).
+pub fn session_context(request: &TraceRequest, scope: &str) -> Option<SessionContext> {
     request.session_id.as_ref().map(|id| SessionContext {
-        id: id.clone(),
+        id: format!("{scope}{id}"),
         parent_id: None,
         is_final: false,
         trigger: SessionTrigger::UserMessage,
@@ -327,9 +329,11 @@ mod tests {
 
     #[test]
     fn a_row_with_a_session_is_sent_as_a_users_message() {
-        let s = session_context(&row(Some("chat-1"), Some(2), 1)).unwrap();
+        let s = session_context(&row(Some("chat-1"), Some(2), 1), "").unwrap();
         assert_eq!((s.id.as_str(), s.is_final), ("chat-1", false));
         assert_eq!(s.trigger, SessionTrigger::UserMessage);
-        assert_eq!(session_context(&row(None, Some(2), 1)), None);
+        assert_eq!(session_context(&row(None, Some(2), 1), ""), None);
+        let scoped = session_context(&row(Some("chat-1"), None, 1), "run-kv/").unwrap();
+        assert_eq!(scoped.id, "run-kv/chat-1");
     }
 }

@@ -338,7 +338,8 @@ impl World<'_> {
             model: SIM_MODEL.to_owned(),
             expected_output_tokens: Some(trace.output_length),
             session: if self.settings.send_sessions {
-                session_context(trace)
+                // Every mode has its own session table: no scope needed.
+                session_context(trace, "")
             } else {
                 None
             },
