@@ -1,5 +1,6 @@
 //! Mooncake-format request traces (FAST'25): one JSON object per line with `timestamp` (ms),
-//! `input_length`, `output_length` and `hash_ids` (the prompt as 512-token blocks).
+//! `input_length`, `output_length` and `hash_ids` (the prompt as 512-token blocks), and
+//! optionally kvroute's `session_id` and `turn` (a multi-turn conversation's requests).
 //!
 //! [`TraceRequest::tokens`] turns hash ids into deterministic token ids, so equal hash ids at
 //! equal positions give equal tokens (a shared prefix) and every tool replays the same prompts.
@@ -7,19 +8,26 @@
 use std::io::BufRead;
 use std::path::Path;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// Tokens per trace hash id.
 pub const TRACE_BLOCK_TOKENS: usize = 512;
 
 /// One request of a trace.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TraceRequest {
     /// Arrival time in milliseconds from the start of the trace.
     pub timestamp: u64,
     pub input_length: u32,
     pub output_length: u32,
     pub hash_ids: Vec<u64>,
+    /// The session (conversation) the request belongs to; replays send it as the request's
+    /// `SessionContext`. Absent in Mooncake's own traces.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
+    /// The request's turn in its session, from 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn: Option<u32>,
 }
 
 /// A trace line that could not be read.
@@ -66,6 +74,11 @@ pub fn token_of(hash_id: u64, j: u64) -> u32 {
     (z ^ (z >> 31)) as u32
 }
 
+/// One trace line, as the trace files hold it (no trailing newline).
+pub fn to_line(request: &TraceRequest) -> String {
+    serde_json::to_string(request).expect("a trace request always serializes")
+}
+
 /// Reads a whole trace file. Blank lines are skipped; any other bad line is an error naming it.
 pub fn read_trace(path: &Path) -> Result<Vec<TraceRequest>, TraceError> {
     let shown = path.display().to_string();
@@ -103,18 +116,21 @@ mod tests {
             input_length: 1100,
             output_length: 1,
             hash_ids: vec![0, 1, 2],
+            ..TraceRequest::default()
         };
         let b = TraceRequest {
             timestamp: 0,
             input_length: 1024,
             output_length: 1,
             hash_ids: vec![0, 1],
+            ..TraceRequest::default()
         };
         let c = TraceRequest {
             timestamp: 0,
             input_length: 1024,
             output_length: 1,
             hash_ids: vec![0, 9],
+            ..TraceRequest::default()
         };
         let (ta, tb, tc) = (a.tokens(), b.tokens(), c.tokens());
         assert_eq!(ta.len(), 1100);
@@ -140,6 +156,61 @@ mod tests {
         std::fs::write(&p, "{\"timestamp\": 5, \"input_length\": 600, \"output_length\": 3, \"hash_ids\": [0, 1]}\n").unwrap();
         let t = read_trace(&p).unwrap();
         assert_eq!(t[0].hash_ids, vec![0, 1]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn session_fields_are_optional_and_round_trip() {
+        let dir = std::env::temp_dir().join(format!("kvroute-trace-s-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("t.jsonl");
+        std::fs::write(
+            &p,
+            concat!(
+                "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 3, \"hash_ids\": [0, 1]}\n",
+                "{\"timestamp\": 9, \"input_length\": 900, \"output_length\": 3, \"hash_ids\": [0, 1], ",
+                "\"session_id\": \"chat-1\", \"turn\": 2}\n",
+            ),
+        )
+        .unwrap();
+        let t = read_trace(&p).unwrap();
+        assert_eq!((t[0].session_id.as_deref(), t[0].turn), (None, None));
+        assert_eq!(
+            (t[1].session_id.as_deref(), t[1].turn),
+            (Some("chat-1"), Some(2))
+        );
+        // Written back: a row without a session stays a plain Mooncake row.
+        assert_eq!(
+            to_line(&t[0]),
+            r#"{"timestamp":0,"input_length":600,"output_length":3,"hash_ids":[0,1]}"#
+        );
+        let back: TraceRequest = serde_json::from_str(&to_line(&t[1])).unwrap();
+        assert_eq!(back, t[1]);
+
+        // A session field of the wrong type names its line.
+        std::fs::write(
+            &p,
+            concat!(
+                "{\"timestamp\": 0, \"input_length\": 6, \"output_length\": 3, \"hash_ids\": [0]}\n",
+                "{\"timestamp\": 1, \"input_length\": 6, \"output_length\": 3, \"hash_ids\": [0], \"turn\": \"two\"}\n",
+            ),
+        )
+        .unwrap();
+        let err = read_trace(&p).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("{}:2: invalid type: string \"two\"", p.display())),
+            "{err}"
+        );
+        std::fs::write(
+            &p,
+            "{\"timestamp\": 1, \"input_length\": 6, \"output_length\": 3, \"hash_ids\": [0], \"session_id\": 7}\n",
+        )
+        .unwrap();
+        let err = read_trace(&p).unwrap_err().to_string();
+        assert!(
+            err.contains(":1: invalid type: integer `7`, expected a string"),
+            "{err}"
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

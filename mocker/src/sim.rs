@@ -20,6 +20,7 @@ pub use main::main_with;
 pub use world::{SIM_MODEL, SimSettings, mode_policy, sim_cards, simulate};
 
 use crate::replay::oracle::{oracle_with_hits, ttft_floor};
+use crate::replay::session_oracle;
 use crate::replay::{Plan, Progress, RunReport};
 
 /// The policies of `--policy-config` (the built-in ones without it), resolved against
@@ -64,6 +65,10 @@ pub fn run_with(args: &SimArgs, registry: &PolicyRegistry) -> anyhow::Result<Run
     let capacity = engine.num_blocks * u64::from(args.workers);
     let (oracle, hits) = oracle_with_hits(&plan.requests, engine.block_size, capacity);
     let floor = ttft_floor(&plan.requests, &hits, &engine);
+    let session_oracle = plan
+        .sessions
+        .as_ref()
+        .map(|k| session_oracle(k, &plan.requests, &hits, engine.block_size));
     let mut modes = Vec::new();
     let mut simulated = 0.0;
     for &mode in &args.modes {
@@ -79,6 +84,8 @@ pub fn run_with(args: &SimArgs, registry: &PolicyRegistry) -> anyhow::Result<Run
             prediction_confirm: SimArgs::millis(args.prediction_confirm_ms),
             prediction_max_age: SimArgs::millis(args.prediction_max_age_secs * 1e3),
             seed: args.seed,
+            send_sessions: !args.no_sessions,
+            sessions: args.sessions(),
         };
         let progress = Progress::new(mode.as_str(), plan.len() as u64, args.output.interactive());
         let report = simulate(&plan, &settings, &policies, |t| progress.update(t))?;
@@ -96,6 +103,7 @@ pub fn run_with(args: &SimArgs, registry: &PolicyRegistry) -> anyhow::Result<Run
         speedup: simulated / started.elapsed().as_secs_f64().max(1e-9),
         oracle,
         ttft_floor_ms: Some(floor),
+        session_oracle,
         modes,
     })
 }

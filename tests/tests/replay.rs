@@ -276,3 +276,87 @@ async fn a_run_whose_requests_fail_exits_non_zero() {
         String::from_utf8_lossy(&out.stdout)
     );
 }
+
+/// A generated session trace through a `kvroute-router`: with sessions sent, every later turn
+/// of a session lands on its first turn's worker (also under round-robin, whose picks the
+/// binding overrides) and finds its conversation cached; without them, round-robin scatters
+/// the turns — so the stickiness figure can fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_sent_stick_to_one_worker_through_the_router() {
+    use kvroute_mocker::tracegen::{SessionTraceParams, TokenRange, generate, write_trace};
+
+    let env = TestEnv::start().unwrap();
+    let names = Names::new(&env.namespace);
+    let _indexer = kvroute_tests::IndexerProcess::start(&env, "ix-1", &[]).unwrap();
+    let fleet = start_fleet(&env, &names, 3, 50.0).await;
+    let router = kvroute_tests::RouterProcess::start(&env, "r1", &[]).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("sessions.jsonl");
+    let params = SessionTraceParams {
+        sessions: 16,
+        turns: TokenRange::new(5, 6),
+        templates: 3,
+        template_blocks: TokenRange::new(2, 2),
+        user_tokens: TokenRange::new(100, 400),
+        reply_tokens: TokenRange::new(20, 60),
+        session_rate: 4.0,
+        think_time_secs: 2.0,
+        ..SessionTraceParams::default()
+    };
+    let requests = generate(&params);
+    write_trace(&requests, &trace).unwrap();
+    let n = requests.len() as u64;
+    let run = |extra: &[&str]| {
+        let mut all = vec!["--settle-ms", "1000", "--modes"];
+        all.extend_from_slice(extra);
+        args(&env, &trace, &all)
+    };
+    let sent = replay::run(&run(&["kv,round-robin"])).await.unwrap();
+    let unsent = replay::run(&run(&["round-robin", "--no-sessions"]))
+        .await
+        .unwrap();
+    fleet.shutdown().await;
+    // Each mode's sessions were new to the router (bindings outlive a mode; the replay scopes
+    // the ids), and every later turn kept its binding.
+    let binding = |state: &str| {
+        router.metric(&format!(
+            "kvroute_router_sessions_total{{binding=\"{state}\"}}"
+        ))
+    };
+    assert_eq!(binding("new"), 2.0 * 16.0);
+    assert_eq!(binding("kept"), 2.0 * (n - 16) as f64);
+
+    let oracle = sent.session_oracle.clone().expect("the trace has sessions");
+    let finite = oracle.finite.unwrap();
+    let modes = sent.modes.iter().chain(&unsent.modes);
+    for m in modes {
+        assert_eq!((m.completed, m.errors), (n, 0), "{m:?}");
+        eprintln!("{} {:?} (finite oracle {finite})", m.mode, m.sessions);
+    }
+    let (kv, rr) = (
+        sent.modes[0].sessions.clone().unwrap(),
+        sent.modes[1].sessions.clone().unwrap(),
+    );
+    let scattered = unsent.modes[0].sessions.clone().unwrap();
+    assert_eq!(kv.sessions, 16);
+    for s in [&kv, &rr] {
+        assert!(s.sent);
+        assert!(s.stickiness.unwrap() >= 0.98, "{s:?}");
+        assert!(
+            s.later_hit_rate.unwrap() >= 0.9 * finite,
+            "{s:?} vs {oracle:?}"
+        );
+    }
+    assert!(!scattered.sent);
+    // Five or six turns on three workers, taken in turn with the other sessions' requests.
+    assert!(scattered.stickiness.unwrap() < 0.75, "{scattered:?}");
+    assert!(
+        scattered.later_hit_rate.unwrap() < rr.later_hit_rate.unwrap(),
+        "{scattered:?} vs {rr:?}"
+    );
+    assert!(
+        replay::render_table(&sent).contains("sticky"),
+        "{}",
+        replay::render_table(&sent)
+    );
+}

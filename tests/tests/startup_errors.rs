@@ -11,7 +11,7 @@ use kvroute_tests::{Exited, NatsServer, TestEnv, free_port, kvroute_bin, run_to_
 const LIMIT: Duration = Duration::from_secs(60);
 
 /// Every binary, with the package it comes from.
-const BINS: [(&str, &str); 10] = [
+const BINS: [(&str, &str); 11] = [
     ("kvroute-router", "kvroute-router"),
     ("kvroute-gateway", "kvroute-gateway"),
     ("kvroute-sim-custom", "kvroute-example-custom-policy"),
@@ -21,6 +21,7 @@ const BINS: [(&str, &str); 10] = [
     ("kvroute-mocker", "kvroute-mocker"),
     ("kvroute-replay", "kvroute-mocker"),
     ("kvroute-sim", "kvroute-mocker"),
+    ("kvroute-tracegen", "kvroute-mocker"),
     ("kvroute-probe", "kvroute-common"),
 ];
 
@@ -77,6 +78,7 @@ fn every_binary_reports_bad_usage_in_one_line_with_status_2() {
         ("kvroute-replay", "--limit"),
         ("kvroute-sim", "--workers"),
         ("kvroute-sim-custom", "--workers"),
+        ("kvroute-tracegen", "--sessions"),
         ("kvroute-gateway", "--upstream-idle-timeout-ms"),
     ] {
         let out = run(bin, &[flag, "-5"], &[]);

@@ -198,6 +198,7 @@ mod tests {
                 let mut r = ModeRecorder::new(format!("mode_{k}"), [1, 2]);
                 for i in 0..50u64 {
                     r.record(RequestSample {
+                        request: 0,
                         worker_id: 1 + i % 2,
                         prompt_tokens: 1000,
                         cached_tokens: if rate.is_finite() {
@@ -224,6 +225,7 @@ mod tests {
             blocks_per_worker: 1024,
             speedup: 1.0,
             ttft_floor_ms: None,
+            session_oracle: None,
             oracle: OracleHitRates {
                 block_size: 64,
                 capacity_blocks: 2048,

@@ -123,6 +123,10 @@ pub struct ReplayArgs {
     /// workers to reset; without reset, later modes inherit warm caches).
     #[arg(long, env = "KVROUTE_REPLAY_NO_RESET")]
     pub no_reset: bool,
+    /// Do not send a trace row's `session_id` as the request's session (to compare routing
+    /// with and without session affinity; the report still measures stickiness).
+    #[arg(long, env = "KVROUTE_REPLAY_NO_SESSIONS")]
+    pub no_sessions: bool,
     /// Wall-clock milliseconds to wait after the resets, so indexers and routers see them.
     #[arg(long, env = "KVROUTE_REPLAY_SETTLE_MS", default_value_t = 500)]
     pub settle_ms: u64,

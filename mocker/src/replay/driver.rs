@@ -20,6 +20,7 @@ use super::config::Mode;
 use super::plan::Plan;
 use super::report::{ModeRecorder, ModeReport, RequestSample};
 use super::selector::Selector;
+use super::sessions::session_context;
 
 /// What a mode's run needs besides the plan and the selector.
 #[derive(Debug, Clone)]
@@ -32,6 +33,11 @@ pub struct DriveSettings {
     pub request_timeout: Duration,
     /// The workers at the start (every one counts in the load spread, even if idle).
     pub workers: Vec<WorkerId>,
+    /// Send a row's `session_id` as the request's `SessionContext`.
+    pub send_sessions: bool,
+    /// Put before every session id sent, so that this mode's sessions are new to the routers
+    /// (their bindings outlive a mode: an earlier mode's would decide this one's placements).
+    pub session_scope: String,
 }
 
 /// Running totals, for progress displays.
@@ -76,12 +82,14 @@ pub async fn drive<S: Selector>(
     names: &Names,
     mut progress: impl FnMut(&Tally),
 ) -> ModeReport {
-    let mut recorder = ModeRecorder::new(settings.mode.as_str(), settings.workers.clone());
+    let mut recorder = ModeRecorder::new(settings.mode.as_str(), settings.workers.clone())
+        .with_sessions(plan.sessions.clone(), settings.send_sessions);
     let (tx, mut rx) = mpsc::unbounded_channel();
     // A short lead so the first requests are not late while the rest are being scheduled.
     let start = Instant::now() + Duration::from_millis(20);
-    for (trace, arrival) in plan.requests.iter().zip(&plan.arrivals) {
+    for (request, (trace, arrival)) in plan.requests.iter().zip(&plan.arrivals).enumerate() {
         let task = RequestTask {
+            request,
             trace: trace.clone(),
             settings: settings.clone(),
             selector: selector.clone(),
@@ -127,6 +135,8 @@ pub async fn drive<S: Selector>(
 }
 
 struct RequestTask<S> {
+    /// The request's index in the plan.
+    request: usize,
     trace: TraceRequest,
     settings: DriveSettings,
     selector: Arc<S>,
@@ -155,6 +165,11 @@ impl<S: Selector> RequestTask<S> {
             token_ids: Some(tokens.clone()),
             expected_output_tokens: Some(output),
             policy: self.settings.mode.router_policy().map(str::to_owned),
+            session: if self.settings.send_sessions {
+                session_context(&self.trace, &self.settings.session_scope)
+            } else {
+                None
+            },
             ..SelectRequest::default()
         };
         let asked = Instant::now();
@@ -203,6 +218,7 @@ impl<S: Selector> RequestTask<S> {
                     .mul_f64(self.settings.speedup);
                 Ok(Outcome::Done {
                     sample: RequestSample {
+                        request: self.request,
                         worker_id: r.worker_id,
                         prompt_tokens: r.prompt_tokens,
                         cached_tokens: r.cached_tokens,

@@ -3,17 +3,24 @@
 //! It knows only what it sent: requests in flight per worker, and for `kv` an approximate
 //! cache per worker (everything sent there, LRU-bounded by the card's capacity). `kv` picks
 //! the lowest `uncached blocks + blocks still to prefill on the worker`; ties are broken at
-//! random (seeded), as are `least-busy`'s.
+//! random (seeded), as are `least-busy`'s. A request in a session goes where the router's
+//! session table (kvroute-router's own, in memory, hard affinity) has bound it, while that
+//! worker is registered; bindings do not expire within a run.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
+use futures::FutureExt as _;
 use kvroute_common::hashing::BlockHashes;
 use kvroute_common::messages::{
     CostBreakdown, ErrorCode, SchemaVersion, SelectError, SelectReply, SelectRequest, StorageTier,
     WorkerCard,
 };
 use kvroute_common::{RequestId, WorkerId};
+use kvroute_router::session::{
+    BindingStatus, CommitOutcome, MemSessionStore, SessionConfig, SessionError, SessionTable,
+};
+use kvroute_router::worker::WorkerRank;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -26,6 +33,7 @@ use super::selector::{SelectFailure, Selected, Selector};
 pub struct LocalSelector {
     mode: Mode,
     state: Mutex<State>,
+    sessions: SessionTable<MemSessionStore>,
 }
 
 #[derive(Debug)]
@@ -67,6 +75,7 @@ impl LocalSelector {
                 next: 0,
                 rng: StdRng::seed_from_u64(seed),
             }),
+            sessions: SessionTable::new(MemSessionStore::new(), SessionConfig::default()),
         };
         selector.workers_changed(cards);
         selector
@@ -108,27 +117,57 @@ impl LocalSelector {
         let hashes = BlockHashes::of_tokens(tokens, block_size, request.lora_name.as_deref());
         let blocks = hashes.sequence.len() as u64;
         let overlap = |state: &State, w: WorkerId| state.workers[&w].cache.peek(&hashes.sequence);
-        let pick = match self.mode {
-            Mode::RoundRobin => {
-                let i = state.next % candidates.len();
-                state.next = state.next.wrapping_add(1);
-                candidates[i]
+        let registered = |w: WorkerRank| w.dp_rank == 0 && candidates.contains(&w.worker_id);
+        let lookup = match &request.session {
+            Some(session) => Some(
+                ready(self.sessions.lookup(session, &registered, 0))
+                    .map_err(|e| refused(ErrorCode::Unavailable, &e.to_string()))?,
+            ),
+            None => None,
+        };
+        let bound = match lookup.as_ref().map(|l| l.status()) {
+            Some(BindingStatus::Live(w)) => Some(w.worker_id),
+            _ => None,
+        };
+        let pick = match bound {
+            Some(worker) => worker,
+            None => match self.mode {
+                Mode::RoundRobin => {
+                    let i = state.next % candidates.len();
+                    state.next = state.next.wrapping_add(1);
+                    candidates[i]
+                }
+                Mode::Random => candidates[state.rng.random_range(0..candidates.len())],
+                Mode::LeastBusy => {
+                    let costs: Vec<u64> = candidates
+                        .iter()
+                        .map(|w| state.workers[w].in_flight)
+                        .collect();
+                    lowest(&candidates, &costs, &mut state.rng)
+                }
+                Mode::Kv => {
+                    let costs: Vec<u64> = candidates
+                        .iter()
+                        .map(|&w| {
+                            blocks - overlap(&state, w) as u64 + state.workers[&w].pending_blocks
+                        })
+                        .collect();
+                    lowest(&candidates, &costs, &mut state.rng)
+                }
+            },
+        };
+        let binding = match &lookup {
+            Some(lookup) => {
+                let chosen = WorkerRank::new(pick, 0);
+                match ready(self.sessions.commit(lookup, chosen, &registered, 0)) {
+                    Ok(CommitOutcome::Committed(state)) => state,
+                    // One selector, one writer: a conflict cannot happen.
+                    Ok(CommitOutcome::Conflict(_)) | Err(_) => {
+                        return Err(refused(ErrorCode::Unavailable, "session commit failed"));
+                    }
+                }
             }
-            Mode::Random => candidates[state.rng.random_range(0..candidates.len())],
-            Mode::LeastBusy => {
-                let costs: Vec<u64> = candidates
-                    .iter()
-                    .map(|w| state.workers[w].in_flight)
-                    .collect();
-                lowest(&candidates, &costs, &mut state.rng)
-            }
-            Mode::Kv => {
-                let costs: Vec<u64> = candidates
-                    .iter()
-                    .map(|&w| blocks - overlap(&state, w) as u64 + state.workers[&w].pending_blocks)
-                    .collect();
-                lowest(&candidates, &costs, &mut state.rng)
-            }
+            None => None,
         };
         let hit = overlap(&state, pick) as u64;
         let request_id = request.request_id.unwrap_or_else(uuid::Uuid::new_v4);
@@ -149,10 +188,18 @@ impl LocalSelector {
             request_blocks: blocks as u32,
             cost: CostBreakdown::default(),
             policy: format!("local-{}", self.mode),
-            binding: None,
+            binding,
             router_id: "local".into(),
         })
     }
+}
+
+/// The result of a session table call over the in-memory store, which never waits.
+fn ready<T>(
+    call: impl std::future::Future<Output = Result<T, SessionError>>,
+) -> Result<T, SessionError> {
+    call.now_or_never()
+        .expect("the in-memory session store answers at once")
 }
 
 /// The candidate with the lowest cost; ties broken at random.
@@ -264,5 +311,42 @@ mod tests {
             lb.choose(&request(0)).unwrap_err().kind(),
             "select_no_workers"
         );
+    }
+
+    #[test]
+    fn a_session_stays_on_its_bound_worker_until_it_leaves() {
+        use kvroute_common::messages::{BindingState, SessionContext};
+        let in_session = |id: &str| SelectRequest {
+            session: Some(SessionContext {
+                id: id.into(),
+                parent_id: None,
+                is_final: false,
+                trigger: Default::default(),
+            }),
+            ..request(0)
+        };
+        let rr = LocalSelector::new(Mode::RoundRobin, &[card(1), card(2), card(3)], 1);
+        let first = rr.choose(&in_session("a")).unwrap();
+        assert_eq!(first.binding, Some(BindingState::New));
+        let later: Vec<_> = (0..3)
+            .map(|_| rr.choose(&in_session("a")).unwrap())
+            .collect();
+        assert!(later.iter().all(|r| r.worker_id == first.worker_id));
+        assert_eq!(later[0].binding, Some(BindingState::Kept));
+        // Another session, and requests without one, still go round.
+        assert_ne!(
+            rr.choose(&in_session("b")).unwrap().worker_id,
+            first.worker_id
+        );
+        // The bound worker leaves: the session is rebound elsewhere.
+        let others: Vec<_> = [1, 2, 3]
+            .into_iter()
+            .filter(|&w| w != first.worker_id)
+            .map(card)
+            .collect();
+        rr.workers_changed(&others);
+        let moved = rr.choose(&in_session("a")).unwrap();
+        assert_ne!(moved.worker_id, first.worker_id);
+        assert_eq!(moved.binding, Some(BindingState::Rebound));
     }
 }

@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use kvroute_common::trace::TraceRequest;
 
+use super::sessions::SessionKeys;
+
 /// A trace, cut and time-scaled: request `i` arrives `arrivals[i]` (simulated) after the first.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
@@ -11,6 +13,8 @@ pub struct Plan {
     pub arrivals: Vec<Duration>,
     /// The factor applied to the trace's timestamps.
     pub time_scale: f64,
+    /// The requests' sessions, when the trace names any.
+    pub sessions: Option<SessionKeys>,
 }
 
 impl Plan {
@@ -43,6 +47,7 @@ impl Plan {
             })
             .collect();
         Self {
+            sessions: SessionKeys::of(&requests),
             requests,
             arrivals,
             time_scale,
@@ -68,6 +73,7 @@ mod tests {
             input_length: 10,
             output_length: 1,
             hash_ids: vec![0],
+            ..TraceRequest::default()
         }
     }
 

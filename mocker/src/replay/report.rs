@@ -1,6 +1,6 @@
 //! The report of a replay run: per routing mode, cache hits against the oracles, latency
-//! distributions, throughput, load spread and errors. Built by [`ModeRecorder`], written as
-//! JSON by the replay tool.
+//! distributions, throughput, load spread, errors and, for a trace with sessions, session
+//! stickiness. Built by [`ModeRecorder`], written as JSON by the replay tool.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -9,6 +9,7 @@ use kvroute_common::WorkerId;
 use serde::{Deserialize, Serialize};
 
 use super::oracle::{OracleHitRates, ratio};
+use super::sessions::{ServedTurn, SessionKeys, SessionOracle, SessionRecorder, SessionReport};
 use super::stats::{Summary, coefficient_of_variation};
 
 /// A whole run: the setup, the oracles (the same for every mode) and one entry per mode.
@@ -29,6 +30,9 @@ pub struct RunReport {
     /// kvroute-mocker workers whose cards carry it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttft_floor_ms: Option<Summary>,
+    /// The finite oracle on the turns after a session's first (a trace with sessions only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_oracle: Option<SessionOracle>,
     pub modes: Vec<ModeReport>,
 }
 
@@ -113,11 +117,16 @@ pub struct ModeReport {
     pub load_cv_requests: f64,
     /// Coefficient of variation of prompt tokens actually computed (uncached) per worker.
     pub load_cv_prefill_tokens: f64,
+    /// Session stickiness and the later turns' hit rate (a trace with sessions only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sessions: Option<SessionReport>,
 }
 
 /// One completed request, as the replay tool saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RequestSample {
+    /// The request's index in the plan.
+    pub request: usize,
     pub worker_id: WorkerId,
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
@@ -145,6 +154,7 @@ pub struct ModeRecorder {
     per_worker: BTreeMap<WorkerId, (u64, u64)>,
     errors: BTreeMap<String, u64>,
     selection_retries: u64,
+    sessions: Option<SessionRecorder>,
 }
 
 impl ModeRecorder {
@@ -160,7 +170,15 @@ impl ModeRecorder {
             per_worker: workers.into_iter().map(|w| (w, (0, 0))).collect(),
             errors: BTreeMap::new(),
             selection_retries: 0,
+            sessions: None,
         }
+    }
+
+    /// Also reports session figures, when the plan has sessions (`keys`); `sent`: whether the
+    /// requests carried them.
+    pub fn with_sessions(mut self, keys: Option<SessionKeys>, sent: bool) -> Self {
+        self.sessions = keys.map(|k| SessionRecorder::new(k, sent));
+        self
     }
 
     pub fn record(&mut self, s: RequestSample) {
@@ -175,6 +193,14 @@ impl ModeRecorder {
         let w = self.per_worker.entry(s.worker_id).or_default();
         w.0 += 1;
         w.1 += s.prompt_tokens.saturating_sub(s.cached_tokens);
+        if let Some(sessions) = &mut self.sessions {
+            sessions.record(ServedTurn {
+                request: s.request,
+                worker_id: s.worker_id,
+                prompt_tokens: s.prompt_tokens,
+                cached_tokens: s.cached_tokens,
+            });
+        }
     }
 
     /// Counts selection attempts beyond the first.
@@ -212,6 +238,7 @@ impl ModeRecorder {
             output_tokens_per_s: per_s(self.output_tokens),
             load_cv_requests: coefficient_of_variation(&requests),
             load_cv_prefill_tokens: coefficient_of_variation(&prefill),
+            sessions: self.sessions.map(SessionRecorder::finish),
         }
     }
 }
@@ -222,6 +249,7 @@ mod tests {
 
     fn sample(worker_id: WorkerId, cached_tokens: u64, ttft_ms: u64) -> RequestSample {
         RequestSample {
+            request: 0,
             worker_id,
             prompt_tokens: 100,
             cached_tokens,
@@ -266,6 +294,7 @@ mod tests {
                 finite: 0.5,
             },
             ttft_floor_ms: None,
+            session_oracle: None,
             modes: vec![m],
         };
         let json = report.to_json();
@@ -292,6 +321,7 @@ mod tests {
                 finite: 0.0,
             },
             ttft_floor_ms: None,
+            session_oracle: None,
             modes,
         }
     }

@@ -22,6 +22,7 @@ use super::plan::Plan;
 use super::progress::Progress;
 use super::report::{ModeReport, RunReport};
 use super::selector::{RouterSelector, Selector};
+use super::sessions::session_oracle;
 use super::table::render_table;
 use super::workers::{
     engine_of, read_cards, reset_workers, speedup_of, wait_for_workers, watch_cards,
@@ -65,15 +66,20 @@ pub async fn run(args: &ReplayArgs) -> anyhow::Result<RunReport> {
         "replay planned"
     );
     let engine = engine_of(&cards);
-    let (oracle, ttft_floor_ms) = {
+    let (oracle, ttft_floor_ms, session_oracle) = {
         let requests = plan.requests.clone();
+        let sessions = plan.sessions.clone();
         tokio::task::spawn_blocking(move || {
             let (oracle, hits) = oracle_with_hits(&requests, block_size, capacity);
             let floor = engine.map(|e| ttft_floor(&requests, &hits, &e));
-            (oracle, floor)
+            let later = sessions.map(|k| session_oracle(&k, &requests, &hits, block_size));
+            (oracle, floor, later)
         })
         .await?
     };
+    // Session ids are sent as `<run>-<mode>/<id>`: the routers' bindings outlive a mode and a
+    // run (their idle TTL), and the workers' caches are reset between modes.
+    let run_id = &uuid::Uuid::new_v4().simple().to_string()[..8];
     let mut modes = Vec::new();
     for &mode in &args.modes {
         let cards = read_cards(&mut etcd, &names, &args.model).await?;
@@ -93,6 +99,8 @@ pub async fn run(args: &ReplayArgs) -> anyhow::Result<RunReport> {
             speedup,
             request_timeout: args.request_timeout(),
             workers,
+            send_sessions: !args.no_sessions,
+            session_scope: format!("replay-{run_id}-{mode}/"),
         };
         let report = match args.selector {
             SelectorKind::Router => {
@@ -129,6 +137,7 @@ pub async fn run(args: &ReplayArgs) -> anyhow::Result<RunReport> {
         speedup,
         oracle,
         ttft_floor_ms,
+        session_oracle,
         modes,
     })
 }

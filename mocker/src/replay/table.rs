@@ -117,6 +117,7 @@ pub fn render_table(report: &RunReport) -> String {
         ];
         let _ = writeln!(out, "{}", row(&cells));
     }
+    render_sessions(&mut out, report);
     for m in report.modes.iter().filter(|m| m.errors > 0) {
         let kinds: Vec<String> = m
             .errors_by_kind
@@ -126,6 +127,50 @@ pub fn render_table(report: &RunReport) -> String {
         let _ = writeln!(out, "errors in {}: {}", m.mode, kinds.join(", "));
     }
     out
+}
+
+/// The session rows, when the trace has sessions: stickiness (mean share of a session's turns
+/// on its most-used worker), sessions on one worker, and the later turns' hit rate against
+/// the finite oracle's on the same turns.
+fn render_sessions(out: &mut String, report: &RunReport) {
+    let rows: Vec<_> = report
+        .modes
+        .iter()
+        .filter_map(|m| Some((m, m.sessions.as_ref()?)))
+        .collect();
+    let Some((_, first)) = rows.first() else {
+        return;
+    };
+    let oracle = report.session_oracle.as_ref().and_then(|o| o.finite);
+    let opt = |x: Option<f64>| x.map_or_else(|| "-".to_owned(), pct);
+    let _ = writeln!(
+        out,
+        "\nsessions: {} of 2+ completed turns; later turns (after a session's first): finite \
+         oracle {}",
+        first.sessions,
+        opt(oracle)
+    );
+    let _ = writeln!(
+        out,
+        "{:<12} {:>5} {:>7} {:>10} {:>9} {:>6}",
+        "mode", "sent", "sticky", "one worker", "later hit", "/fin"
+    );
+    for (m, s) in rows {
+        let of_oracle = match (s.later_hit_rate, oracle) {
+            (Some(hit), Some(fin)) => of_bound(hit, fin),
+            _ => "-".into(),
+        };
+        let _ = writeln!(
+            out,
+            "{:<12} {:>5} {:>7} {:>10} {:>9} {:>6}",
+            m.mode,
+            if s.sent { "yes" } else { "no" },
+            opt(s.stickiness),
+            opt(s.single_worker),
+            opt(s.later_hit_rate),
+            of_oracle
+        );
+    }
 }
 
 #[cfg(test)]
@@ -141,6 +186,7 @@ mod tests {
         let mode = |name: &str, cached: u64, error: Option<&str>| {
             let mut r = ModeRecorder::new(name, [1, 2]);
             r.record(RequestSample {
+                request: 0,
                 worker_id: 1,
                 prompt_tokens: 100,
                 cached_tokens: cached,
@@ -162,6 +208,7 @@ mod tests {
             blocks_per_worker: 100,
             speedup: 10.0,
             ttft_floor_ms: None,
+            session_oracle: None,
             oracle: OracleHitRates {
                 block_size: 64,
                 capacity_blocks: 200,
@@ -188,5 +235,81 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("infinite 50.0%"), "{text}");
+        assert!(
+            !text.contains("sessions:"),
+            "no sessions in the trace: {text}"
+        );
+    }
+
+    #[test]
+    fn a_trace_with_sessions_gets_session_rows() {
+        use kvroute_common::trace::TraceRequest;
+
+        use crate::replay::sessions::{SessionKeys, SessionOracle};
+        let row = |turn: u32| TraceRequest {
+            input_length: 100,
+            session_id: Some("a".into()),
+            turn: Some(turn),
+            ..TraceRequest::default()
+        };
+        let keys = SessionKeys::of(&[row(1), row(2)]);
+        let mode = |name: &str, workers: [u64; 2], sent: bool| {
+            let mut r = ModeRecorder::new(name, [1, 2]).with_sessions(keys.clone(), sent);
+            for (request, worker_id) in workers.into_iter().enumerate() {
+                r.record(RequestSample {
+                    request,
+                    worker_id,
+                    prompt_tokens: 100,
+                    cached_tokens: 45 * request as u64,
+                    output_tokens: 5,
+                    ttft: Duration::from_millis(12),
+                    latency: Duration::from_millis(80),
+                    selection_latency: None,
+                });
+            }
+            r.finish(Duration::from_secs(1))
+        };
+        let report = RunReport {
+            trace: "t.jsonl".into(),
+            requests: 2,
+            workers: 2,
+            block_size: 64,
+            blocks_per_worker: 100,
+            speedup: 10.0,
+            ttft_floor_ms: None,
+            session_oracle: Some(SessionOracle {
+                later_turn_blocks: 10,
+                finite_hit_blocks: 5,
+                finite: Some(0.5),
+            }),
+            oracle: OracleHitRates {
+                block_size: 64,
+                capacity_blocks: 200,
+                total_blocks: 4,
+                infinite_hit_blocks: 2,
+                finite_hit_blocks: 1,
+                infinite: 0.5,
+                finite: 0.25,
+            },
+            modes: vec![mode("kv", [1, 1], true), mode("random", [1, 2], false)],
+        };
+        let text = render_table(&report);
+        assert!(text.contains("finite oracle 50.0%"), "{text}");
+        let line = |name: &str| {
+            text.lines()
+                .rev()
+                .find(|l| l.starts_with(name))
+                .unwrap()
+                .split_whitespace()
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            line("kv"),
+            ["kv", "yes", "100.0%", "100.0%", "45.0%", "90.0%"]
+        );
+        assert_eq!(
+            line("random"),
+            ["random", "no", "50.0%", "0.0%", "45.0%", "90.0%"]
+        );
     }
 }

@@ -7,6 +7,8 @@ use std::time::Duration;
 use clap::Command;
 use kvroute_common::config::ConfigError;
 use kvroute_common::telemetry::TelemetryArgs;
+use kvroute_router::service::config::AffinityArg;
+use kvroute_router::session::{AffinityMode, SessionConfig};
 
 use crate::fleet::{EngineArgs, MAX_WORKERS};
 use crate::replay::config::validate_run;
@@ -82,6 +84,18 @@ pub struct SimArgs {
         default_value_t = 600.0
     )]
     pub prediction_max_age_secs: f64,
+    /// Do not send a trace row's `session_id` as the request's session (to compare routing
+    /// with and without session affinity; the report still measures stickiness).
+    #[arg(long, env = "KVROUTE_SIM_NO_SESSIONS")]
+    pub no_sessions: bool,
+    /// The routers' `--session-affinity`: hard (a session's binding is its target while
+    /// eligible) or soft (a hint to the policy).
+    #[arg(long, env = "KVROUTE_SIM_SESSION_AFFINITY", value_enum, default_value_t = AffinityArg::Hard)]
+    pub session_affinity: AffinityArg,
+    /// The routers' `--session-idle-ttl-secs`: a binding unused this long (simulated seconds)
+    /// is dropped.
+    #[arg(long, env = "KVROUTE_SIM_SESSION_IDLE_TTL_SECS", default_value_t = 600)]
+    pub session_idle_ttl_secs: u64,
     /// Seed of the policies' random choices (each replica derives its own stream).
     #[arg(long, env = "KVROUTE_SIM_SEED", default_value_t = 42)]
     pub seed: u64,
@@ -160,6 +174,9 @@ impl SimArgs {
                 true,
             ),
         ];
+        if self.session_idle_ttl_secs == 0 {
+            return Err(ConfigError::new("session-idle-ttl-secs", "must be above 0"));
+        }
         for (field, value, positive) in times {
             let ok = (0.0..1e9).contains(&value) && (!positive || value > 0.0);
             if !ok {
@@ -171,6 +188,17 @@ impl SimArgs {
             }
         }
         self.output.validate()
+    }
+
+    /// The routers' session settings.
+    pub fn sessions(&self) -> SessionConfig {
+        SessionConfig {
+            mode: match self.session_affinity {
+                AffinityArg::Hard => AffinityMode::Hard,
+                AffinityArg::Soft => AffinityMode::Soft,
+            },
+            idle_ttl_ms: self.session_idle_ttl_secs.saturating_mul(1000),
+        }
     }
 
     pub fn millis(ms: f64) -> Duration {
@@ -266,6 +294,10 @@ mod tests {
         assert_eq!(field(&["--num-blocks", "0"]), "num-blocks");
         assert_eq!(field(&["--load-interval-ms", "0"]), "load-interval-ms");
         assert_eq!(field(&["--event-delay-ms=-1"]), "event-delay-ms");
+        assert_eq!(
+            field(&["--session-idle-ttl-secs", "0"]),
+            "session-idle-ttl-secs"
+        );
         assert_eq!(
             field(&["--policy-config", "/nonexistent.yaml"]),
             "policy-config"

@@ -23,6 +23,7 @@ fn conversations(conversations: u64, turns: u64) -> Vec<TraceRequest> {
                 input_length: (chain.len() * 512) as u32,
                 output_length: 20,
                 hash_ids: chain.clone(),
+                ..TraceRequest::default()
             });
         }
     }
@@ -50,6 +51,8 @@ fn settings(mode: Mode, routers: u32, seed: u64) -> SimSettings {
         prediction_confirm: Duration::from_secs(2),
         prediction_max_age: Duration::from_secs(600),
         seed,
+        send_sessions: true,
+        sessions: Default::default(),
     }
 }
 
@@ -140,12 +143,14 @@ fn the_ttft_floor_is_the_engine_alone_with_the_oracle_prefix() {
             input_length: 10_000,
             output_length: 1,
             hash_ids: vec![],
+            ..TraceRequest::default()
         },
         TraceRequest {
             timestamp: 0,
             input_length: 1_000,
             output_length: 1,
             hash_ids: vec![],
+            ..TraceRequest::default()
         },
     ];
     // 10,000 uncached tokens: a step of 8,192 and one of 1,808; 1,000 with 15 of 15 full
@@ -158,4 +163,85 @@ fn the_ttft_floor_is_the_engine_alone_with_the_oracle_prefix() {
     );
     let small = step(1000 - 15 * 64);
     assert!((floor.p50 - (small + (step(8192) + step(1808))) / 2.0).abs() < 1e-6);
+}
+
+/// A small generated session trace: 24 sessions of 4–6 turns sharing 3 templates, arriving
+/// at 2/s, so several are in flight at once.
+fn session_plan() -> Plan {
+    let params = crate::tracegen::SessionTraceParams {
+        sessions: 24,
+        turns: crate::tracegen::TokenRange::new(4, 6),
+        templates: 3,
+        session_rate: 2.0,
+        think_time_secs: 2.0,
+        ..Default::default()
+    };
+    Plan::new(crate::tracegen::generate(&params), 0, 1.0, None)
+}
+
+fn run_sessions(plan: &Plan, mode: Mode, send: bool) -> ModeReport {
+    let settings = SimSettings {
+        send_sessions: send,
+        ..settings(mode, 2, 1)
+    };
+    simulate(plan, &settings, &builtins(), |_| {}).unwrap()
+}
+
+#[test]
+fn sessions_sent_keep_their_turns_on_one_worker() {
+    let plan = session_plan();
+    let n = plan.len() as u64;
+    let kv = run_sessions(&plan, Mode::Kv, true);
+    let rr = run_sessions(&plan, Mode::RoundRobin, true);
+    let rr_unsent = run_sessions(&plan, Mode::RoundRobin, false);
+    for r in [&kv, &rr, &rr_unsent] {
+        assert_eq!((r.completed, r.errors), (n, 0), "{r:?}");
+    }
+    let (kv, rr, rr_unsent) = (
+        kv.sessions.unwrap(),
+        rr.sessions.unwrap(),
+        rr_unsent.sessions.unwrap(),
+    );
+    assert_eq!(kv.sessions, 24);
+    // Hard affinity: the binding is the target whatever the policy.
+    for s in [&kv, &rr] {
+        assert!(s.sent);
+        assert_eq!(
+            (s.stickiness, s.single_worker),
+            (Some(1.0), Some(1.0)),
+            "{s:?}"
+        );
+    }
+    // Without sessions, round-robin spreads a session's turns over the 4 workers.
+    assert!(!rr_unsent.sent);
+    assert!(rr_unsent.stickiness.unwrap() < 0.6, "{rr_unsent:?}");
+    // Its later turns still find the shared template, but not their own conversation.
+    assert!(
+        rr_unsent.later_hit_rate.unwrap() < 0.8 * rr.later_hit_rate.unwrap(),
+        "{rr_unsent:?} vs {rr:?}"
+    );
+    // A later turn finds its conversation where it left it: close to one shared cache.
+    let oracle = crate::replay::oracle_with_hits(&plan.requests, 64, 4 * 2048).1;
+    let oracle =
+        crate::replay::session_oracle(plan.sessions.as_ref().unwrap(), &plan.requests, &oracle, 64);
+    let bound = oracle.finite.unwrap();
+    assert!(
+        kv.later_hit_rate.unwrap() > 0.95 * bound,
+        "{kv:?} vs {oracle:?}"
+    );
+}
+
+#[test]
+fn soft_affinity_leaves_the_choice_to_the_policy() {
+    // The built-in policies read no affinity hint: soft round-robin goes round.
+    let plan = session_plan();
+    let settings = SimSettings {
+        sessions: kvroute_router::session::SessionConfig {
+            mode: kvroute_router::session::AffinityMode::Soft,
+            ..Default::default()
+        },
+        ..settings(Mode::RoundRobin, 1, 1)
+    };
+    let soft = simulate(&plan, &settings, &builtins(), |_| {}).unwrap();
+    assert!(soft.sessions.unwrap().stickiness.unwrap() < 0.6);
 }

@@ -4,11 +4,15 @@
 //! - each worker is an [`Engine`] (the mocker's cache and batching model);
 //! - its KV events reach one shared [`RadixIndex`] (the indexer's) after `event_delay`;
 //! - each router replica has its own [`LoadView`] (the router service's) and its own policy
-//!   instance, and calls the router core's [`select_worker`] with the index's overlap and its
-//!   view's load; arrivals go to the replicas in turn;
+//!   instance, and calls the router core's [`select`] with the index's overlap and its
+//!   view's load (requests without a session go straight to its `select_worker`); arrivals
+//!   go to the replicas in turn;
 //! - a replica applies its own decision at once and the others' after `signal_delay`;
 //!   lifecycle events and load reports (every `load_interval`) reach every replica after
-//!   `signal_delay`.
+//!   `signal_delay`;
+//! - the replicas share one session table (the router's, over its in-memory store), as they
+//!   share the sessions bucket, so a session's bindings follow the router's own rules (hard
+//!   or soft affinity, the idle TTL on simulated time).
 //!
 //! Events at the same time run in the order they were scheduled, so a run is a pure function
 //! of its inputs (the seed included); only the reported selection latency is wall time.
@@ -17,6 +21,7 @@ use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 use std::time::{Duration, Instant};
 
+use futures::FutureExt as _;
 use kvroute_common::RequestId;
 use kvroute_common::hashing::BlockHashes;
 use kvroute_common::messages::{
@@ -26,9 +31,9 @@ use kvroute_common::messages::{
 use kvroute_indexer::index::{IndexConfig, RadixIndex};
 use kvroute_router::pipeline::WorkerSelectionPolicy;
 use kvroute_router::registry::ResolvedPolicies;
-use kvroute_router::select::{HostConfig, SelectInput, select_worker};
+use kvroute_router::select::{HostConfig, SelectInput, select};
 use kvroute_router::service::load_view::{LoadView, LoadViewConfig};
-use kvroute_router::session::SessionRoute;
+use kvroute_router::session::{MemSessionStore, SessionConfig, SessionTable};
 use kvroute_router::signals::{Overlap, SignalSnapshot};
 use kvroute_router::worker::WorkerRank;
 use rand::SeedableRng;
@@ -36,7 +41,7 @@ use rand::rngs::StdRng;
 use uuid::Uuid;
 
 use crate::engine::{Engine, EngineConfig, EngineOutput, SimRequest};
-use crate::replay::{Mode, ModeRecorder, ModeReport, Plan, RequestSample, Tally};
+use crate::replay::{Mode, ModeRecorder, ModeReport, Plan, RequestSample, Tally, session_context};
 
 /// The model every simulated worker serves.
 pub const SIM_MODEL: &str = "mock-model";
@@ -62,6 +67,10 @@ pub struct SimSettings {
     /// The load view's cap on a prediction's age.
     pub prediction_max_age: Duration,
     pub seed: u64,
+    /// Send a row's `session_id` as the request's `SessionContext`.
+    pub send_sessions: bool,
+    /// The routers' session settings (`--session-affinity`, `--session-idle-ttl-secs`).
+    pub sessions: SessionConfig,
 }
 
 /// The cards of a simulated fleet (worker ids 1..=n).
@@ -152,6 +161,8 @@ struct SimWorker {
 }
 
 struct InFlight {
+    /// The request's index in the plan.
+    request: usize,
     worker: usize,
     prompt_tokens: u64,
     /// Prompt tokens the worker found cached (known at prefill done).
@@ -168,6 +179,8 @@ struct World<'a> {
     workers: Vec<SimWorker>,
     index: RadixIndex,
     replicas: Vec<Replica>,
+    /// The replicas' shared session bindings.
+    sessions: SessionTable<MemSessionStore>,
     in_flight: HashMap<RequestId, InFlight>,
     recorder: ModeRecorder,
     tally: Tally,
@@ -215,10 +228,12 @@ pub fn simulate(
         recorder: ModeRecorder::new(
             settings.mode.as_str(),
             workers.iter().map(|w| w.card.worker_id),
-        ),
+        )
+        .with_sessions(plan.sessions.clone(), settings.send_sessions),
         workers,
         index: RadixIndex::new(IndexConfig::default()),
         replicas,
+        sessions: SessionTable::new(MemSessionStore::new(), settings.sessions),
         in_flight: HashMap::new(),
         tally: Tally {
             total: plan.len() as u64,
@@ -322,6 +337,12 @@ impl World<'_> {
             request_id: Some(request_id),
             model: SIM_MODEL.to_owned(),
             expected_output_tokens: Some(trace.output_length),
+            session: if self.settings.send_sessions {
+                // Every mode has its own session table: no scope needed.
+                session_context(trace, "")
+            } else {
+                None
+            },
             ..SelectRequest::default()
         };
         let r = i % self.replicas.len();
@@ -356,12 +377,16 @@ impl World<'_> {
             signals: &signals,
             host: &host,
         };
-        let selected = select_worker(
+        // The in-memory session store answers at once, so the core's future is ready.
+        let selected = select(
             &input,
             &mut replica.policy,
-            SessionRoute::Open { affinity: None },
+            &self.sessions,
+            millis(now),
             &mut replica.rng,
-        );
+        )
+        .now_or_never()
+        .expect("the in-memory session store never waits");
         let selection_latency = started.elapsed();
         let selection = match selected {
             Ok(s) => s,
@@ -386,7 +411,7 @@ impl World<'_> {
             role: WorkerRole::Aggregated,
             worker_id: selection.worker.worker_id,
             dp_rank: 0,
-            session_id: None,
+            session_id: request.session.as_ref().map(|s| s.id.clone()),
             request_blocks: hashes.sequence.len() as u32,
             overlap_blocks: overlap,
             prefill_tokens: (tokens.len() as u64)
@@ -394,7 +419,7 @@ impl World<'_> {
             expected_output_tokens: Some(trace.output_length),
             cost: selection.cost.clone(),
             policy: selection.policy.clone(),
-            binding: None,
+            binding: selection.binding,
             ts: millis(now),
             attempt: 0,
         };
@@ -423,6 +448,7 @@ impl World<'_> {
         self.in_flight.insert(
             request_id,
             InFlight {
+                request: i,
                 worker: w,
                 prompt_tokens: tokens.len() as u64,
                 cached_tokens: 0,
@@ -482,6 +508,7 @@ impl World<'_> {
                 self.tally.cached_tokens += cached;
                 self.finished_at = self.finished_at.max(at);
                 self.recorder.record(RequestSample {
+                    request: done.request,
                     worker_id,
                     prompt_tokens: done.prompt_tokens,
                     cached_tokens: cached,
