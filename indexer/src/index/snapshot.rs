@@ -21,7 +21,7 @@ use xxhash_rust::xxh3::xxh3_64;
 use super::arena::BlockSlot;
 use super::blockmap::{BlockMap, Probe};
 use super::config::{ConfigError, IndexConfig};
-use super::core::{Core, Pair};
+use super::core::{AHEAD, Core, Pair};
 use super::digest::{Maps, node_table, parent_in};
 use super::eviction::{EvictionQueue, Queued};
 use super::extents::MAX_RUN;
@@ -79,6 +79,9 @@ pub(crate) fn restore_entry(
     }
     Ok(())
 }
+
+/// Bytes of one map entry in format v2: block hash, run, offset, stamp.
+const ENTRY_BYTES: usize = 8 + 4 + 4 + 4;
 
 pub(crate) struct Reader<'b> {
     pub bytes: &'b [u8],
@@ -439,7 +442,16 @@ fn read_v2(ix: &mut RadixIndex, r: &mut Reader<'_>) -> Result<Vec<Queued>, Snaps
         }
         let slot = pair as u32;
         let mut prev: Option<(u32, u32)> = None;
-        for _ in 0..n {
+        for i in 0..n {
+            // The entries' hashes are random places in the pair's map (sized above): ask for
+            // the bucket of the entry `AHEAD` on, as the apply loop does.
+            if i + AHEAD < n {
+                let at = r.at + AHEAD * ENTRY_BYTES;
+                if let Some(b) = r.bytes.get(at..at + 8) {
+                    let ahead = u64::from_le_bytes(b.try_into().expect("8 bytes"));
+                    core.restored_map(slot).prefetch(ahead);
+                }
+            }
             let (h, run, offset, stamp) = (r.u64()?, r.u32()?, r.u32()?, r.u32()?);
             if run == 0 || run as usize > run_count || prev.is_some_and(|p| p >= (run, offset)) {
                 return Err(corrupt("entries out of order"));

@@ -18,7 +18,7 @@ const ALL_TIERS: u8 = 0b111;
 
 /// How many blocks ahead of the one being applied its map bucket is prefetched (measured best
 /// of 8, 16 and 32 on the project's machine).
-const AHEAD: usize = 16;
+pub(crate) const AHEAD: usize = 16;
 
 #[inline]
 fn tier_bit(tier: StorageTier) -> u8 {

@@ -13,6 +13,7 @@
 //! - `pin.rs`: copying the maps for a snapshot without stopping the writer.
 
 mod events;
+pub(crate) use events::AHEAD;
 mod own;
 mod pin;
 mod shape;
