@@ -179,8 +179,32 @@ mod tests {
 
     use super::*;
     use crate::replay::oracle::OracleHitRates;
-    use crate::replay::report::{ModeRecorder, RequestSample};
+    use crate::replay::report::{ModeRecorder, ModeReport, RequestSample};
+    use crate::replay::sessions::SessionOracle;
 
+    /// A two-request run on two workers with these modes (and session figures).
+    fn report(session_oracle: Option<SessionOracle>, modes: Vec<ModeReport>) -> RunReport {
+        RunReport {
+            trace: "t.jsonl".into(),
+            requests: 2,
+            workers: 2,
+            block_size: 64,
+            blocks_per_worker: 100,
+            speedup: 10.0,
+            ttft_floor_ms: None,
+            session_oracle,
+            oracle: OracleHitRates {
+                block_size: 64,
+                capacity_blocks: 200,
+                total_blocks: 4,
+                infinite_hit_blocks: 2,
+                finite_hit_blocks: 1,
+                infinite: 0.5,
+                finite: 0.25,
+            },
+            modes,
+        }
+    }
     #[test]
     fn one_row_per_mode_and_errors_listed() {
         let mode = |name: &str, cached: u64, error: Option<&str>| {
@@ -200,29 +224,13 @@ mod tests {
             }
             r.finish(Duration::from_secs(1))
         };
-        let report = RunReport {
-            trace: "t.jsonl".into(),
-            requests: 2,
-            workers: 2,
-            block_size: 64,
-            blocks_per_worker: 100,
-            speedup: 10.0,
-            ttft_floor_ms: None,
-            session_oracle: None,
-            oracle: OracleHitRates {
-                block_size: 64,
-                capacity_blocks: 200,
-                total_blocks: 4,
-                infinite_hit_blocks: 2,
-                finite_hit_blocks: 1,
-                infinite: 0.5,
-                finite: 0.25,
-            },
-            modes: vec![
+        let report = report(
+            None,
+            vec![
                 mode("kv", 25, None),
                 mode("round-robin", 0, Some("worker_timeout")),
             ],
-        };
+        );
         let text = render_table(&report);
         let kv = text.lines().find(|l| l.starts_with("kv ")).unwrap();
         assert!(
@@ -245,7 +253,7 @@ mod tests {
     fn a_trace_with_sessions_gets_session_rows() {
         use kvroute_common::trace::TraceRequest;
 
-        use crate::replay::sessions::{SessionKeys, SessionOracle};
+        use crate::replay::sessions::SessionKeys;
         let row = |turn: u32| TraceRequest {
             input_length: 100,
             session_id: Some("a".into()),
@@ -269,30 +277,14 @@ mod tests {
             }
             r.finish(Duration::from_secs(1))
         };
-        let report = RunReport {
-            trace: "t.jsonl".into(),
-            requests: 2,
-            workers: 2,
-            block_size: 64,
-            blocks_per_worker: 100,
-            speedup: 10.0,
-            ttft_floor_ms: None,
-            session_oracle: Some(SessionOracle {
+        let report = report(
+            Some(SessionOracle {
                 later_turn_blocks: 10,
                 finite_hit_blocks: 5,
                 finite: Some(0.5),
             }),
-            oracle: OracleHitRates {
-                block_size: 64,
-                capacity_blocks: 200,
-                total_blocks: 4,
-                infinite_hit_blocks: 2,
-                finite_hit_blocks: 1,
-                infinite: 0.5,
-                finite: 0.25,
-            },
-            modes: vec![mode("kv", [1, 1], true), mode("random", [1, 2], false)],
-        };
+            vec![mode("kv", [1, 1], true), mode("random", [1, 2], false)],
+        );
         let text = render_table(&report);
         assert!(text.contains("finite oracle 50.0%"), "{text}");
         let line = |name: &str| {
