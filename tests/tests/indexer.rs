@@ -125,13 +125,15 @@ async fn two_replicas_reach_the_same_sequence_and_digest() {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
         let nodes = a.metric("kvroute_indexer_index_nodes");
-        let runs = a.metric("kvroute_indexer_index_runs").unwrap_or(0.0);
-        if nodes == Some(stats.nodes as f64) && runs >= 1.0 && runs <= stats.nodes as f64 {
+        let runs = a.metric("kvroute_indexer_index_runs");
+        if nodes == Some(stats.nodes as f64)
+            && runs.is_some_and(|r| r >= 1.0 && r <= stats.nodes as f64)
+        {
             break;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "index gauges: nodes {nodes:?} runs {runs} (expected nodes {})",
+            "index gauges: nodes {nodes:?} runs {runs:?} (expected nodes {})",
             stats.nodes
         );
         tokio::time::sleep(Duration::from_millis(100)).await;

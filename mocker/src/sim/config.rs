@@ -8,7 +8,7 @@ use clap::Command;
 use kvroute_common::config::ConfigError;
 use kvroute_common::telemetry::TelemetryArgs;
 use kvroute_router::service::config::AffinityArg;
-use kvroute_router::session::{AffinityMode, SessionConfig};
+use kvroute_router::session::SessionConfig;
 
 use crate::fleet::{EngineArgs, MAX_WORKERS};
 use crate::replay::config::validate_run;
@@ -192,13 +192,7 @@ impl SimArgs {
 
     /// The routers' session settings.
     pub fn sessions(&self) -> SessionConfig {
-        SessionConfig {
-            mode: match self.session_affinity {
-                AffinityArg::Hard => AffinityMode::Hard,
-                AffinityArg::Soft => AffinityMode::Soft,
-            },
-            idle_ttl_ms: self.session_idle_ttl_secs.saturating_mul(1000),
-        }
+        self.session_affinity.sessions(self.session_idle_ttl_secs)
     }
 
     pub fn millis(ms: f64) -> Duration {

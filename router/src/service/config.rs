@@ -34,6 +34,19 @@ pub enum AffinityArg {
     Soft,
 }
 
+impl AffinityArg {
+    /// The session table's settings for this mode and an idle TTL in seconds.
+    pub fn sessions(self, idle_ttl_secs: u64) -> SessionConfig {
+        SessionConfig {
+            mode: match self {
+                AffinityArg::Hard => AffinityMode::Hard,
+                AffinityArg::Soft => AffinityMode::Soft,
+            },
+            idle_ttl_ms: idle_ttl_secs.saturating_mul(1000),
+        }
+    }
+}
+
 /// Everything `kvroute-router` needs.
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
@@ -282,13 +295,7 @@ impl RouterConfig {
     }
 
     pub fn sessions(&self) -> SessionConfig {
-        SessionConfig {
-            mode: match self.session_affinity {
-                AffinityArg::Hard => AffinityMode::Hard,
-                AffinityArg::Soft => AffinityMode::Soft,
-            },
-            idle_ttl_ms: self.session_idle_ttl_secs.saturating_mul(1000),
-        }
+        self.session_affinity.sessions(self.session_idle_ttl_secs)
     }
 
     /// The selections given outside the YAML, each with where it came from.
