@@ -323,8 +323,15 @@ async fn sessions_sent_stick_to_one_worker_through_the_router() {
             "kvroute_router_sessions_total{{binding=\"{state}\"}}"
         ))
     };
-    assert_eq!(binding("new"), 2.0 * 16.0);
-    assert_eq!(binding("kept"), 2.0 * (n - 16) as f64);
+    // A first turn whose attempt expired after its binding was committed (a loaded machine)
+    // is retried and then finds its binding kept: one "new" fewer per retry, never more.
+    let retried = router.metric("kvroute_router_retries_received_total");
+    let (new, kept) = (binding("new"), binding("kept"));
+    assert_eq!(new + kept, 2.0 * n as f64, "new {new} kept {kept}");
+    assert!(
+        new <= 32.0 && new >= 32.0 - retried,
+        "new {new}, retried {retried}: each mode's 16 sessions are new to the router"
+    );
 
     let oracle = sent.session_oracle.clone().expect("the trace has sessions");
     let finite = oracle.finite.unwrap();
