@@ -148,6 +148,7 @@ fn decision() -> Decision {
         binding: Some(BindingState::New),
         ts: 5,
         attempt: 1,
+        prefix_hashes: Vec::new(),
     }
 }
 

@@ -17,7 +17,7 @@ use kvroute_router::registry::{
 
 pub use config::SimArgs;
 pub use main::main_with;
-pub use world::{SIM_MODEL, SimSettings, mode_policy, sim_cards, simulate};
+pub use world::{SIM_MODEL, SimSettings, sim_cards, simulate};
 
 use crate::replay::oracle::{oracle_with_hits, ttft_floor};
 use crate::replay::session_oracle;
@@ -83,6 +83,7 @@ pub fn run_with(args: &SimArgs, registry: &PolicyRegistry) -> anyhow::Result<Run
             report_covers: SimArgs::millis(args.report_covers_ms),
             prediction_confirm: SimArgs::millis(args.prediction_confirm_ms),
             prediction_max_age: SimArgs::millis(args.prediction_max_age_secs * 1e3),
+            predicted_overlap_ttl: SimArgs::millis(args.predicted_overlap_ttl_ms),
             seed: args.seed,
             send_sessions: !args.no_sessions,
             sessions: args.sessions(),

@@ -11,7 +11,7 @@ use kvroute_common::messages::{
     CostBreakdown, Decision, LifecycleKind, RequestLifecycle, SchemaVersion,
 };
 use kvroute_common::ops::InFlight;
-use kvroute_router::service::load_view::{LoadView, LoadViewConfig};
+use kvroute_router::decide::load_view::{LoadView, LoadViewConfig};
 use uuid::Uuid;
 
 fn decision(i: u64) -> Decision {
@@ -37,6 +37,7 @@ fn decision(i: u64) -> Decision {
         binding: None,
         ts: 0,
         attempt: 0,
+        prefix_hashes: Vec::new(),
     }
 }
 
@@ -45,6 +46,7 @@ fn view() -> LoadView {
         report_interval_ms: 1000,
         confirm_window_ms: 2000,
         prediction_max_age_ms: 600_000,
+        predicted_overlap_ttl_ms: 2_000,
     })
 }
 

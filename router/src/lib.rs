@@ -1,7 +1,10 @@
-//! kvroute's router core: host eligibility, the worker-selection policy pipeline, the policy
-//! registry and the session table. Everything here is sans-I/O: time, randomness and signals
-//! come in as arguments. [`service`] is the NATS process that wraps it (`kvroute-router`).
+//! kvroute's router core: the decision core ([`decide`]: one request from signals to a charged
+//! decision, over the load view and the registered candidates), router eligibility, the
+//! worker-selection policy pipeline, the policy registry and the session table. Everything but
+//! [`service`] is sans-I/O: time, randomness and signals come in as arguments. [`service`] is
+//! the NATS process that wraps it (`kvroute-router`).
 
+pub mod decide;
 pub mod eligibility;
 pub mod pipeline;
 pub mod policies;

@@ -209,6 +209,7 @@ async fn own_decisions_echoed_back_are_not_duplicates() {
         binding: None,
         ts: now_ms(),
         attempt: 0,
+        prefix_hashes: Vec::new(),
     };
     for _ in 0..2 {
         nats.publish(names.decisions(), encode(&foreign).unwrap())

@@ -44,6 +44,11 @@ pub struct Decision {
     /// attempt — the one the client waited for — and charges only it.
     #[serde(default)]
     pub attempt: u32,
+    /// Chain hashes of the prompt's prefixes at a fixed schedule of depths (PROTOCOL.md,
+    /// "Predicted overlap"): every replica records them as blocks the chosen rank is about
+    /// to hold. Empty from a router that predicts no overlap.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prefix_hashes: Vec<u64>,
 }
 
 impl WireMessage for Decision {

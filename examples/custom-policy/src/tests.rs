@@ -8,7 +8,7 @@ use kvroute_router::pipeline::{WorkerInputs, WorkerSelectionPolicy};
 use kvroute_router::registry::{
     ConfigError, PolicyOverrides, PolicyRegistry, RegistryError, WorkerSelectionConfig,
 };
-use kvroute_router::select::{HostConfig, SelectInput, select, select_worker};
+use kvroute_router::select::{SelectInput, SelectionSettings, select, select_worker};
 use kvroute_router::session::{
     AffinityMode, MemSessionStore, SessionConfig, SessionRoute, SessionTable,
 };
@@ -86,7 +86,7 @@ fn request(session: Option<&str>) -> SelectRequest {
 fn selecting_the_policy_in_yaml_changes_the_outcome() {
     let workers = [card(1), card(2)];
     let snapshot = signals([2, 0]);
-    let host = HostConfig::default();
+    let settings = SelectionSettings::default();
     let req = request(None);
     let input = SelectInput {
         request: &req,
@@ -94,7 +94,7 @@ fn selecting_the_policy_in_yaml_changes_the_outcome() {
         block_size: 16,
         workers: &workers,
         signals: &snapshot,
-        host: &host,
+        settings: &settings,
     };
     let mut rng = StdRng::seed_from_u64(0);
     let open = SessionRoute::Open { affinity: None };
@@ -123,7 +123,7 @@ fn selecting_the_policy_in_yaml_changes_the_outcome() {
 #[test]
 fn a_soft_session_moves_when_its_worker_gets_busy_then_stays() {
     let workers = [card(1), card(2)];
-    let host = HostConfig::default();
+    let settings = SelectionSettings::default();
     let table = SessionTable::new(
         MemSessionStore::new(),
         SessionConfig {
@@ -142,7 +142,7 @@ fn a_soft_session_moves_when_its_worker_gets_busy_then_stays() {
             block_size: 16,
             workers: &workers,
             signals: &snapshot,
-            host: &host,
+            settings: &settings,
         };
         let s = block_on(select(&input, &mut sticky, &table, now_ms, &mut rng)).unwrap();
         (s.worker.worker_id, s.binding.unwrap())

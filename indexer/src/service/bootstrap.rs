@@ -13,11 +13,11 @@ use std::sync::atomic::Ordering;
 use kvroute_common::names::Names;
 
 use super::snapshots::SnapshotStore;
-use super::{Input, Replica};
+use super::{IndexerProcess, Input};
 use crate::replica::ReplicaState;
 
 /// The newest snapshot the log still reaches back to (the log's first sequence is `first`),
-/// restored; damaged snapshots are skipped for older ones. Shared with [`super::LocalReplica`].
+/// restored; damaged snapshots are skipped for older ones. Shared with [`super::IndexFollower`].
 pub(super) async fn newest_usable_snapshot(
     store: &SnapshotStore,
     names: &Names,
@@ -41,7 +41,7 @@ pub(super) async fn newest_usable_snapshot(
     None
 }
 
-impl Replica {
+impl IndexerProcess {
     /// Returns the stream sequence to consume from.
     pub(super) async fn bootstrap(&mut self) -> anyhow::Result<u64> {
         self.set_ready(false);

@@ -1,4 +1,4 @@
-//! [`LocalReplica`]: a follower of the event log for processes that embed the index (the
+//! [`IndexFollower`]: a follower of the event log for processes that embed the index (the
 //! router's `local` overlap mode). It bootstraps like an indexer replica — the newest usable
 //! snapshot, then an ordered consumer from the next sequence — but has no leader duties: it
 //! never writes snapshots, appends removals or asks workers to resync. Without a snapshot that
@@ -24,9 +24,9 @@ use crate::replica::ReplicaState;
 const TICK: Duration = Duration::from_millis(250);
 const RETRY: Duration = Duration::from_millis(500);
 
-/// Settings of a [`LocalReplica`].
+/// Settings of a [`IndexFollower`].
 #[derive(Debug, Clone, Copy, Default)]
-pub struct LocalReplicaConfig {
+pub struct IndexFollowerConfig {
     pub index: IndexConfig,
     /// Ready only when at most this many log messages are not yet applied.
     pub ready_max_lag: u64,
@@ -34,7 +34,7 @@ pub struct LocalReplicaConfig {
 
 /// A handle to a following replica; clones share it. Reads never wait for the log.
 #[derive(Debug, Clone)]
-pub struct LocalReplica {
+pub struct IndexFollower {
     shared: Arc<FollowerShared>,
 }
 
@@ -47,12 +47,12 @@ struct FollowerShared {
     bootstraps: AtomicU64,
 }
 
-impl LocalReplica {
+impl IndexFollower {
     /// Starts following the events stream of `names`; the task runs until aborted.
     pub fn start(
         nats: async_nats::Client,
         names: &Names,
-        config: LocalReplicaConfig,
+        config: IndexFollowerConfig,
     ) -> (Self, JoinHandle<()>) {
         let replica = Self {
             shared: Arc::new(FollowerShared {
@@ -106,7 +106,7 @@ async fn follow(
     nats: async_nats::Client,
     js: jetstream::Context,
     names: Names,
-    config: LocalReplicaConfig,
+    config: IndexFollowerConfig,
     shared: Arc<FollowerShared>,
 ) {
     loop {
@@ -156,7 +156,7 @@ async fn follow(
 async fn bootstrap(
     js: &jetstream::Context,
     names: &Names,
-    config: &LocalReplicaConfig,
+    config: &IndexFollowerConfig,
 ) -> Option<(jetstream::stream::Stream, ReplicaState, u64)> {
     let mut stream = js.get_stream(names.events_stream()).await.ok()?;
     let info = stream.info().await.ok()?;

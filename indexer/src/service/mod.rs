@@ -30,7 +30,7 @@ use kvroute_common::names::Names;
 use kvroute_common::ops::{InFlight, spawn_watchdog, watchdog_observer};
 use tokio::sync::{mpsc, oneshot, watch};
 
-pub use self::follower::{LocalReplica, LocalReplicaConfig};
+pub use self::follower::{IndexFollower, IndexFollowerConfig};
 use self::ingest::LogMessage;
 pub use self::metrics::IndexerMetrics;
 pub use self::serve::{Answer, Readiness, Shared, answer};
@@ -164,7 +164,7 @@ pub async fn run(
         });
     }
 
-    let mut replica = Replica {
+    let mut replica = IndexerProcess {
         config,
         names,
         nats,
@@ -241,7 +241,7 @@ fn forward_watch(mut rx: watch::Receiver<bool>, tx: mpsc::Sender<Input>) {
 }
 
 /// The main loop's state: the replicated state plus this process's view of the world.
-struct Replica {
+struct IndexerProcess {
     config: IndexerConfig,
     names: Names,
     nats: async_nats::Client,
@@ -268,7 +268,7 @@ struct Replica {
     bad_logged: u64,
 }
 
-impl Replica {
+impl IndexerProcess {
     async fn run_loop(
         &mut self,
         inputs: &mut mpsc::Receiver<Input>,

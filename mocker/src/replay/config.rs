@@ -40,6 +40,22 @@ impl Mode {
             other => Some(other.as_str()),
         }
     }
+
+    /// The policy this mode runs for `model` (an aggregated partition): the configured
+    /// selection for `kv`, the named built-in otherwise.
+    pub fn build_policy(
+        self,
+        policies: &kvroute_router::registry::ResolvedPolicies,
+        model: &str,
+    ) -> anyhow::Result<kvroute_router::pipeline::WorkerSelectionPolicy> {
+        use kvroute_common::messages::WorkerRole;
+        Ok(match self.router_policy() {
+            None => policies.build(WorkerRole::Aggregated, model)?,
+            Some(name) => policies
+                .build_named(name, WorkerRole::Aggregated, model)
+                .ok_or_else(|| anyhow::anyhow!("no policy named {name:?} is registered"))??,
+        })
+    }
 }
 
 impl std::fmt::Display for Mode {

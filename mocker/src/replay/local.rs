@@ -1,11 +1,11 @@
 //! An in-process [`Selector`] for each replay mode, for runs without a router (and for tests).
 //!
-//! It knows only what it sent: requests in flight per worker, and for `kv` an approximate
-//! cache per worker (everything sent there, LRU-bounded by the card's capacity). `kv` picks
-//! the lowest `uncached blocks + blocks still to prefill on the worker`; ties are broken at
-//! random (seeded), as are `least-busy`'s. A request in a session goes where the router's
-//! session table (kvroute-router's own, in memory, hard affinity) has bound it, while that
-//! worker is registered; bindings do not expire within a run.
+//! It decides through the router's decision core (`kvroute_router::decide`, the service's own
+//! code) with the mode's policy — the built-in of that name, or `default` for `kv` — over a load
+//! view charged by its own decisions and relieved when a request finishes, and the router's
+//! session table (in memory; hard affinity by default). It knows only what it sent: the
+//! overlap it offers the policy is an approximate cache per worker (every prompt sent there,
+//! LRU-bounded by the card's capacity), and no load reports reach the view.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -13,20 +13,35 @@ use std::sync::Mutex;
 use futures::FutureExt as _;
 use kvroute_common::hashing::BlockHashes;
 use kvroute_common::messages::{
-    CostBreakdown, ErrorCode, SchemaVersion, SelectError, SelectReply, SelectRequest, StorageTier,
-    WorkerCard,
+    ErrorCode, LifecycleKind, RequestLifecycle, SchemaVersion, SelectError, SelectReply,
+    SelectRequest, WorkerCard, now_ms,
 };
-use kvroute_common::{RequestId, WorkerId};
-use kvroute_router::session::{
-    BindingStatus, CommitOutcome, MemSessionStore, SessionConfig, SessionError, SessionTable,
-};
+use kvroute_common::{Names, Namespace, WorkerId};
+use kvroute_router::decide::candidates::Partition;
+use kvroute_router::decide::load_view::{LoadView, LoadViewConfig};
+use kvroute_router::decide::prompt::prompt;
+use kvroute_router::decide::{DecideInput, Decided, Owned, PartitionPolicy, decide_request};
+use kvroute_router::pipeline::WorkerInputs;
+use kvroute_router::registry::{PolicyRegistry, ResolvedPolicies, WorkerSelectionConfig};
+use kvroute_router::select::SelectionSettings;
+use kvroute_router::session::{MemSessionStore, SessionConfig, SessionTable};
+use kvroute_router::signals::{Overlap, SignalSnapshot};
 use kvroute_router::worker::WorkerRank;
+use rand::SeedableRng;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 
 use super::config::Mode;
 use super::oracle::LruOracle;
 use super::selector::{SelectFailure, Selected, Selector};
+
+/// The load view's settings: no reports arrive, so predictions go by lifecycle or age.
+const VIEW: LoadViewConfig = LoadViewConfig {
+    report_interval_ms: 1_000,
+    confirm_window_ms: 60_000,
+    prediction_max_age_ms: 600_000,
+    // The overlap offered is already what was sent, at once: nothing to predict.
+    predicted_overlap_ttl_ms: 0,
+};
 
 /// The in-process selector of one mode.
 #[derive(Debug)]
@@ -34,48 +49,43 @@ pub struct LocalSelector {
     mode: Mode,
     state: Mutex<State>,
     sessions: SessionTable<MemSessionStore>,
+    settings: SelectionSettings,
+    names: Names,
 }
 
 #[derive(Debug)]
 struct State {
     workers: BTreeMap<WorkerId, LocalWorker>,
-    placed: HashMap<RequestId, (WorkerId, u64)>,
-    next: usize,
-    rng: StdRng,
+    policies: ResolvedPolicies,
+    /// One policy per model, built on first use (as the router builds one per partition).
+    partitions: HashMap<String, PartitionPolicy>,
+    view: LoadView,
+    seed: u64,
 }
 
 #[derive(Debug)]
 struct LocalWorker {
     card: WorkerCard,
-    in_flight: u64,
-    /// Uncached blocks of the requests in flight here.
-    pending_blocks: u64,
     cache: LruOracle,
-}
-
-impl LocalWorker {
-    fn new(card: WorkerCard) -> Self {
-        let cache = LruOracle::new(card.total_kv_blocks);
-        Self {
-            card,
-            in_flight: 0,
-            pending_blocks: 0,
-            cache,
-        }
-    }
 }
 
 impl LocalSelector {
     pub fn new(mode: Mode, cards: &[WorkerCard], seed: u64) -> Self {
+        let policies = PolicyRegistry::with_builtins()
+            .resolve(&WorkerSelectionConfig::default(), &Default::default())
+            .expect("the built-in selection resolves");
         let selector = Self {
             mode,
             state: Mutex::new(State {
                 workers: BTreeMap::new(),
-                placed: HashMap::new(),
-                next: 0,
-                rng: StdRng::seed_from_u64(seed),
+                policies,
+                partitions: HashMap::new(),
+                view: LoadView::new(VIEW),
+                seed,
             }),
             sessions: SessionTable::new(MemSessionStore::new(), SessionConfig::default()),
+            settings: SelectionSettings::default(),
+            names: Names::new(&Namespace::new("replay").expect("a valid namespace")),
         };
         selector.workers_changed(cards);
         selector
@@ -87,131 +97,108 @@ impl LocalSelector {
 
     /// The choice, synchronously (the trait's future just wraps it).
     pub fn choose(&self, request: &SelectRequest) -> Result<SelectReply, SelectFailure> {
-        let mut state = self.lock();
-        let refused = |code: ErrorCode, message: &str| {
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        let refused = |code: ErrorCode, message: String| {
             SelectFailure::Refused(SelectError {
                 v: SchemaVersion::CURRENT,
                 request_id: request.request_id,
                 code,
-                message: message.into(),
+                message,
                 reasons: Default::default(),
             })
         };
-        let candidates: Vec<WorkerId> = state
+        let cards: Vec<WorkerCard> = state
             .workers
             .values()
-            .filter(|w| w.card.model == request.model)
-            .map(|w| w.card.worker_id)
+            .filter(|w| w.card.model == request.model && w.card.role == request.role)
+            .map(|w| w.card.clone())
             .collect();
-        if candidates.is_empty() {
+        let Some(first) = cards.first() else {
             return Err(refused(
                 ErrorCode::NoWorkers,
-                "no registered worker serves this model",
+                "no registered worker serves this model".into(),
             ));
-        }
-        let block_size = state.workers[&candidates[0]].card.block_size as usize;
-        let tokens = request
-            .token_ids
-            .as_deref()
-            .ok_or_else(|| refused(ErrorCode::BadRequest, "the local selector needs token_ids"))?;
-        let hashes = BlockHashes::of_tokens(tokens, block_size, request.lora_name.as_deref());
-        let blocks = hashes.sequence.len() as u64;
-        let overlap = |state: &State, w: WorkerId| state.workers[&w].cache.peek(&hashes.sequence);
-        let registered = |w: WorkerRank| w.dp_rank == 0 && candidates.contains(&w.worker_id);
-        let lookup = match &request.session {
-            Some(session) => Some(
-                ready(self.sessions.lookup(session, &registered, 0))
-                    .map_err(|e| refused(ErrorCode::Unavailable, &e.to_string()))?,
-            ),
-            None => None,
         };
-        let bound = match lookup.as_ref().map(|l| l.status()) {
-            Some(BindingStatus::Live(w)) => Some(w.worker_id),
-            _ => None,
+        let partition = Partition {
+            block_size: first.block_size,
+            cards,
         };
-        let pick = match bound {
-            Some(worker) => worker,
-            None => match self.mode {
-                Mode::RoundRobin => {
-                    let i = state.next % candidates.len();
-                    state.next = state.next.wrapping_add(1);
-                    candidates[i]
-                }
-                Mode::Random => candidates[state.rng.random_range(0..candidates.len())],
-                Mode::LeastBusy => {
-                    let costs: Vec<u64> = candidates
-                        .iter()
-                        .map(|w| state.workers[w].in_flight)
-                        .collect();
-                    lowest(&candidates, &costs, &mut state.rng)
-                }
-                Mode::Kv => {
-                    let costs: Vec<u64> = candidates
-                        .iter()
-                        .map(|&w| {
-                            blocks - overlap(&state, w) as u64 + state.workers[&w].pending_blocks
-                        })
-                        .collect();
-                    lowest(&candidates, &costs, &mut state.rng)
-                }
-            },
+        let prompt = prompt(request, &partition).map_err(|e| refused(e.code(), e.to_string()))?;
+        let sequence = request.token_ids.as_deref().map(|tokens| {
+            BlockHashes::of_tokens(
+                tokens,
+                partition.block_size as usize,
+                request.lora_name.as_deref(),
+            )
+            .sequence
+        });
+        let policy = match state.partitions.entry(request.model.clone()) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let built = self
+                    .mode
+                    .build_policy(&state.policies, &request.model)
+                    .map_err(|e| refused(ErrorCode::Unavailable, e.to_string()))?;
+                e.insert(PartitionPolicy::new(
+                    built,
+                    StdRng::seed_from_u64(state.seed),
+                    &self.settings,
+                ))
+            }
         };
-        let binding = match &lookup {
-            Some(lookup) => {
-                let chosen = WorkerRank::new(pick, 0);
-                match ready(self.sessions.commit(lookup, chosen, &registered, 0)) {
-                    Ok(CommitOutcome::Committed(state)) => state,
-                    // One selector, one writer: a conflict cannot happen.
-                    Ok(CommitOutcome::Conflict(_)) | Err(_) => {
-                        return Err(refused(ErrorCode::Unavailable, "session commit failed"));
-                    }
+        let mut overlap = SignalSnapshot::new();
+        if policy.inputs.contains(WorkerInputs::CACHE)
+            && let Some(sequence) = &sequence
+        {
+            for card in &partition.cards {
+                let device = state.workers[&card.worker_id].cache.peek(sequence) as u32;
+                if device > 0 {
+                    overlap = overlap.with_overlap(
+                        WorkerRank::new(card.worker_id, 0),
+                        Overlap {
+                            device,
+                            ..Overlap::default()
+                        },
+                    );
                 }
             }
-            None => None,
-        };
-        let hit = overlap(&state, pick) as u64;
+        }
         let request_id = request.request_id.unwrap_or_else(uuid::Uuid::new_v4);
-        let worker = state.workers.get_mut(&pick).expect("a candidate");
-        worker.cache.observe(&hashes.sequence);
-        worker.in_flight += 1;
-        worker.pending_blocks += blocks - hit;
-        let request_subject = worker.card.request_subject.clone();
-        state.placed.insert(request_id, (pick, blocks - hit));
-        Ok(SelectReply {
-            v: SchemaVersion::CURRENT,
+        let input = DecideInput {
+            request,
             request_id,
             decision_id: uuid::Uuid::new_v4(),
-            worker_id: pick,
-            dp_rank: 0,
-            request_subject,
-            overlap_blocks: [(StorageTier::Device, hit as u32)].into(),
-            request_blocks: blocks as u32,
-            cost: CostBreakdown::default(),
-            policy: format!("local-{}", self.mode),
-            binding,
-            router_id: "local".into(),
-        })
+            prompt: &prompt,
+            partition: &partition,
+            overlap: &overlap,
+            settings: &self.settings,
+            names: &self.names,
+            router_id: "local",
+        };
+        let now = now_ms();
+        let mut decision_state = Owned {
+            policy,
+            view: &mut state.view,
+            now_ms: now,
+        };
+        let decided = decide_request(&mut decision_state, &self.sessions, &input, now)
+            .now_or_never()
+            .expect("the in-memory session store answers at once")
+            .map_err(|e| SelectFailure::Refused(e.to_select_error(Some(request_id))))?;
+        match decided {
+            Decided::New(new) => {
+                if let (Some(sequence), Some(worker)) =
+                    (&sequence, state.workers.get_mut(&new.decision.worker_id))
+                {
+                    worker.cache.observe(sequence);
+                }
+                Ok(new.reply())
+            }
+            Decided::Known(reply) => Ok(*reply),
+            Decided::Expired => Err(refused(ErrorCode::Unavailable, "past its deadline".into())),
+        }
     }
-}
-
-/// The result of a session table call over the in-memory store, which never waits.
-fn ready<T>(
-    call: impl std::future::Future<Output = Result<T, SessionError>>,
-) -> Result<T, SessionError> {
-    call.now_or_never()
-        .expect("the in-memory session store answers at once")
-}
-
-/// The candidate with the lowest cost; ties broken at random.
-fn lowest(candidates: &[WorkerId], costs: &[u64], rng: &mut StdRng) -> WorkerId {
-    let min = costs.iter().copied().min().expect("non-empty");
-    let tied: Vec<WorkerId> = candidates
-        .iter()
-        .zip(costs)
-        .filter(|(_, c)| **c == min)
-        .map(|(w, _)| *w)
-        .collect();
-    tied[rng.random_range(0..tied.len())]
 }
 
 impl Selector for LocalSelector {
@@ -221,32 +208,44 @@ impl Selector for LocalSelector {
     }
 
     fn finished(&self, reply: &SelectReply) {
-        let mut state = self.lock();
-        if let Some((w, pending)) = state.placed.remove(&reply.request_id)
-            && let Some(worker) = state.workers.get_mut(&w)
-        {
-            worker.in_flight = worker.in_flight.saturating_sub(1);
-            worker.pending_blocks = worker.pending_blocks.saturating_sub(pending);
-        }
+        let finished = RequestLifecycle {
+            v: SchemaVersion::CURRENT,
+            request_id: reply.request_id,
+            worker_id: reply.worker_id,
+            dp_rank: reply.dp_rank,
+            kind: LifecycleKind::Finished { output_tokens: 0 },
+            ts: 0,
+        };
+        self.lock().view.apply_lifecycle(&finished, now_ms());
     }
 
     fn workers_changed(&self, cards: &[WorkerCard]) {
         let mut state = self.lock();
-        state
+        let gone: Vec<WorkerId> = state
             .workers
-            .retain(|id, _| cards.iter().any(|c| c.worker_id == *id));
+            .keys()
+            .filter(|id| !cards.iter().any(|c| c.worker_id == **id))
+            .copied()
+            .collect();
+        for id in gone {
+            state.workers.remove(&id);
+            state.view.remove_worker(id);
+        }
         for card in cards {
             state
                 .workers
                 .entry(card.worker_id)
-                .or_insert_with(|| LocalWorker::new(card.clone()));
+                .or_insert_with(|| LocalWorker {
+                    cache: LruOracle::new(card.total_kv_blocks),
+                    card: card.clone(),
+                });
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use kvroute_common::messages::WorkerRole;
+    use kvroute_common::messages::{StorageTier, WorkerRole};
 
     use super::*;
 

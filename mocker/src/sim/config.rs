@@ -84,6 +84,14 @@ pub struct SimArgs {
         default_value_t = 600.0
     )]
     pub prediction_max_age_secs: f64,
+    /// The routers' `--predicted-overlap-ttl-ms` (simulated milliseconds; 0 turns predicted
+    /// overlap off).
+    #[arg(
+        long,
+        env = "KVROUTE_SIM_PREDICTED_OVERLAP_TTL_MS",
+        default_value_t = 2000.0
+    )]
+    pub predicted_overlap_ttl_ms: f64,
     /// Do not send a trace row's `session_id` as the request's session (to compare routing
     /// with and without session affinity; the report still measures stickiness).
     #[arg(long, env = "KVROUTE_SIM_NO_SESSIONS")]
@@ -168,6 +176,11 @@ impl SimArgs {
             ("load-interval-ms", self.load_interval_ms, true),
             ("report-covers-ms", self.report_covers_ms, false),
             ("prediction-confirm-ms", self.prediction_confirm_ms, false),
+            (
+                "predicted-overlap-ttl-ms",
+                self.predicted_overlap_ttl_ms,
+                false,
+            ),
             (
                 "prediction-max-age-secs",
                 self.prediction_max_age_secs,

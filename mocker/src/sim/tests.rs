@@ -50,6 +50,7 @@ fn settings(mode: Mode, routers: u32, seed: u64) -> SimSettings {
         report_covers: Duration::from_millis(1000),
         prediction_confirm: Duration::from_secs(2),
         prediction_max_age: Duration::from_secs(600),
+        predicted_overlap_ttl: Duration::from_secs(2),
         seed,
         send_sessions: true,
         sessions: Default::default(),

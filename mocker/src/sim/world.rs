@@ -4,9 +4,8 @@
 //! - each worker is an [`Engine`] (the mocker's cache and batching model);
 //! - its KV events reach one shared [`RadixIndex`] (the indexer's) after `event_delay`;
 //! - each router replica has its own [`LoadView`] (the router service's) and its own policy
-//!   instance, and calls the router core's [`select`] with the index's overlap and its
-//!   view's load (requests without a session go straight to its `select_worker`); arrivals
-//!   go to the replicas in turn;
+//!   instance, and decides through the router's decision core ([`decide_request`]: the
+//!   service's own code) with the index's overlap; arrivals go to the replicas in turn;
 //! - a replica applies its own decision at once and the others' after `signal_delay`;
 //!   lifecycle events and load reports (every `load_interval`) reach every replica after
 //!   `signal_delay`;
@@ -22,17 +21,20 @@ use std::collections::{BinaryHeap, HashMap};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt as _;
-use kvroute_common::RequestId;
 use kvroute_common::hashing::BlockHashes;
 use kvroute_common::messages::{
     Decision, KvEventData, RequestLifecycle, SchemaVersion, SelectRequest, WorkerCard, WorkerLoad,
     WorkerRole,
 };
+use kvroute_common::{Names, Namespace, RequestId};
 use kvroute_indexer::index::{IndexConfig, RadixIndex};
-use kvroute_router::pipeline::WorkerSelectionPolicy;
+use kvroute_router::decide::candidates::Partition;
+use kvroute_router::decide::load_view::{LoadView, LoadViewConfig};
+use kvroute_router::decide::prompt::Prompt;
+use kvroute_router::decide::{DecideInput, Decided, Owned, PartitionPolicy, decide_request};
+use kvroute_router::pipeline::WorkerInputs;
 use kvroute_router::registry::ResolvedPolicies;
-use kvroute_router::select::{HostConfig, SelectInput, select};
-use kvroute_router::service::load_view::{LoadView, LoadViewConfig};
+use kvroute_router::select::SelectionSettings;
 use kvroute_router::session::{MemSessionStore, SessionConfig, SessionTable};
 use kvroute_router::signals::{Overlap, SignalSnapshot};
 use kvroute_router::worker::WorkerRank;
@@ -66,6 +68,8 @@ pub struct SimSettings {
     pub prediction_confirm: Duration,
     /// The load view's cap on a prediction's age.
     pub prediction_max_age: Duration,
+    /// The routers' predicted-overlap TTL (zero: off).
+    pub predicted_overlap_ttl: Duration,
     pub seed: u64,
     /// Send a row's `session_id` as the request's `SessionContext`.
     pub send_sessions: bool,
@@ -93,19 +97,6 @@ pub fn sim_cards(engine: &EngineConfig, workers: u32) -> Vec<WorkerCard> {
             http_url: None,
         })
         .collect()
-}
-
-/// The policy a mode runs: the configured one for `kv`, the named built-in otherwise.
-pub fn mode_policy(
-    policies: &ResolvedPolicies,
-    mode: Mode,
-) -> anyhow::Result<WorkerSelectionPolicy> {
-    Ok(match mode.router_policy() {
-        None => policies.build(WorkerRole::Aggregated, SIM_MODEL)?,
-        Some(name) => policies
-            .build_named(name, WorkerRole::Aggregated, SIM_MODEL)
-            .ok_or_else(|| anyhow::anyhow!("no policy named {name:?} is registered"))??,
-    })
 }
 
 enum Event {
@@ -144,9 +135,9 @@ impl Ord for Scheduled {
     }
 }
 
-struct Replica {
-    policy: WorkerSelectionPolicy,
-    rng: StdRng,
+/// One router replica of the simulation: its partition's policy and its own load view.
+struct SimRouter {
+    policy: PartitionPolicy,
     view: LoadView,
 }
 
@@ -178,7 +169,11 @@ struct World<'a> {
     seq: u64,
     workers: Vec<SimWorker>,
     index: RadixIndex,
-    replicas: Vec<Replica>,
+    replicas: Vec<SimRouter>,
+    /// Every worker, as the router's one partition.
+    partition: Partition,
+    selection_settings: SelectionSettings,
+    names: Names,
     /// The replicas' shared session bindings.
     sessions: SessionTable<MemSessionStore>,
     in_flight: HashMap<RequestId, InFlight>,
@@ -210,12 +205,16 @@ pub fn simulate(
         report_interval_ms: millis(settings.report_covers),
         confirm_window_ms: millis(settings.prediction_confirm),
         prediction_max_age_ms: millis(settings.prediction_max_age),
+        predicted_overlap_ttl_ms: millis(settings.predicted_overlap_ttl),
     };
     let replicas = (0..settings.routers.max(1))
         .map(|r| {
-            Ok(Replica {
-                policy: mode_policy(policies, settings.mode)?,
-                rng: StdRng::seed_from_u64(settings.seed ^ (u64::from(r) << 32)),
+            Ok(SimRouter {
+                policy: PartitionPolicy::new(
+                    settings.mode.build_policy(policies, SIM_MODEL)?,
+                    StdRng::seed_from_u64(settings.seed ^ (u64::from(r) << 32)),
+                    &SelectionSettings::default(),
+                ),
                 view: LoadView::new(view_config),
             })
         })
@@ -230,6 +229,12 @@ pub fn simulate(
             workers.iter().map(|w| w.card.worker_id),
         )
         .with_sessions(plan.sessions.clone(), settings.send_sessions),
+        partition: Partition {
+            cards: workers.iter().map(|w| w.card.clone()).collect(),
+            block_size: settings.engine.block_size,
+        },
+        selection_settings: SelectionSettings::default(),
+        names: Names::new(&Namespace::new("sim").expect("a valid namespace")),
         workers,
         index: RadixIndex::new(IndexConfig::default()),
         replicas,
@@ -347,49 +352,50 @@ impl World<'_> {
         };
         let r = i % self.replicas.len();
         let started = Instant::now();
-        let matches = self.index.find_matches(&hashes.local).matches;
-        let mut signals = SignalSnapshot::new();
-        for m in matches {
-            signals = signals.with_overlap(
-                WorkerRank::new(m.worker_id, m.dp_rank),
-                Overlap {
-                    device: m.device,
-                    host: m.host,
-                    disk: m.disk,
-                    cached_blocks: m.total_blocks,
-                },
-            );
-        }
-        let replica = &mut self.replicas[r];
-        for worker in &self.workers {
-            let rank = WorkerRank::new(worker.card.worker_id, 0);
-            if let Some(load) = replica.view.load(rank) {
-                signals = signals.with_load(rank, load);
+        let prompt = Prompt {
+            hashes: hashes.local.clone(),
+            tokens: tokens.len() as u64,
+        };
+        let mut overlap = SignalSnapshot::new();
+        if self.replicas[r].policy.inputs.contains(WorkerInputs::CACHE) {
+            for m in self.index.find_matches(&hashes.local).matches {
+                overlap = overlap.with_overlap(
+                    WorkerRank::new(m.worker_id, m.dp_rank),
+                    Overlap {
+                        device: m.device,
+                        host: m.host,
+                        disk: m.disk,
+                        cached_blocks: m.total_blocks,
+                    },
+                );
             }
         }
-        let cards: Vec<WorkerCard> = self.workers.iter().map(|w| w.card.clone()).collect();
-        let host = HostConfig::default();
-        let input = SelectInput {
+        let router_id = format!("sim-router-{r}");
+        let input = DecideInput {
             request: &request,
-            request_blocks: hashes.sequence.len() as u32,
-            block_size,
-            workers: &cards,
-            signals: &signals,
-            host: &host,
+            request_id,
+            decision_id: Uuid::from_u128((i as u128 + 1) << 64),
+            prompt: &prompt,
+            partition: &self.partition,
+            overlap: &overlap,
+            settings: &self.selection_settings,
+            names: &self.names,
+            router_id: &router_id,
+        };
+        let replica = &mut self.replicas[r];
+        let mut state = Owned {
+            policy: &mut replica.policy,
+            view: &mut replica.view,
+            now_ms: millis(now),
         };
         // The in-memory session store answers at once, so the core's future is ready.
-        let selected = select(
-            &input,
-            &mut replica.policy,
-            &self.sessions,
-            millis(now),
-            &mut replica.rng,
-        )
-        .now_or_never()
-        .expect("the in-memory session store never waits");
+        let decided = decide_request(&mut state, &self.sessions, &input, millis(now))
+            .now_or_never()
+            .expect("the in-memory session store never waits");
         let selection_latency = started.elapsed();
-        let selection = match selected {
-            Ok(s) => s,
+        let new = match decided {
+            Ok(Decided::New(new)) => new,
+            Ok(other) => unreachable!("a fresh request id with no deadline: {other:?}"),
             Err(e) => {
                 self.tally.errors += 1;
                 self.recorder.record_error(&format!("select_{e}"));
@@ -399,37 +405,13 @@ impl World<'_> {
         let w = self
             .workers
             .iter()
-            .position(|w| w.card.worker_id == selection.worker.worker_id)
+            .position(|w| w.card.worker_id == new.selection.worker.worker_id)
             .expect("the core picks a registered worker");
-        let overlap = selection.overlap.map_or(0, |o| o.device);
-        let decision = Decision {
-            v: SchemaVersion::CURRENT,
-            decision_id: Uuid::from_u128((i as u128 + 1) << 64),
-            request_id,
-            router_id: format!("sim-router-{r}"),
-            model: SIM_MODEL.to_owned(),
-            role: WorkerRole::Aggregated,
-            worker_id: selection.worker.worker_id,
-            dp_rank: 0,
-            session_id: request.session.as_ref().map(|s| s.id.clone()),
-            request_blocks: hashes.sequence.len() as u32,
-            overlap_blocks: overlap,
-            prefill_tokens: (tokens.len() as u64)
-                .saturating_sub(u64::from(overlap) * u64::from(block_size)),
-            expected_output_tokens: Some(trace.output_length),
-            cost: selection.cost.clone(),
-            policy: selection.policy.clone(),
-            binding: selection.binding,
-            ts: millis(now),
-            attempt: 0,
-        };
-        for other in 0..self.replicas.len() {
-            if other == r {
-                self.replicas[r].view.apply_decision(&decision, millis(now));
-            } else {
-                let at = now + self.settings.signal_delay;
-                self.schedule(at, Event::Decision(other, Box::new(decision.clone())));
-            }
+        let decision = new.decision;
+        // The deciding replica charged it; the others see it after the signal delay.
+        for other in (0..self.replicas.len()).filter(|&o| o != r) {
+            let at = now + self.settings.signal_delay;
+            self.schedule(at, Event::Decision(other, Box::new(decision.clone())));
         }
         let sim = SimRequest {
             request_id,

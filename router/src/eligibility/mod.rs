@@ -1,4 +1,4 @@
-//! Host eligibility, router-owned and run before any policy: which ranks of the registered
+//! Router eligibility, router-owned and run before any policy: which ranks of the registered
 //! workers may serve a request at all. Failures are typed and map onto wire error codes.
 
 mod busy;

@@ -30,7 +30,7 @@ impl LoadSignals {
     }
 }
 
-/// A host-eligible rank with the signals requested by the policy.
+/// A router-eligible rank with the signals requested by the policy.
 #[derive(Debug, Clone, Copy)]
 pub struct WorkerCandidate<'a> {
     worker: WorkerRank,

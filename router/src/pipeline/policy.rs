@@ -77,7 +77,7 @@ impl WorkerSelectionPolicy {
         inputs
     }
 
-    /// Filters, scores and picks one of `rows` (host-eligible ranks).
+    /// Filters, scores and picks one of `rows` (router-eligible ranks).
     pub fn run<'a>(
         &mut self,
         context: &RequestContext,

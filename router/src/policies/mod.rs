@@ -10,10 +10,18 @@ pub mod round_robin;
 
 use std::sync::Arc;
 
+pub use crate::registry::DEFAULT_TYPE;
 use crate::registry::{PolicyRegistry, RegistryError};
 
-/// The type (and reserved selection name) of the built-in cost model.
-pub const DEFAULT_TYPE: &str = "default";
+impl PolicyRegistry {
+    /// A registry holding the built-in types (`default`, `least-busy`, `round-robin`,
+    /// `random`, `power-of-two`).
+    pub fn with_builtins() -> Self {
+        let mut registry = Self::new();
+        register_builtins(&mut registry).expect("built-in policy type names are valid and unique");
+        registry
+    }
+}
 
 /// Registers `default`, `least-busy`, `round-robin`, `random` and `power-of-two`.
 pub fn register_builtins(registry: &mut PolicyRegistry) -> Result<(), RegistryError> {

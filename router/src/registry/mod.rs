@@ -22,6 +22,11 @@ pub use resolve::{Override, PolicyOverrides, ResolvedPolicies, RoleSelection, Se
 
 use crate::pipeline::WorkerSelectionPolicy;
 
+/// The type (and reserved selection name) of the built-in cost model: what a role without a
+/// configured selection uses. The built-ins themselves live in `crate::policies`, which
+/// depends on this module and not the other way round.
+pub const DEFAULT_TYPE: &str = "default";
+
 /// What a factory is building for.
 #[derive(Debug, Clone, Copy)]
 pub struct PolicyBuildContext<'a> {
@@ -52,15 +57,6 @@ impl PolicyRegistry {
     /// An empty registry (not even `default`).
     pub fn new() -> Self {
         Self::default()
-    }
-
-    /// A registry holding the built-in types (`default`, `least-busy`, `round-robin`,
-    /// `random`, `power-of-two`).
-    pub fn with_builtins() -> Self {
-        let mut registry = Self::new();
-        crate::policies::register_builtins(&mut registry)
-            .expect("built-in policy type names are valid and unique");
-        registry
     }
 
     /// Adds a type; a name registered twice is refused rather than overridden.

@@ -7,12 +7,12 @@ use std::fmt;
 
 use kvroute_common::messages::WorkerRole;
 
+use super::DEFAULT_TYPE;
 use super::config::WorkerSelectionConfig;
 use super::error::ConfigError;
 use super::parameters::{PolicyParameters, ProviderError};
 use super::{PolicyBuildContext, PolicyFactory, PolicyRegistry};
 use crate::pipeline::WorkerSelectionPolicy;
-use crate::policies::DEFAULT_TYPE;
 
 /// One selection given outside the YAML: the name, and where it came from, as errors name it
 /// (`--decode-policy`, or `KVROUTE_DECODE_POLICY` when the value came from the environment).

@@ -3,30 +3,22 @@
 //! randomness and signals come in as arguments.
 
 mod failure;
-mod host;
+mod settings;
 #[cfg(test)]
 mod tests;
 
-use kvroute_common::messages::{
-    BindingState, CostBreakdown, SchemaVersion, SelectReply, SelectRequest, WorkerCard,
-};
-use kvroute_common::{DecisionId, RequestId};
+use kvroute_common::messages::{BindingState, CostBreakdown, SelectRequest, WorkerCard};
 use rand::RngCore;
 
 pub use failure::SelectFailure;
-pub use host::{HostConfig, HostConfigError};
+pub use settings::{SelectionSettings, SelectionSettingsError};
 
 use crate::eligibility::{EligibleRank, Rules, eligible_ranks};
 use crate::pipeline::{PolicyChoice, WorkerSelectionPolicy};
 use crate::request::RequestContext;
-use crate::session::{
-    BindingStatus, CommitOutcome, SessionError, SessionRoute, SessionStore, SessionTable,
-};
+use crate::session::{Chooser, SessionRoute, SessionStore, SessionTable, choose_in_session};
 use crate::signals::{Overlap, SignalSource};
 use crate::worker::{WorkerRank, WorkerTarget};
-
-/// How often [`select`] retries a binding commit that raced with another router.
-const MAX_COMMIT_ATTEMPTS: usize = 4;
 
 /// Everything one selection reads.
 #[derive(Clone, Copy)]
@@ -38,9 +30,9 @@ pub struct SelectInput<'a> {
     pub block_size: u32,
     /// Registered workers (any model or role: the core keeps the request's).
     pub workers: &'a [WorkerCard],
-    /// Overlap and load, gathered for [`HostConfig::required_inputs`].
+    /// Overlap and load, gathered for [`SelectionSettings::required_inputs`].
     pub signals: &'a (dyn SignalSource + Sync),
-    pub host: &'a HostConfig,
+    pub settings: &'a SelectionSettings,
 }
 
 impl std::fmt::Debug for SelectInput<'_> {
@@ -78,32 +70,6 @@ pub struct Selection {
     pub path: SelectionPath,
 }
 
-impl Selection {
-    /// The wire reply for this selection.
-    pub fn to_reply(
-        &self,
-        request_id: RequestId,
-        decision_id: DecisionId,
-        request_blocks: u32,
-        router_id: &str,
-    ) -> SelectReply {
-        SelectReply {
-            v: SchemaVersion::CURRENT,
-            request_id,
-            decision_id,
-            worker_id: self.worker.worker_id,
-            dp_rank: self.worker.dp_rank,
-            request_subject: self.request_subject.clone(),
-            overlap_blocks: self.overlap.map(|o| o.by_tier()).unwrap_or_default(),
-            request_blocks,
-            cost: self.cost.clone(),
-            policy: self.policy.clone(),
-            binding: self.binding,
-            router_id: router_id.to_owned(),
-        }
-    }
-}
-
 fn validate(input: &SelectInput<'_>) -> Result<(), SelectFailure> {
     let bad = |message: &str| {
         Err(SelectFailure::BadRequest {
@@ -128,7 +94,7 @@ fn validate(input: &SelectInput<'_>) -> Result<(), SelectFailure> {
     Ok(())
 }
 
-/// Selects a rank for `input.request` without session state: host eligibility, then the
+/// Selects a rank for `input.request` without session state: router eligibility, then the
 /// exact-target path (a pin, or `route`'s hard binding while it is eligible) or the policy.
 pub fn select_worker(
     input: &SelectInput<'_>,
@@ -190,7 +156,7 @@ fn eligible<'a>(
     Ok(eligible_ranks(
         rules,
         input.workers,
-        &input.host.busy,
+        &input.settings.busy,
         input.signals,
     )?)
 }
@@ -203,7 +169,7 @@ fn choose(
     path: SelectionPath,
     rng: &mut dyn RngCore,
 ) -> Result<Selection, SelectFailure> {
-    let rows = input.host.rows(
+    let rows = input.settings.rows(
         input.request,
         context,
         ranks,
@@ -226,11 +192,10 @@ fn choose(
     })
 }
 
-/// Selects a rank and, for a request in a session, commits its binding.
-///
-/// The binding is read before selection, and written only after a successful one. When
-/// another router bound the session meanwhile (two first requests racing), the winner's rank
-/// is adopted if it is eligible for this request; otherwise this choice is written over it.
+/// Selects a rank and, for a request in a session, commits its binding (see
+/// [`choose_in_session`]): the core's selection without a load view, for callers that keep
+/// none. The router service and the simulator go through `crate::decide`, which also records
+/// and charges the decision.
 pub async fn select<S: SessionStore>(
     input: &SelectInput<'_>,
     policy: &mut WorkerSelectionPolicy,
@@ -242,44 +207,50 @@ pub async fn select<S: SessionStore>(
         return select_worker(input, policy, SessionRoute::Open { affinity: None }, rng);
     };
     let rules = Rules::from_request(input.request);
-    let registered = |worker: WorkerRank| {
-        input.workers.iter().any(|c| {
-            c.worker_id == worker.worker_id
-                && rules.serves(c)
-                && c.dp_ranks().any(|r| r == worker.dp_rank)
-        })
-    };
-    let mut lookup = sessions.lookup(session, &registered, now_ms).await?;
-    let mut selection = select_worker(input, policy, lookup.route(sessions.config().mode), rng)?;
-    for _ in 0..MAX_COMMIT_ATTEMPTS {
-        match sessions
-            .commit(&lookup, selection.worker, &registered, now_ms)
-            .await?
-        {
-            CommitOutcome::Committed(state) => {
-                selection.binding = state;
-                return Ok(selection);
-            }
-            CommitOutcome::Conflict(fresh) => {
-                if let BindingStatus::Live(winner) = fresh.status()
-                    && input.request.pin.is_none()
-                {
-                    let context = RequestContext::from_request(
-                        input.request,
-                        input.request_blocks,
-                        input.block_size,
-                    );
-                    let target = WorkerTarget::exact(winner);
-                    if let Some(adopted) = try_exact(input, policy, &context, target, rng) {
-                        selection = adopted?;
-                    }
-                }
-                lookup = fresh;
-            }
-        }
+    let registered = |worker: WorkerRank| registered(input.workers, &rules, worker);
+    let mut chooser = PolicyOnly { input, policy, rng };
+    choose_in_session(
+        sessions,
+        session,
+        input.request.pin.is_some(),
+        &registered,
+        now_ms,
+        &mut chooser,
+    )
+    .await
+}
+
+/// Whether `worker` is a registered rank of a card serving the request (`rules`): a session
+/// bound elsewhere is not honoured.
+pub fn registered(workers: &[WorkerCard], rules: &Rules<'_>, worker: WorkerRank) -> bool {
+    workers.iter().any(|c| {
+        c.worker_id == worker.worker_id
+            && rules.serves(c)
+            && c.dp_ranks().any(|r| r == worker.dp_rank)
+    })
+}
+
+struct PolicyOnly<'a, 'b> {
+    input: &'a SelectInput<'b>,
+    policy: &'a mut WorkerSelectionPolicy,
+    rng: &'a mut (dyn RngCore + Send),
+}
+
+impl Chooser for PolicyOnly<'_, '_> {
+    type Choice = Selection;
+    type Error = SelectFailure;
+
+    fn choose(&mut self, route: SessionRoute) -> Result<Selection, SelectFailure> {
+        select_worker(self.input, self.policy, route, self.rng)
     }
-    Err(SessionError::Contention {
-        session: session.id.clone(),
+
+    fn worker(&self, choice: &Selection) -> Option<WorkerRank> {
+        Some(choice.worker)
     }
-    .into())
+
+    fn bound(&mut self, choice: &mut Selection, state: Option<BindingState>) {
+        choice.binding = state;
+    }
+
+    fn withdraw(&mut self, _choice: Selection) {}
 }

@@ -22,7 +22,7 @@ pub(crate) fn input<'a>(
     request: &'a SelectRequest,
     workers: &'a [WorkerCard],
     signals: &'a SignalSnapshot,
-    host: &'a HostConfig,
+    settings: &'a SelectionSettings,
 ) -> SelectInput<'a> {
     SelectInput {
         request,
@@ -30,7 +30,7 @@ pub(crate) fn input<'a>(
         block_size: 16,
         workers,
         signals,
-        host,
+        settings,
     }
 }
 
@@ -56,12 +56,12 @@ fn open() -> SessionRoute {
 fn a_request_goes_to_the_worker_holding_its_prefix() {
     let workers = cards(4);
     let signals = SignalSnapshot::new().with_overlap(WorkerRank::new(3, 0), device(8));
-    let host = HostConfig::default();
+    let settings = SelectionSettings::default();
     let req = request();
     let mut policy = DefaultPolicyParameters::default().policy();
     let mut rng = StdRng::seed_from_u64(0);
     let s = select_worker(
-        &input(&req, &workers, &signals, &host),
+        &input(&req, &workers, &signals, &settings),
         &mut policy,
         open(),
         &mut rng,
@@ -81,7 +81,7 @@ fn a_request_goes_to_the_worker_holding_its_prefix() {
 #[test]
 fn equal_overlap_spreads_by_load() {
     let workers = cards(3);
-    let host = HostConfig::default();
+    let settings = SelectionSettings::default();
     let req = request();
     let mut policy = DefaultPolicyParameters::default().policy();
     let mut rng = StdRng::seed_from_u64(0);
@@ -97,7 +97,7 @@ fn equal_overlap_spreads_by_load() {
             snap = snap.with_load(WorkerRank::new(w, 0), decode(load[w as usize - 1]));
         }
         let s = select_worker(
-            &input(&req, &workers, &snap, &host),
+            &input(&req, &workers, &snap, &settings),
             &mut policy,
             open(),
             &mut rng,
@@ -116,14 +116,14 @@ fn picks(
     draws: usize,
 ) -> Vec<u64> {
     let workers = cards(3);
-    let host = HostConfig::default();
+    let settings = SelectionSettings::default();
     let req = request();
     let mut policy = parameters.policy();
     let mut rng = StdRng::seed_from_u64(seed);
     (0..draws)
         .map(|_| {
             select_worker(
-                &input(&req, &workers, signals, &host),
+                &input(&req, &workers, signals, &settings),
                 &mut policy,
                 open(),
                 &mut rng,
@@ -175,7 +175,7 @@ fn ties_go_to_a_random_tied_worker_reproducibly() {
 #[test]
 fn temperature_samples_in_proportion_to_the_softmax() {
     let workers = cards(3);
-    let host = HostConfig::default();
+    let settings = SelectionSettings::default();
     let req = request();
     // Credit 1: costs 650, 330, 10 (no load): normalized 1, 0.5, 0.
     let signals = SignalSnapshot::new()
@@ -192,7 +192,7 @@ fn temperature_samples_in_proportion_to_the_softmax() {
     let mut observed = [0f64; 3];
     for _ in 0..n {
         let s = select_worker(
-            &input(&req, &workers, &signals, &host),
+            &input(&req, &workers, &signals, &settings),
             &mut policy,
             open(),
             &mut rng,
@@ -223,7 +223,7 @@ fn temperature_samples_in_proportion_to_the_softmax() {
     };
     for _ in 0..50 {
         let s = select_worker(
-            &input(&cold, &workers, &signals, &host),
+            &input(&cold, &workers, &signals, &settings),
             &mut policy,
             open(),
             &mut rng,
@@ -236,7 +236,7 @@ fn temperature_samples_in_proportion_to_the_softmax() {
 #[test]
 fn a_pin_takes_the_exact_path_and_bypasses_cost() {
     let workers = cards(3);
-    let host = HostConfig::default();
+    let settings = SelectionSettings::default();
     let signals = SignalSnapshot::new().with_overlap(WorkerRank::new(3, 0), device(10));
     let req = SelectRequest {
         pin: Some(Pin {
@@ -248,7 +248,7 @@ fn a_pin_takes_the_exact_path_and_bypasses_cost() {
     let mut policy = DefaultPolicyParameters::default().policy();
     let mut rng = StdRng::seed_from_u64(0);
     let s = select_worker(
-        &input(&req, &workers, &signals, &host),
+        &input(&req, &workers, &signals, &settings),
         &mut policy,
         open(),
         &mut rng,
@@ -261,13 +261,13 @@ fn a_pin_takes_the_exact_path_and_bypasses_cost() {
 #[test]
 fn failures_map_onto_wire_codes_with_reasons() {
     let workers = cards(2);
-    let host = HostConfig::default();
+    let settings = SelectionSettings::default();
     let signals = SignalSnapshot::new();
     let mut policy = DefaultPolicyParameters::default().policy();
     let mut rng = StdRng::seed_from_u64(0);
     let mut run = |req: &SelectRequest| {
         select_worker(
-            &input(req, &workers, &signals, &host),
+            &input(req, &workers, &signals, &settings),
             &mut policy,
             open(),
             &mut rng,
@@ -296,20 +296,20 @@ fn failures_map_onto_wire_codes_with_reasons() {
 #[test]
 fn a_policy_without_cache_inputs_reports_no_overlap() {
     let workers = cards(2);
-    let host = HostConfig::default();
+    let settings = SelectionSettings::default();
     let signals = SignalSnapshot::new().with_overlap(WorkerRank::new(2, 0), device(10));
     let req = request();
     let mut policy = crate::policies::tests::build(crate::policies::least_busy::provider, "");
     let mut rng = StdRng::seed_from_u64(0);
     let s = select_worker(
-        &input(&req, &workers, &signals, &host),
+        &input(&req, &workers, &signals, &settings),
         &mut policy,
         open(),
         &mut rng,
     )
     .unwrap();
     assert_eq!(s.overlap, None);
-    let reply = s.to_reply(Default::default(), Default::default(), 10, "r1");
+    let reply = crate::decide::wire::reply(&s, Default::default(), Default::default(), 10, "r1");
     assert!(reply.overlap_blocks.is_empty());
     assert_eq!(reply.cost.terms["active_requests"], 0.0);
 }

@@ -11,7 +11,7 @@ use kvroute_common::telemetry::TelemetryArgs;
 
 use crate::eligibility::{BusyThresholds, PrefillLimit};
 use crate::registry::{Override, PolicyOverrides};
-use crate::select::HostConfig;
+use crate::select::SelectionSettings;
 use crate::session::{AffinityMode, SessionConfig};
 
 /// Where prefix overlap comes from.
@@ -166,6 +166,14 @@ pub struct RouterConfig {
         default_value_t = 600
     )]
     pub prediction_max_age_secs: u64,
+    /// A decision's prompt counts as overlap on its rank for this long, in milliseconds, until
+    /// the worker's own KV events show what it holds (predicted overlap; 0 turns it off).
+    #[arg(
+        long = "predicted-overlap-ttl-ms",
+        env = "KVROUTE_PREDICTED_OVERLAP_TTL_MS",
+        default_value_t = 2000
+    )]
+    pub predicted_overlap_ttl_ms: u64,
 
     /// A rank is busy (not eligible) above this fraction of its KV blocks in decode (off by default).
     #[arg(
@@ -250,10 +258,10 @@ impl RouterConfig {
         if self.busy_prefill_tokens == Some(0) {
             return Err(ConfigError::new("busy-prefill-tokens", "must be above 0"));
         }
-        if let Err(e) = self.host().validate() {
+        if let Err(e) = self.selection_settings().validate() {
             let field = match e {
-                crate::select::HostConfigError::Busy(_) => "busy-decode-blocks-fraction",
-                crate::select::HostConfigError::TaintMultiplier { .. } => {
+                crate::select::SelectionSettingsError::Busy(_) => "busy-decode-blocks-fraction",
+                crate::select::SelectionSettingsError::TaintMultiplier { .. } => {
                     "preferred-taint-multiplier"
                 }
             };
@@ -284,8 +292,8 @@ impl RouterConfig {
     }
 
     /// Eligibility thresholds and the preferred-taint multiplier.
-    pub fn host(&self) -> HostConfig {
-        HostConfig {
+    pub fn selection_settings(&self) -> SelectionSettings {
+        SelectionSettings {
             busy: BusyThresholds {
                 decode_blocks_fraction: self.busy_decode_blocks_fraction,
                 prefill_tokens: self.busy_prefill_tokens.map(PrefillLimit::Tokens),

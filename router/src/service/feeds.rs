@@ -16,7 +16,7 @@ use kvroute_common::messages::{Decision, RequestLifecycle, WorkerLoad, now_ms};
 use tokio::sync::mpsc;
 
 use super::Router;
-use super::load_view::Applied;
+use crate::decide::load_view::Applied;
 
 const TICK: Duration = Duration::from_secs(1);
 

@@ -2,19 +2,16 @@
 //! this replica's direct subject `kvroute.<ns>.router.<id>.select` (one task per request, at
 //! most `--max-in-flight` at once), held only while the replica is ready and keeping up (the
 //! watchdog decides; out of the group, what was already delivered is still answered);
-//! decoding with typed error codes, and the checks and prompt hashing that need the model's
-//! block size.
+//! decoding with typed error codes and the checks that need no worker state.
 
 use std::sync::Arc;
 
 use kvroute_common::codec::{DecodeError, decode};
-use kvroute_common::hashing::{LocalBlockHash, local_block_hashes, seed_for_lora};
 use kvroute_common::messages::{ErrorCode, SelectRequest};
 use kvroute_common::ops::{InFlight, Membership, serve_membership};
 use tokio::sync::{Semaphore, watch};
 
 use super::Router;
-use super::candidates::Partition;
 
 /// Longest accepted session id, in bytes (it becomes a bucket key, hex-encoded).
 pub const MAX_SESSION_ID_BYTES: usize = 256;
@@ -32,20 +29,6 @@ impl Rejected {
             code: ErrorCode::BadRequest,
             message: message.into(),
         }
-    }
-}
-
-/// The prompt as the selection needs it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Prompt {
-    pub hashes: Vec<LocalBlockHash>,
-    /// Prompt tokens (full blocks × block size when only hashes were given).
-    pub tokens: u64,
-}
-
-impl Prompt {
-    pub fn blocks(&self) -> u32 {
-        u32::try_from(self.hashes.len()).unwrap_or(u32::MAX)
     }
 }
 
@@ -85,29 +68,6 @@ pub fn parse(payload: &[u8]) -> Result<SelectRequest, Rejected> {
         )));
     }
     Ok(request)
-}
-
-/// Hashes the prompt with the partition's block size (or checks the caller's hashes used it).
-pub fn prompt(request: &SelectRequest, partition: &Partition) -> Result<Prompt, Rejected> {
-    let block_size = partition.block_size;
-    if let Some(tokens) = &request.token_ids {
-        let seed = seed_for_lora(request.lora_name.as_deref());
-        return Ok(Prompt {
-            hashes: local_block_hashes(tokens, block_size as usize, seed),
-            tokens: tokens.len() as u64,
-        });
-    }
-    let hashes = request.block_hashes.clone().unwrap_or_default();
-    if let Some(given) = request.block_size
-        && given != block_size
-    {
-        return Err(Rejected::bad(format!(
-            "block_size {given} does not match the workers' block size {block_size} for model {:?}",
-            request.model
-        )));
-    }
-    let tokens = hashes.len() as u64 * u64::from(block_size);
-    Ok(Prompt { hashes, tokens })
 }
 
 /// Serves selections whenever `serve` is true: joins the queue group (and subscribes to the
@@ -210,23 +170,5 @@ mod tests {
                 .contains("session.id")
         );
         assert!(parse(&encode(&request()).unwrap()).is_ok());
-    }
-
-    #[test]
-    fn prompts_hash_full_blocks_and_check_the_callers_block_size() {
-        let partition = Partition {
-            cards: vec![],
-            block_size: 16,
-        };
-        let p = prompt(&request(), &partition).unwrap();
-        assert_eq!((p.blocks(), p.tokens), (2, 40));
-        let mut r = request();
-        r.token_ids = None;
-        r.block_hashes = Some(vec![1, 2, 3]);
-        r.block_size = Some(32);
-        assert!(prompt(&r, &partition).is_err());
-        r.block_size = Some(16);
-        let p = prompt(&r, &partition).unwrap();
-        assert_eq!((p.blocks(), p.tokens), (3, 48));
     }
 }

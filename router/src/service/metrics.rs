@@ -41,7 +41,6 @@ pub struct RouterMetrics {
     /// Requests answered with the decision their id already had.
     pub repeated: Arc<Counter>,
     /// Own decisions that lost to another replica's decision of the same request.
-    pub decisions_superseded: Arc<Counter>,
     /// Remote overlap query attempts beyond the first.
     pub overlap_retries: Arc<Counter>,
     /// 1 while the replica is in the select queue group.
@@ -142,10 +141,6 @@ impl RouterMetrics {
             repeated: r.counter(
                 "kvroute_router_repeated_requests_total",
                 "Requests answered with the decision their request id already had.",
-            ),
-            decisions_superseded: r.counter(
-                "kvroute_router_decisions_superseded_total",
-                "Own decisions that lost to another replica's decision of the same request.",
             ),
             overlap_retries: r.counter(
                 "kvroute_router_overlap_retries_total",

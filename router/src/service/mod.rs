@@ -1,15 +1,14 @@
-//! The router process around the pure core. Modules follow a request: [`intake`] (queue
-//! group, decoding) → [`candidates`] (etcd workers by model and role) → [`overlap`] (indexer
-//! query or local replica) → [`load_view`] (reports + predictions, fed by [`feeds`]) → the
-//! core's `select` with [`sessions_kv`] → [`reply`] (answer, then the published decision).
-//! Only intake, reply, overlap, sessions_kv and feeds touch the network.
+//! The router process around the decision core ([`crate::decide`]). Modules follow a
+//! request: [`intake`] (queue group, decoding) → the core's candidates (etcd workers by model
+//! and role, kept current by [`feeds`]) → [`overlap`] (indexer query or local replica) → the
+//! core's `decide_request` over the load view (reports + predictions, fed by [`feeds`]) with
+//! [`sessions_kv`] → [`reply`] (answer, then the published decision). This module holds only
+//! I/O: intake, reply, overlap, sessions_kv and feeds touch the network.
 
-pub mod candidates;
 pub mod config;
 mod feeds;
 mod http;
 pub mod intake;
-pub mod load_view;
 pub mod metrics;
 pub mod overlap;
 mod policies;
@@ -25,19 +24,19 @@ use kvroute_common::discovery::watch_workers;
 use kvroute_common::jetstream::require_jetstream;
 use kvroute_common::names::Names;
 use kvroute_common::ops::{InFlight, spawn_watchdog, watchdog_observer};
-use kvroute_indexer::service::{LocalReplica, LocalReplicaConfig};
+use kvroute_indexer::service::{IndexFollower, IndexFollowerConfig};
 
-use self::candidates::Candidates;
 pub use self::config::{OverlapMode, RouterConfig};
-use self::load_view::{LoadView, LoadViewConfig};
 use self::metrics::RouterMetrics;
 use self::overlap::OverlapSource;
 use self::policies::{Policies, PolicySlot};
 use self::sessions_kv::{BucketConfig, KvSessionStore};
+use crate::decide::candidates::Candidates;
+use crate::decide::load_view::{LoadView, LoadViewConfig};
 use crate::registry::{
     ConfigError as PolicyConfigError, PolicyFileError, PolicyRegistry, WorkerSelectionConfig,
 };
-use crate::select::HostConfig;
+use crate::select::SelectionSettings;
 use crate::session::SessionTable;
 
 /// Why the router could not start; each names what is wrong and where it came from.
@@ -111,7 +110,7 @@ pub struct Router {
     overlap: OverlapSource,
     sessions: SessionTable<KvSessionStore>,
     policies: Policies,
-    host: HostConfig,
+    settings: SelectionSettings,
     metrics: RouterMetrics,
     max_in_flight: usize,
 }
@@ -168,10 +167,10 @@ pub async fn run(
             None,
         ),
         OverlapMode::Local => {
-            let (replica, task) = LocalReplica::start(
+            let (replica, task) = IndexFollower::start(
                 nats.clone(),
                 &names,
-                LocalReplicaConfig {
+                IndexFollowerConfig {
                     index: Default::default(),
                     ready_max_lag: config.ready_max_lag,
                 },
@@ -196,11 +195,12 @@ pub async fn run(
             report_interval_ms: config.load_report_interval_ms,
             confirm_window_ms: config.prediction_confirm_ms,
             prediction_max_age_ms: config.prediction_max_age_secs.saturating_mul(1000),
+            predicted_overlap_ttl_ms: config.predicted_overlap_ttl_ms,
         })),
         overlap,
         sessions: SessionTable::new(store, sessions_config),
         policies: Policies::new(policies, seed),
-        host: config.host(),
+        settings: config.selection_settings(),
         metrics: RouterMetrics::new(),
         max_in_flight: config.max_in_flight,
     });

@@ -12,7 +12,7 @@ use kvroute_common::messages::{
     IndexErrorCode, IndexQuery, IndexQueryResponse, SchemaVersion, WorkerMatch,
 };
 use kvroute_common::names::Names;
-use kvroute_indexer::service::LocalReplica;
+use kvroute_indexer::service::IndexFollower;
 
 /// Why a remote query gave no overlap (the label of `overlap_fallbacks_total`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,7 +51,7 @@ pub struct Overlaps {
 #[derive(Debug)]
 pub enum OverlapSource {
     Remote(Box<GroupClient>),
-    Local(LocalReplica),
+    Local(IndexFollower),
 }
 
 impl OverlapSource {

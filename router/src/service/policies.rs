@@ -3,26 +3,28 @@
 //! seeded random generator.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvroute_common::messages::WorkerRole;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-use crate::pipeline::{WorkerInputs, WorkerSelectionPolicy};
+use crate::decide::PartitionPolicy;
+use crate::pipeline::WorkerInputs;
 use crate::registry::{ConfigError, ResolvedPolicies};
-use crate::select::HostConfig;
+use crate::select::SelectionSettings;
 
-/// A partition's policy and its random generator, used by one selection at a time.
-pub struct SlotState {
-    pub policy: WorkerSelectionPolicy,
-    pub rng: StdRng,
-}
-
-/// A partition's policy, with the signal groups a selection must gather for it.
+/// A partition's policy, with the signal groups a selection must gather for it. The lock is
+/// held only for the decision itself (no I/O happens under it), so it is a plain mutex.
 pub struct PolicySlot {
     pub inputs: WorkerInputs,
-    pub state: tokio::sync::Mutex<SlotState>,
+    state: Mutex<PartitionPolicy>,
+}
+
+impl PolicySlot {
+    pub fn lock(&self) -> MutexGuard<'_, PartitionPolicy> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 impl std::fmt::Debug for PolicySlot {
@@ -65,7 +67,7 @@ impl Policies {
         role: WorkerRole,
         model: &str,
         requested: Option<&str>,
-        host: &HostConfig,
+        settings: &SelectionSettings,
     ) -> Result<Option<Arc<PolicySlot>>, ConfigError> {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let key = (role, model.to_owned(), requested.map(str::to_owned));
@@ -87,12 +89,10 @@ impl Policies {
             .fold(self.seed ^ (role as u64), |h, b| {
                 h.rotate_left(5) ^ u64::from(b)
             });
+        let state = PartitionPolicy::new(policy, StdRng::seed_from_u64(partition_seed), settings);
         let slot = Arc::new(PolicySlot {
-            inputs: host.required_inputs(&policy),
-            state: tokio::sync::Mutex::new(SlotState {
-                policy,
-                rng: StdRng::seed_from_u64(partition_seed),
-            }),
+            inputs: state.inputs,
+            state: Mutex::new(state),
         });
         slots.insert(key, slot.clone());
         Ok(Some(slot))

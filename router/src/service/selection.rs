@@ -1,25 +1,30 @@
-//! One selection request through the service: intake checks → the model's candidates →
-//! overlap and load signals (only the groups the policy declared) → the core's `select`
-//! (session lookup, eligibility, policy, binding commit) → reply, then the decision is
-//! applied locally and published.
+//! One selection request through the service: intake checks → the model's candidates → the
+//! prompt's overlap (only when the policy reads it) → the decision core's `decide_request`
+//! (session lookup, then under the partition's policy lock and the load view: eligibility,
+//! policy, decision, charge; then the binding commit) → reply, then the decision is published.
 //!
 //! A request past its deadline is dropped (no reply, no decision, no load): its client has
 //! retried. A request whose id already has a decision (a retry, answered by this replica or
 //! by another) gets that decision again.
+//!
+//! The wall clock is read once per request, at intake; later times (after waiting for the lock
+//! or for the session store) add the monotonic time elapsed since.
 
 use std::time::Instant;
 
 use kvroute_common::messages::{Decision, ErrorCode, SelectRequest, SelectResponse, now_ms};
 use uuid::Uuid;
 
-use super::intake::{self, Prompt, Rejected};
-use super::load_view::Applied;
+use super::intake::{self, Rejected};
 use super::reply;
 use super::{PolicySlot, Router};
+use crate::decide::load_view::LoadView;
+use crate::decide::prompt::{Prompt, prompt};
+use crate::decide::{DecideInput, Decided, DecisionState, PartitionPolicy, decide_request, wire};
 use crate::eligibility::EligibilityError;
 use crate::pipeline::WorkerInputs;
 use crate::registry::ConfigError;
-use crate::select::{SelectFailure, SelectInput, select};
+use crate::select::SelectFailure;
 use crate::signals::{Overlap, SignalSnapshot};
 use crate::worker::WorkerRank;
 
@@ -29,24 +34,56 @@ enum Outcome {
     /// Answer with this, and publish the decision if one was made.
     Answer(SelectResponse, Option<Decision>),
     /// Past its deadline when picked up (`intake`), when its turn on the policy came
-    /// (`queued`) or once selected (`selected`, before any charge): dropped unanswered.
+    /// (`queued`) or once its session binding was committed (`selected`): dropped unanswered.
     Expired(&'static str),
 }
 
-fn expired(request: &SelectRequest) -> bool {
-    request.deadline_ms.is_some_and(|d| now_ms() > d)
+/// The request's clock: one wall-clock reading at intake, advanced by the monotonic clock.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    wall_ms: u64,
+    at: Instant,
+}
+
+impl Clock {
+    fn now_ms(&self) -> u64 {
+        self.wall_ms + u64::try_from(self.at.elapsed().as_millis()).unwrap_or(u64::MAX / 2)
+    }
+
+    fn expired(&self, request: &SelectRequest) -> bool {
+        request.deadline_ms.is_some_and(|d| self.now_ms() > d)
+    }
+}
+
+/// The service's decision state: a partition's policy slot and the replica's load view, locked
+/// in that order for one decision.
+struct Locked<'a> {
+    slot: &'a PolicySlot,
+    router: &'a Router,
+    clock: Clock,
+}
+
+impl DecisionState for Locked<'_> {
+    fn with<R>(&mut self, f: impl FnOnce(&mut PartitionPolicy, &mut LoadView, u64) -> R) -> R {
+        let mut policy = self.slot.lock();
+        let mut view = self.router.lock_load();
+        f(&mut policy, &mut view, self.clock.now_ms())
+    }
 }
 
 impl Router {
     /// Answers one request message: every request gets a reply (ok or error with a code),
     /// except one past its deadline, which nobody waits for any more.
     pub(super) async fn handle(&self, msg: async_nats::Message) {
-        let started = Instant::now();
+        let clock = Clock {
+            wall_ms: now_ms(),
+            at: Instant::now(),
+        };
         let Some(inbox) = msg.reply.clone() else {
             self.metrics.bad_messages.inc("select_no_reply_subject");
             return;
         };
-        let (response, decision) = match self.respond(&msg.payload).await {
+        let (response, decision) = match self.respond(&msg.payload, clock).await {
             Outcome::Answer(response, decision) => (response, decision),
             Outcome::Expired(stage) => {
                 self.metrics.expired.inc(stage);
@@ -65,25 +102,25 @@ impl Router {
         reply::send(&self.nats, inbox, &response).await;
         self.metrics
             .selection_latency
-            .observe(started.elapsed().as_secs_f64());
+            .observe(clock.at.elapsed().as_secs_f64());
     }
 
-    async fn respond(&self, payload: &[u8]) -> Outcome {
+    async fn respond(&self, payload: &[u8], clock: Clock) -> Outcome {
         let request = match intake::parse(payload) {
             Ok(r) => r,
             Err(Rejected { code, message }) => {
-                return Outcome::Answer(reply::error(code, message, None), None);
+                return Outcome::Answer(wire::error(code, message, None), None);
             }
         };
         if request.attempt > 0 {
             self.metrics.retries_received.inc();
         }
-        if expired(&request) {
+        if clock.expired(&request) {
             tracing::debug!(request_id = ?request.request_id, attempt = request.attempt, "dropped a request past its deadline");
             return Outcome::Expired("intake");
         }
         let request_id = request.request_id.unwrap_or_else(Uuid::new_v4);
-        match self.choose(&request, request_id).await {
+        match self.choose(&request, request_id, clock).await {
             Ok(outcome) => outcome,
             Err(response) => Outcome::Answer(response, None),
         }
@@ -93,11 +130,11 @@ impl Router {
         &self,
         request: &SelectRequest,
         request_id: Uuid,
+        clock: Clock,
     ) -> Result<Outcome, SelectResponse> {
         let fail = |f: SelectFailure| SelectResponse::Error(f.to_select_error(Some(request_id)));
-        let reject = |r: Rejected| reply::error(r.code, r.message, Some(request_id));
         if !self.is_ready() {
-            return Err(reply::error(
+            return Err(wire::error(
                 ErrorCode::Unavailable,
                 format!("router {} is not ready yet", self.router_id),
                 Some(request_id),
@@ -116,14 +153,14 @@ impl Router {
                 },
             )));
         };
-        let prompt = intake::prompt(request, &partition).map_err(reject)?;
+        let prompt = prompt(request, &partition).map_err(fail)?;
         let slot = self
             .policies
             .slot(
                 request.role,
                 &request.model,
                 request.policy.as_deref(),
-                &self.host,
+                &self.settings,
             )
             .map_err(|e| {
                 // A type that cannot run without parameters is the request's mistake.
@@ -131,10 +168,10 @@ impl Router {
                     ConfigError::NeedsParameters { .. } => ErrorCode::BadRequest,
                     _ => ErrorCode::Unavailable,
                 };
-                reply::error(code, e.to_string(), Some(request_id))
+                wire::error(code, e.to_string(), Some(request_id))
             })?
             .ok_or_else(|| {
-                reply::error(
+                wire::error(
                     ErrorCode::BadRequest,
                     format!(
                         "unknown policy {:?}: name a configured instance or a registered type",
@@ -144,102 +181,66 @@ impl Router {
                 )
             })?;
         let overlap = self.overlap_signals(request, &prompt, &slot).await;
-        let subject_of = |d: &Decision| {
-            partition
-                .cards
-                .iter()
-                .find(|c| c.worker_id == d.worker_id)
-                .map_or_else(
-                    || self.names.worker_requests(d.worker_id),
-                    |c| c.request_subject.clone(),
-                )
+        let input = DecideInput {
+            request,
+            request_id,
+            decision_id: Uuid::new_v4(),
+            prompt: &prompt,
+            partition: &partition,
+            overlap: &overlap,
+            settings: &self.settings,
+            names: &self.names,
+            router_id: &self.router_id,
+        };
+        let mut state = Locked {
+            slot: &slot,
+            router: self,
+            clock,
         };
         // Reading the load view, selecting and charging the decision to the view happen under
         // the partition's policy lock: concurrent selections (a burst of requests) each see
         // the ones before them, instead of all picking the same least-loaded worker.
-        let (selection, decision) = {
-            let mut guard = slot.state.lock().await;
-            let state = &mut *guard;
-            if let Some(known) = self.lock_load().decided(&request_id).cloned() {
-                self.metrics.repeated.inc();
-                let reply = reply::from_decision(&known, subject_of(&known));
-                return Ok(Outcome::Answer(SelectResponse::Ok(reply), None));
-            }
-            if expired(request) {
-                return Ok(Outcome::Expired("queued"));
-            }
-            let signals = self.load_signals(overlap, &partition.cards, &slot);
-            let input = SelectInput {
-                request,
-                request_blocks: prompt.blocks(),
-                block_size: partition.block_size,
-                workers: &partition.cards,
-                signals: &signals,
-                host: &self.host,
-            };
-            let selection = select(
-                &input,
-                &mut state.policy,
-                &self.sessions,
-                now_ms(),
-                &mut state.rng,
-            )
+        let decided = decide_request(&mut state, &self.sessions, &input, clock.now_ms())
             .await
             .map_err(fail)?;
-            // The session round trips may have taken the rest of the deadline (or the process
-            // was stopped mid-selection): nobody would use this decision.
-            if expired(request) {
-                return Ok(Outcome::Expired("selected"));
+        let new = match decided {
+            Decided::Known(reply) => {
+                self.metrics.repeated.inc();
+                return Ok(Outcome::Answer(SelectResponse::Ok(*reply), None));
             }
-            let decision = reply::decision(
-                request,
-                request_id,
-                Uuid::new_v4(),
-                &selection,
-                &prompt,
-                partition.block_size,
-                &self.router_id,
-            );
-            let mut view = self.lock_load();
-            match view.apply_decision(&decision, now_ms()) {
-                Applied::Added | Applied::Replaced | Applied::AlreadyCounted => {
-                    self.metrics.decisions_applied.inc()
-                }
-                Applied::Duplicate => {}
-                Applied::Superseded => {
-                    // Another replica's decision for this request arrived meanwhile and wins
-                    // (a later attempt): answer with it, so the client uses the charged one.
-                    self.metrics.decisions_superseded.inc();
-                    if let Some(winner) = view.decided(&request_id).cloned() {
-                        drop(view);
-                        let reply = reply::from_decision(&winner, subject_of(&winner));
-                        return Ok(Outcome::Answer(SelectResponse::Ok(reply), None));
-                    }
-                }
-            }
-            (selection, decision)
+            Decided::Expired => return Ok(Outcome::Expired("queued")),
+            Decided::New(new) => new,
         };
-        let decision_id = decision.decision_id;
+        // The session round trips may have taken the rest of the deadline (or the process
+        // was stopped mid-selection): nobody would use this decision.
+        if request.session.is_some() && clock.expired(request) {
+            self.lock_load().withdraw(&new.decision);
+            return Ok(Outcome::Expired("selected"));
+        }
         let m = &self.metrics;
-        m.decisions.inc(&selection.worker.to_string());
+        m.decisions_applied.inc();
+        m.decisions.inc(&new.selection.worker.to_string());
         m.request_blocks.add(u64::from(prompt.blocks()));
-        m.overlap_blocks.add(u64::from(decision.overlap_blocks));
-        if let Some(binding) = selection.binding {
+        m.overlap_blocks.add(u64::from(new.decision.overlap_blocks));
+        if let Some(binding) = new.selection.binding {
             m.sessions.inc(binding.as_str());
         }
         tracing::debug!(
             %request_id,
-            worker_id = selection.worker.worker_id,
-            dp_rank = selection.worker.dp_rank,
-            overlap_blocks = decision.overlap_blocks,
-            cost = selection.cost.total,
-            policy = selection.policy,
-            binding = ?selection.binding,
+            worker_id = new.selection.worker.worker_id,
+            dp_rank = new.selection.worker.dp_rank,
+            overlap_blocks = new.decision.overlap_blocks,
+            cost = new.selection.cost.total,
+            policy = new.selection.policy,
+            binding = ?new.selection.binding,
             attempt = request.attempt,
             "selected"
         );
-        let reply = selection.to_reply(request_id, decision_id, prompt.blocks(), &self.router_id);
-        Ok(Outcome::Answer(SelectResponse::Ok(reply), Some(decision)))
+        let reply = new.reply();
+        Ok(Outcome::Answer(
+            SelectResponse::Ok(reply),
+            Some(new.decision),
+        ))
     }
 
     /// The prompt's overlap per rank, when the policy reads `CACHE`.
@@ -281,28 +282,6 @@ impl Router {
             self.metrics
                 .overlap_latency
                 .observe(started.elapsed().as_secs_f64());
-        }
-        signals
-    }
-
-    /// `signals` plus the load view's figures for the partition's ranks, when the policy
-    /// reads `LOAD`.
-    fn load_signals(
-        &self,
-        mut signals: SignalSnapshot,
-        cards: &[kvroute_common::messages::WorkerCard],
-        slot: &PolicySlot,
-    ) -> SignalSnapshot {
-        if slot.inputs.contains(WorkerInputs::LOAD) {
-            let view = self.lock_load();
-            for card in cards {
-                for rank in card.dp_ranks() {
-                    let worker = WorkerRank::new(card.worker_id, rank);
-                    if let Some(load) = view.load(worker) {
-                        signals = signals.with_load(worker, load);
-                    }
-                }
-            }
         }
         signals
     }

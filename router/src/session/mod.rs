@@ -2,6 +2,7 @@
 //! small storage trait. Pure logic; the store is the only boundary.
 
 mod binding;
+mod flow;
 mod memory;
 mod store;
 mod table;
@@ -11,6 +12,7 @@ mod tests;
 pub use binding::{
     AffinityMode, InvalidSessionConfig, Revision, SessionBinding, SessionConfig, Versioned,
 };
+pub use flow::{Chooser, MAX_COMMIT_ATTEMPTS, choose_in_session};
 pub use memory::MemSessionStore;
 pub use store::{SessionStore, StoreError, WriteOutcome};
 pub use table::{

@@ -16,7 +16,7 @@ use crate::pipeline::{
 };
 use crate::policies::default::DefaultPolicyParameters;
 use crate::request::RequestContext;
-use crate::select::{HostConfig, SelectFailure, SelectInput, Selection, select};
+use crate::select::{SelectFailure, SelectInput, Selection, SelectionSettings, select};
 use crate::signals::{Overlap, SignalSnapshot};
 use crate::testing::cards;
 use crate::worker::{WorkerRank, WorkerTarget};
@@ -57,7 +57,7 @@ struct Harness<S> {
     table: SessionTable<S>,
     policy: WorkerSelectionPolicy,
     rng: StdRng,
-    host: HostConfig,
+    settings: SelectionSettings,
 }
 
 impl Harness<MemSessionStore> {
@@ -78,7 +78,7 @@ impl<S: SessionStore> Harness<S> {
             ),
             policy: DefaultPolicyParameters::default().policy(),
             rng: StdRng::seed_from_u64(3),
-            host: HostConfig::default(),
+            settings: SelectionSettings::default(),
         }
     }
 
@@ -95,7 +95,7 @@ impl<S: SessionStore> Harness<S> {
             block_size: 16,
             workers,
             signals,
-            host: &self.host,
+            settings: &self.settings,
         };
         block_on(select(
             &input,

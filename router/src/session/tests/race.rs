@@ -80,15 +80,15 @@ fn racing_first_requests_bind_once_and_the_loser_adopts_the_winner() {
     let mut b = Harness::with_store(shared(), AffinityMode::Soft);
     let (view_a, view_b) = (prefix_on(1), prefix_on(2));
     let request = in_session("s");
-    let input = |signals, host| SelectInput {
+    let input = |signals, settings| SelectInput {
         request: &request,
         request_blocks: 10,
         block_size: 16,
         workers: &workers,
         signals,
-        host,
+        settings,
     };
-    let (input_a, input_b) = (input(&view_a, &a.host), input(&view_b, &b.host));
+    let (input_a, input_b) = (input(&view_a, &a.settings), input(&view_b, &b.settings));
     let (ra, rb) = block_on(async {
         futures::join!(
             select(&input_a, &mut a.policy, &a.table, 0, &mut a.rng),
@@ -166,7 +166,7 @@ fn the_select_future_is_send_so_the_service_can_spawn_it() {
         block_size: 16,
         workers: &workers,
         signals: &signals,
-        host: &h.host,
+        settings: &h.settings,
     };
     let future = select(&input, &mut h.policy, &h.table, 0, &mut h.rng);
     assert_send(&future);

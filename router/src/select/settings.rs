@@ -10,7 +10,7 @@ use crate::signals::SignalSource;
 
 /// Settings the router applies around every policy.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct HostConfig {
+pub struct SelectionSettings {
     /// Overload thresholds; off by default.
     pub busy: BusyThresholds,
     /// The `preferred_taint_multiplier()` of a worker carrying at least one of the request's
@@ -18,7 +18,7 @@ pub struct HostConfig {
     pub preferred_taint_multiplier: f64,
 }
 
-impl Default for HostConfig {
+impl Default for SelectionSettings {
     fn default() -> Self {
         Self {
             busy: BusyThresholds::default(),
@@ -27,21 +27,21 @@ impl Default for HostConfig {
     }
 }
 
-/// A host setting that cannot work.
+/// A selection setting that cannot work.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum HostConfigError {
+pub enum SelectionSettingsError {
     #[error(transparent)]
     Busy(#[from] InvalidThreshold),
     #[error("preferred_taint_multiplier must be in (0, 1], got {value}")]
     TaintMultiplier { value: f64 },
 }
 
-impl HostConfig {
-    pub fn validate(&self) -> Result<(), HostConfigError> {
+impl SelectionSettings {
+    pub fn validate(&self) -> Result<(), SelectionSettingsError> {
         self.busy.validate()?;
         let m = self.preferred_taint_multiplier;
         if !(m > 0.0 && m <= 1.0) {
-            return Err(HostConfigError::TaintMultiplier { value: m });
+            return Err(SelectionSettingsError::TaintMultiplier { value: m });
         }
         Ok(())
     }
@@ -111,28 +111,28 @@ mod tests {
 
     #[test]
     fn busy_thresholds_add_load_to_the_required_inputs() {
-        let host = HostConfig::default();
+        let settings = SelectionSettings::default();
         let least_busy = build(least_busy::provider, "");
-        assert_eq!(host.required_inputs(&least_busy), WorkerInputs::LOAD);
+        assert_eq!(settings.required_inputs(&least_busy), WorkerInputs::LOAD);
         let kv = DefaultPolicyParameters::default().policy();
-        assert!(host.required_inputs(&kv).contains(WorkerInputs::CACHE));
+        assert!(settings.required_inputs(&kv).contains(WorkerInputs::CACHE));
         let random = build(crate::policies::random::provider, "");
-        assert!(host.required_inputs(&random).is_empty());
-        let busy = HostConfig {
+        assert!(settings.required_inputs(&random).is_empty());
+        let busy = SelectionSettings {
             busy: BusyThresholds {
                 prefill_tokens: Some(PrefillLimit::Tokens(10)),
                 ..Default::default()
             },
-            ..HostConfig::default()
+            ..SelectionSettings::default()
         };
         assert_eq!(busy.required_inputs(&random), WorkerInputs::LOAD);
     }
 
     #[test]
     fn validation_names_the_bad_setting() {
-        let bad = HostConfig {
+        let bad = SelectionSettings {
             preferred_taint_multiplier: 0.0,
-            ..HostConfig::default()
+            ..SelectionSettings::default()
         };
         assert!(
             bad.validate()
@@ -140,6 +140,6 @@ mod tests {
                 .to_string()
                 .contains("preferred_taint_multiplier")
         );
-        assert!(HostConfig::default().validate().is_ok());
+        assert!(SelectionSettings::default().validate().is_ok());
     }
 }

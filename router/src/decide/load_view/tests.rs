@@ -10,6 +10,7 @@ fn view() -> LoadView {
         report_interval_ms: 1000,
         confirm_window_ms: 2000,
         prediction_max_age_ms: 60_000,
+        predicted_overlap_ttl_ms: 0,
     })
 }
 
@@ -33,6 +34,7 @@ fn decision(worker_id: u64, request_id: Uuid, blocks: u32, prefill: u64) -> Deci
         binding: None,
         ts: 0,
         attempt: 0,
+        prefix_hashes: Vec::new(),
     }
 }
 

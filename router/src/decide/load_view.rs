@@ -23,6 +23,7 @@ use std::sync::Arc;
 use kvroute_common::messages::{Decision, LifecycleKind, RequestLifecycle, WorkerLoad};
 use kvroute_common::{RequestId, WorkerId};
 
+use super::predicted::PredictedOverlap;
 use crate::signals::ObservedLoad;
 use crate::worker::WorkerRank;
 
@@ -51,6 +52,9 @@ pub struct LoadViewConfig {
     /// A prediction with no lifecycle event and no newer report goes after this long (and a
     /// decision is remembered for at most this long).
     pub prediction_max_age_ms: u64,
+    /// How long a decision's prompt counts as held by its rank ([`PredictedOverlap`]); 0: no
+    /// predicted overlap.
+    pub predicted_overlap_ttl_ms: u64,
 }
 
 /// What applying a decision did.
@@ -163,6 +167,14 @@ struct Decided {
     added_ms: u64,
 }
 
+/// `d` as remembered for answering retries: without its prefix hashes, which only the
+/// predicted overlap reads.
+fn remembered(d: &Decision) -> Arc<Decision> {
+    let mut kept = d.clone();
+    kept.prefix_hashes = Vec::new();
+    Arc::new(kept)
+}
+
 /// Whether decision `new` wins over `old` (same request): the later attempt, then the lower
 /// decision id. Every replica applies the same rule, so all keep the same decision.
 fn supersedes(new: &Decision, old: &Decision) -> bool {
@@ -181,6 +193,8 @@ pub struct LoadView {
     /// Requests the worker accounted for before any decision of theirs arrived, and when.
     settled_early: HashMap<RequestId, u64>,
     settled_early_order: VecDeque<RequestId>,
+    /// The prompts of recent decisions, as overlap their ranks are about to have.
+    predicted: PredictedOverlap,
 }
 
 impl LoadView {
@@ -192,6 +206,7 @@ impl LoadView {
             decided_order: VecDeque::new(),
             settled_early: HashMap::new(),
             settled_early_order: VecDeque::new(),
+            predicted: PredictedOverlap::new(config.predicted_overlap_ttl_ms),
         }
     }
 
@@ -205,6 +220,11 @@ impl LoadView {
         self.ranks.values().map(|r| r.predictions.len()).sum()
     }
 
+    /// The predicted overlap of recent decisions' prompts.
+    pub fn predicted(&self) -> &PredictedOverlap {
+        &self.predicted
+    }
+
     /// The decision already made for `request_id` (by any replica), if remembered.
     pub fn decided(&self, request_id: &RequestId) -> Option<&Decision> {
         self.decided.get(request_id).map(|d| &*d.decision)
@@ -212,12 +232,24 @@ impl LoadView {
 
     /// Adds a decision's request to its rank, once per request (see the module docs).
     pub fn apply_decision(&mut self, d: &Decision, now_ms: u64) -> Applied {
+        let applied = self.charge(d, now_ms);
+        if matches!(
+            applied,
+            Applied::Added | Applied::Replaced | Applied::AlreadyCounted
+        ) {
+            let rank = WorkerRank::new(d.worker_id, d.dp_rank);
+            self.predicted.record(rank, &d.prefix_hashes, d.ts, now_ms);
+        }
+        applied
+    }
+
+    fn charge(&mut self, d: &Decision, now_ms: u64) -> Applied {
         let rank = WorkerRank::new(d.worker_id, d.dp_rank);
         let Some(known) = self.decided.get(&d.request_id) else {
             self.decided.insert(
                 d.request_id,
                 Decided {
-                    decision: Arc::new(d.clone()),
+                    decision: remembered(d),
                     rank,
                     added_ms: now_ms,
                 },
@@ -259,9 +291,37 @@ impl LoadView {
             .decided
             .get_mut(&d.request_id)
             .expect("looked up above");
-        known.decision = Arc::new(d.clone());
+        known.decision = remembered(d);
         known.rank = rank;
         Applied::Replaced
+    }
+
+    /// Forgets `d`, a decision of this replica's that will not be used (its session commit
+    /// lost a race or failed, or its request expired before the answer went out; it was never
+    /// published): its charge goes and the request counts as undecided again. Returns whether
+    /// it was the request's decision (one replaced since is left alone).
+    pub fn withdraw(&mut self, d: &Decision) -> bool {
+        let Some(known) = self.decided.get(&d.request_id) else {
+            return false;
+        };
+        if known.decision.decision_id != d.decision_id {
+            return false;
+        }
+        let rank = known.rank;
+        self.decided.remove(&d.request_id);
+        if let Some(i) = self
+            .decided_order
+            .iter()
+            .rposition(|id| *id == d.request_id)
+        {
+            self.decided_order.remove(i);
+        }
+        if let Some(r) = self.ranks.get_mut(&rank)
+            && r.predictions.remove(&d.request_id).is_some()
+        {
+            r.order.retain(|id| *id != d.request_id);
+        }
+        true
     }
 
     fn trim_decided(&mut self) {
@@ -370,6 +430,7 @@ impl LoadView {
     /// Forgets every rank of a departed worker.
     pub fn remove_worker(&mut self, worker_id: WorkerId) {
         self.ranks.retain(|rank, _| rank.worker_id != worker_id);
+        self.predicted.remove_worker(worker_id);
     }
 
     /// Drops every prediction added before `cutoff_ms`: after this replica lost its NATS
@@ -386,6 +447,7 @@ impl LoadView {
     /// Drops predictions and remembered decisions past the maximum age, and ranks with
     /// nothing left.
     pub fn expire(&mut self, now_ms: u64) {
+        self.predicted.expire(now_ms);
         let cutoff = now_ms.saturating_sub(self.config.prediction_max_age_ms);
         for rank in self.ranks.values_mut() {
             rank.retain(|p| p.added_ms > cutoff);

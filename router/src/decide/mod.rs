@@ -1,0 +1,295 @@
+//! The decision core: one request's step from signals to a charged decision, as plain functions
+//! over plain state, shared by the router service, `kvroute-sim` and anything else that
+//! decides (their figures follow the service's code by construction).
+//!
+//! [`decide`] runs under the caller's critical section (a partition's [`PartitionPolicy`] and
+//! the [`LoadView`]): it answers a request that already has a decision with that decision,
+//! drops one past its deadline, reads load from the view, runs router eligibility and the
+//! policy ([`crate::select::select_worker`]), builds the [`Decision`] and charges it to the
+//! view, so the next request of a burst sees it. [`decide_request`] adds sessions around it:
+//! the binding lookup and commit are the store's round trips and happen outside the critical
+//! section ([`crate::session::choose_in_session`]); a commit that lost a race withdraws the
+//! charge and decides again.
+//!
+//! No I/O and no clock: the caller passes the overlap it fetched, the ids, and the time (read
+//! by the [`DecisionState`] when it takes its lock).
+
+pub mod candidates;
+pub mod load_view;
+pub mod predicted;
+pub mod prompt;
+pub mod wire;
+
+use kvroute_common::Names;
+use kvroute_common::messages::{BindingState, Decision, SelectReply, SelectRequest};
+use kvroute_common::{DecisionId, RequestId};
+use rand::rngs::StdRng;
+
+use self::candidates::Partition;
+use self::load_view::{Applied, LoadView};
+use self::prompt::Prompt;
+use crate::eligibility::Rules;
+use crate::pipeline::{WorkerInputs, WorkerSelectionPolicy};
+use crate::select::{SelectFailure, SelectInput, Selection, SelectionSettings, select_worker};
+use crate::session::{Chooser, SessionRoute, SessionStore, SessionTable, choose_in_session};
+use crate::signals::{ObservedLoad, Overlap, SignalSnapshot, SignalSource};
+use crate::worker::WorkerRank;
+
+/// A partition's policy and its random generator, used by one decision at a time.
+pub struct PartitionPolicy {
+    pub policy: WorkerSelectionPolicy,
+    pub rng: StdRng,
+    /// The signal groups a decision must gather: the policy's, plus `LOAD` when busy
+    /// thresholds are set.
+    pub inputs: WorkerInputs,
+}
+
+impl PartitionPolicy {
+    pub fn new(policy: WorkerSelectionPolicy, rng: StdRng, settings: &SelectionSettings) -> Self {
+        let inputs = settings.required_inputs(&policy);
+        Self {
+            policy,
+            rng,
+            inputs,
+        }
+    }
+}
+
+impl std::fmt::Debug for PartitionPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PartitionPolicy")
+            .field("policy", &self.policy.name())
+            .field("inputs", &self.inputs)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Everything one decision reads besides the locked state.
+#[derive(Debug, Clone, Copy)]
+pub struct DecideInput<'a> {
+    pub request: &'a SelectRequest,
+    pub request_id: RequestId,
+    /// The id a new decision gets (a re-decision after a lost commit reuses it: the withdrawn
+    /// one was never published).
+    pub decision_id: DecisionId,
+    pub prompt: &'a Prompt,
+    pub partition: &'a Partition,
+    /// The prompt's overlap per rank (empty when the policy does not read `CACHE`, or the
+    /// index could not answer).
+    pub overlap: &'a SignalSnapshot,
+    pub settings: &'a SelectionSettings,
+    /// Where a decision's reply says to send the request when its worker's card is gone.
+    pub names: &'a Names,
+    pub router_id: &'a str,
+}
+
+/// A new decision, charged to the load view; published once its binding (if any) is committed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewDecision {
+    pub selection: Selection,
+    pub decision: Decision,
+    /// What charging it to the view did (`Added`, or `AlreadyCounted` when its worker had
+    /// already reported the request).
+    pub applied: Applied,
+}
+
+impl NewDecision {
+    /// The reply announcing it.
+    pub fn reply(&self) -> SelectReply {
+        let d = &self.decision;
+        wire::reply(
+            &self.selection,
+            d.request_id,
+            d.decision_id,
+            d.request_blocks,
+            &d.router_id,
+        )
+    }
+
+    fn bound(&mut self, state: Option<BindingState>) {
+        self.selection.binding = state;
+        self.decision.binding = state;
+    }
+}
+
+/// What became of one request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decided {
+    New(Box<NewDecision>),
+    /// The request already had a decision (a retry, answered by this replica or another):
+    /// answer with it, publish nothing.
+    Known(Box<SelectReply>),
+    /// Past its deadline when its turn came: nobody waits for an answer.
+    Expired,
+}
+
+/// The load and policy state a decision runs under, and the clock.
+pub trait DecisionState {
+    /// Runs `f` with the partition's policy and the load view held, and the time at which
+    /// they were taken.
+    fn with<R>(&mut self, f: impl FnOnce(&mut PartitionPolicy, &mut LoadView, u64) -> R) -> R;
+}
+
+/// The overlap the caller fetched grown by the predicted overlap, and the view's load when
+/// the policy reads it.
+struct Signals<'a> {
+    overlap: &'a SignalSnapshot,
+    predicted: Vec<(WorkerRank, u32)>,
+    view: Option<&'a LoadView>,
+}
+
+impl SignalSource for Signals<'_> {
+    fn overlap(&self, worker: WorkerRank) -> Overlap {
+        let overlap = self.overlap.overlap(worker);
+        match self.predicted.iter().find(|(r, _)| *r == worker) {
+            Some(&(_, blocks)) => predicted::with_predicted(overlap, blocks),
+            None => overlap,
+        }
+    }
+
+    fn load(&self, worker: WorkerRank) -> Option<ObservedLoad> {
+        self.view.and_then(|v| v.load(worker))
+    }
+}
+
+/// One decision (see the module docs), at `now_ms`, under `route`.
+pub fn decide(
+    policy: &mut PartitionPolicy,
+    view: &mut LoadView,
+    input: &DecideInput<'_>,
+    route: SessionRoute,
+    now_ms: u64,
+) -> Result<Decided, SelectFailure> {
+    if let Some(known) = view.decided(&input.request_id) {
+        return Ok(known_reply(input, known));
+    }
+    if input.request.deadline_ms.is_some_and(|d| now_ms > d) {
+        return Ok(Decided::Expired);
+    }
+    let reads_cache = policy.inputs.contains(WorkerInputs::CACHE);
+    let predicts = reads_cache && view.predicted().is_enabled();
+    let signals = Signals {
+        overlap: input.overlap,
+        predicted: if predicts {
+            view.predicted().matches(&input.prompt.hashes, now_ms)
+        } else {
+            Vec::new()
+        },
+        view: policy.inputs.contains(WorkerInputs::LOAD).then_some(&*view),
+    };
+    let select_input = SelectInput {
+        request: input.request,
+        request_blocks: input.prompt.blocks(),
+        block_size: input.partition.block_size,
+        workers: &input.partition.cards,
+        signals: &signals,
+        settings: input.settings,
+    };
+    let selection = select_worker(&select_input, &mut policy.policy, route, &mut policy.rng)?;
+    let mut decision = wire::decision(input, &selection, now_ms);
+    if predicts {
+        decision.prefix_hashes = predicted::prefix_hashes(&input.prompt.hashes);
+    }
+    // The view has been held since the check above, so no other decision of this request
+    // arrived meanwhile: this one is added (or was already counted by its worker).
+    let applied = view.apply_decision(&decision, now_ms);
+    debug_assert!(matches!(applied, Applied::Added | Applied::AlreadyCounted));
+    Ok(Decided::New(Box::new(NewDecision {
+        selection,
+        decision,
+        applied,
+    })))
+}
+
+fn known_reply(input: &DecideInput<'_>, known: &Decision) -> Decided {
+    let subject = input
+        .partition
+        .cards
+        .iter()
+        .find(|c| c.worker_id == known.worker_id)
+        .map_or_else(
+            || input.names.worker_requests(known.worker_id),
+            |c| c.request_subject.clone(),
+        );
+    Decided::Known(Box::new(wire::from_decision(known, subject)))
+}
+
+/// [`decide`] for a whole request: directly without a session; with one, between the binding's
+/// lookup and commit (outside `state`'s critical section). `now_ms` dates the session's lookup
+/// and commit.
+pub async fn decide_request<S: SessionStore, D: DecisionState>(
+    state: &mut D,
+    sessions: &SessionTable<S>,
+    input: &DecideInput<'_>,
+    now_ms: u64,
+) -> Result<Decided, SelectFailure> {
+    let mut chooser = Step { state, input };
+    let Some(session) = &input.request.session else {
+        return chooser.choose(SessionRoute::Open { affinity: None });
+    };
+    let rules = Rules::from_request(input.request);
+    let registered =
+        |worker: WorkerRank| crate::select::registered(&input.partition.cards, &rules, worker);
+    choose_in_session(
+        sessions,
+        session,
+        input.request.pin.is_some(),
+        &registered,
+        now_ms,
+        &mut chooser,
+    )
+    .await
+}
+
+struct Step<'a, 'b, D> {
+    state: &'a mut D,
+    input: &'a DecideInput<'b>,
+}
+
+impl<D: DecisionState> Chooser for Step<'_, '_, D> {
+    type Choice = Decided;
+    type Error = SelectFailure;
+
+    fn choose(&mut self, route: SessionRoute) -> Result<Decided, SelectFailure> {
+        let input = self.input;
+        self.state
+            .with(|policy, view, now_ms| decide(policy, view, input, route, now_ms))
+    }
+
+    fn worker(&self, choice: &Decided) -> Option<WorkerRank> {
+        match choice {
+            Decided::New(new) => Some(new.selection.worker),
+            Decided::Known(_) | Decided::Expired => None,
+        }
+    }
+
+    fn bound(&mut self, choice: &mut Decided, state: Option<BindingState>) {
+        if let Decided::New(new) = choice {
+            new.bound(state);
+        }
+    }
+
+    fn withdraw(&mut self, choice: Decided) {
+        if let Decided::New(new) = choice {
+            self.state.with(|_, view, _| view.withdraw(&new.decision));
+        }
+    }
+}
+
+/// A [`DecisionState`] over state the caller owns outright (a simulator, a test): the clock
+/// is the caller's `now_ms`.
+#[derive(Debug)]
+pub struct Owned<'a> {
+    pub policy: &'a mut PartitionPolicy,
+    pub view: &'a mut LoadView,
+    pub now_ms: u64,
+}
+
+impl DecisionState for Owned<'_> {
+    fn with<R>(&mut self, f: impl FnOnce(&mut PartitionPolicy, &mut LoadView, u64) -> R) -> R {
+        f(self.policy, self.view, self.now_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,98 @@
+//! Every wire message the decision core builds: the decision record, the reply (new, or
+//! announcing a decision already made) and error replies. The service only encodes and sends
+//! them.
+
+use kvroute_common::messages::{
+    Decision, ErrorCode, SchemaVersion, SelectError, SelectReply, SelectResponse, StorageTier,
+};
+use kvroute_common::{DecisionId, RequestId};
+
+use super::DecideInput;
+use crate::select::Selection;
+
+/// An error reply without per-worker reasons.
+pub fn error(code: ErrorCode, message: String, request_id: Option<RequestId>) -> SelectResponse {
+    SelectResponse::Error(SelectError {
+        v: SchemaVersion::CURRENT,
+        request_id,
+        code,
+        message,
+        reasons: Default::default(),
+    })
+}
+
+/// The decision record of `selection`, made for `input` at `now_ms`.
+pub fn decision(input: &DecideInput<'_>, selection: &Selection, now_ms: u64) -> Decision {
+    let request = input.request;
+    let prompt = input.prompt;
+    let overlap = selection.overlap.map_or(0, |o| o.device);
+    let cached_tokens = u64::from(overlap) * u64::from(input.partition.block_size);
+    Decision {
+        v: SchemaVersion::CURRENT,
+        decision_id: input.decision_id,
+        request_id: input.request_id,
+        router_id: input.router_id.to_owned(),
+        model: request.model.clone(),
+        role: request.role,
+        worker_id: selection.worker.worker_id,
+        dp_rank: selection.worker.dp_rank,
+        session_id: request.session.as_ref().map(|s| s.id.clone()),
+        request_blocks: prompt.blocks(),
+        overlap_blocks: overlap,
+        prefill_tokens: prompt.tokens.saturating_sub(cached_tokens),
+        expected_output_tokens: request.expected_output_tokens,
+        cost: selection.cost.clone(),
+        policy: selection.policy.clone(),
+        binding: selection.binding,
+        ts: now_ms,
+        attempt: request.attempt,
+        prefix_hashes: Vec::new(),
+    }
+}
+
+/// The reply that announces decision `d` (this replica's or another's): what a retry of its
+/// request gets, so every attempt of one request is answered with one decision.
+pub fn from_decision(d: &Decision, request_subject: String) -> SelectReply {
+    let mut overlap_blocks = std::collections::BTreeMap::new();
+    if d.overlap_blocks > 0 {
+        overlap_blocks.insert(StorageTier::Device, d.overlap_blocks);
+    }
+    SelectReply {
+        v: SchemaVersion::CURRENT,
+        request_id: d.request_id,
+        decision_id: d.decision_id,
+        worker_id: d.worker_id,
+        dp_rank: d.dp_rank,
+        request_subject,
+        overlap_blocks,
+        request_blocks: d.request_blocks,
+        cost: d.cost.clone(),
+        policy: d.policy.clone(),
+        binding: d.binding,
+        router_id: d.router_id.clone(),
+    }
+}
+
+/// The reply for a new selection.
+pub fn reply(
+    selection: &Selection,
+    request_id: RequestId,
+    decision_id: DecisionId,
+    request_blocks: u32,
+    router_id: &str,
+) -> SelectReply {
+    SelectReply {
+        v: SchemaVersion::CURRENT,
+        request_id,
+        decision_id,
+        worker_id: selection.worker.worker_id,
+        dp_rank: selection.worker.dp_rank,
+        request_subject: selection.request_subject.clone(),
+        overlap_blocks: selection.overlap.map(|o| o.by_tier()).unwrap_or_default(),
+        request_blocks,
+        cost: selection.cost.clone(),
+        policy: selection.policy.clone(),
+        binding: selection.binding,
+        router_id: router_id.to_owned(),
+    }
+}
