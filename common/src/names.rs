@@ -171,6 +171,17 @@ impl Names {
         key.strip_prefix(&self.workers_prefix())?.parse().ok()
     }
 
+    /// `/kvroute/<ns>/routers/` — the prefix serving router replicas register under.
+    pub fn routers_prefix(&self) -> String {
+        format!("/kvroute/{}/routers/", self.ns.as_str())
+    }
+
+    /// `/kvroute/<ns>/routers/<router_id>` — router replica `router_id`'s registration, bound
+    /// to its lease while it serves.
+    pub fn router_key(&self, router_id: &str) -> String {
+        format!("{}{router_id}", self.routers_prefix())
+    }
+
     /// `/kvroute/<ns>/leader/indexer` — the snapshot leader's election key.
     pub fn indexer_leader_key(&self) -> String {
         format!("/kvroute/{}/leader/indexer", self.ns.as_str())

@@ -90,8 +90,11 @@ async fn a_retry_gets_the_decision_already_made_by_any_replica() {
     let env = TestEnv::start().unwrap();
     let names = Names::new(&env.namespace);
     let _fleet = prompt_workers(&env, &[1, 2, 3]).await;
-    let r1 = RouterProcess::start(&env, "r1", &[]).unwrap();
-    let r2 = RouterProcess::start(&env, "r2", &[]).unwrap();
+    // Each replica decides what it receives (as while a partition changes owner): a retry
+    // reaching the other replica still gets the first decision.
+    let independent = ["--no-partition-owner"];
+    let r1 = RouterProcess::start(&env, "r1", &independent).unwrap();
+    let r2 = RouterProcess::start(&env, "r2", &independent).unwrap();
     let nats = env.nats.connect().await.unwrap();
     let mut seen = decisions(&nats, &names).await;
     let first = SelectRequest {

@@ -124,8 +124,11 @@ async fn racing_first_requests_of_a_session_land_on_one_worker() {
     let names = Names::new(&env.namespace);
     let _indexer = IndexerProcess::start(&env, "ix", &[]).unwrap();
     let workers = fleet(&env, 2).await;
-    let a = RouterProcess::start(&env, "a", &[]).unwrap();
-    let b = RouterProcess::start(&env, "b", &[]).unwrap();
+    // Each replica decides what it receives (as while a partition changes owner), so first
+    // requests of one session race across replicas on the sessions bucket.
+    let independent = ["--no-partition-owner"];
+    let a = RouterProcess::start(&env, "a", &independent).unwrap();
+    let b = RouterProcess::start(&env, "b", &independent).unwrap();
     let nats = env.nats.connect().await.unwrap();
     // Two prompts held by different workers: alone, each request goes elsewhere.
     let (p1, p2) = (prompt(1, 8), prompt(2, 8));

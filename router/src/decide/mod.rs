@@ -16,6 +16,7 @@
 
 pub mod candidates;
 pub mod load_view;
+pub mod owner;
 pub mod predicted;
 pub mod prompt;
 pub mod wire;

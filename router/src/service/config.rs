@@ -174,6 +174,27 @@ pub struct RouterConfig {
         default_value_t = 2000
     )]
     pub predicted_overlap_ttl_ms: u64,
+    /// Decide every request here instead of forwarding it to its partition's owner (by
+    /// default each (model, role) partition has one owning replica among the serving ones,
+    /// registered in etcd, and the others forward its requests there).
+    #[arg(long = "no-partition-owner", env = "KVROUTE_NO_PARTITION_OWNER")]
+    pub no_partition_owner: bool,
+    /// How long a forwarded request waits for its partition's owner before this replica
+    /// decides it itself, in milliseconds (shortened to the request's deadline).
+    #[arg(
+        long = "forward-timeout-ms",
+        env = "KVROUTE_FORWARD_TIMEOUT_MS",
+        default_value_t = 500
+    )]
+    pub forward_timeout_ms: u64,
+    /// TTL of this replica's registration in etcd while it serves, in seconds (at least 2):
+    /// an owner that dies is replaced within it.
+    #[arg(
+        long = "router-lease-ttl-secs",
+        env = "KVROUTE_ROUTER_LEASE_TTL_SECS",
+        default_value_t = 2
+    )]
+    pub router_lease_ttl_secs: u64,
 
     /// A rank is busy (not eligible) above this fraction of its KV blocks in decode (off by default).
     #[arg(
@@ -243,6 +264,7 @@ impl RouterConfig {
             ("prediction-confirm-ms", self.prediction_confirm_ms),
             ("prediction-max-age-secs", self.prediction_max_age_secs),
             ("max-in-flight", self.max_in_flight as u64),
+            ("forward-timeout-ms", self.forward_timeout_ms),
         ];
         for (field, value) in positive {
             if value == 0 {
@@ -253,6 +275,12 @@ impl RouterConfig {
             return Err(ConfigError::new(
                 "index-query-attempts",
                 "must be at most --index-query-timeout-ms (each attempt waits at least 1 ms)",
+            ));
+        }
+        if self.router_lease_ttl_secs < 2 {
+            return Err(ConfigError::new(
+                "router-lease-ttl-secs",
+                "must be at least 2 (etcd's shortest lease)",
             ));
         }
         if self.busy_prefill_tokens == Some(0) {

@@ -40,7 +40,9 @@ pub struct RouterMetrics {
     pub retries_received: Arc<Counter>,
     /// Requests answered with the decision their id already had.
     pub repeated: Arc<Counter>,
-    /// Own decisions that lost to another replica's decision of the same request.
+    /// Requests forwarded to their partition's owner, by outcome (`answered`,
+    /// `no_responders`, `timeout`, `error`: the last three were decided here instead).
+    pub forwards: Arc<CounterVec>,
     /// Remote overlap query attempts beyond the first.
     pub overlap_retries: Arc<Counter>,
     /// 1 while the replica is in the select queue group.
@@ -128,6 +130,11 @@ impl RouterMetrics {
             predicted_requests: r.gauge(
                 "kvroute_router_predicted_requests",
                 "Requests in the predicted load view, not yet finished.",
+            ),
+            forwards: r.counter_vec(
+                "kvroute_router_forwards_total",
+                "Requests forwarded to their partition's owner replica, by outcome.",
+                "outcome",
             ),
             expired: r.counter_vec(
                 "kvroute_router_expired_requests_total",

@@ -11,6 +11,7 @@ mod http;
 pub mod intake;
 pub mod metrics;
 pub mod overlap;
+mod peers;
 mod policies;
 pub mod reply;
 mod selection;
@@ -113,6 +114,10 @@ pub struct Router {
     settings: SelectionSettings,
     metrics: RouterMetrics,
     max_in_flight: usize,
+    /// The serving replicas registered in etcd; `None` when this replica decides everything
+    /// itself (`--no-partition-owner`).
+    peers: Option<tokio::sync::watch::Receiver<peers::PeerSet>>,
+    forward_timeout: Duration,
 }
 
 impl std::fmt::Debug for Router {
@@ -183,6 +188,7 @@ pub async fn run(
         tracing::info!(%role, policy = s.instance, source = %s.origin, "worker-selection policy");
     }
     let seed = config.seed.unwrap_or_else(rand::random);
+    let (peers_tx, peers_rx) = tokio::sync::watch::channel(peers::PeerSet::default());
     let router = Arc::new(Router {
         router_id: router_id.clone(),
         decisions_subject: names.decisions(),
@@ -203,7 +209,24 @@ pub async fn run(
         settings: config.selection_settings(),
         metrics: RouterMetrics::new(),
         max_in_flight: config.max_in_flight,
+        peers: (!config.no_partition_owner).then_some(peers_rx),
+        forward_timeout: Duration::from_millis(config.forward_timeout_ms),
     });
+    let registration = Arc::new(peers::Registration::default());
+    let mut etcd_for_shutdown = etcd.clone();
+    let peer_tasks = if config.no_partition_owner {
+        Vec::new()
+    } else {
+        vec![
+            tokio::spawn(peers::register(
+                router.clone(),
+                etcd.clone(),
+                Duration::from_secs(config.router_lease_ttl_secs),
+                registration.clone(),
+            )),
+            tokio::spawn(peers::watch(etcd.clone(), names.clone(), peers_tx)),
+        ]
+    };
 
     let (addr, http_task) = kvroute_common::ops::serve_http(
         "http-addr",
@@ -233,6 +256,11 @@ pub async fn run(
 
     shutdown.await;
     tracing::info!(router_id, "shutting down");
+    // Out of the owners first, so the other replicas stop forwarding here.
+    for task in peer_tasks {
+        task.abort();
+    }
+    registration.revoke(&mut etcd_for_shutdown).await;
     intake_task.abort();
     watchdog_task.abort();
     watch_task.abort();

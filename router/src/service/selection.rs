@@ -28,11 +28,17 @@ use crate::select::SelectFailure;
 use crate::signals::{Overlap, SignalSnapshot};
 use crate::worker::WorkerRank;
 
+/// The header of a request forwarded to its partition's owner: the forwarding replica's id.
+/// The owner decides such a request whatever it thinks of ownership (never a second hop).
+pub const FORWARDED_BY: &str = "Kvroute-Forwarded-By";
+
 /// What became of one request message (lives for one request: not worth a box).
 #[allow(clippy::large_enum_variant)]
 enum Outcome {
     /// Answer with this, and publish the decision if one was made.
     Answer(SelectResponse, Option<Decision>),
+    /// The partition's owner answered this (encoded reply, passed on as it is).
+    Relayed(bytes::Bytes),
     /// Past its deadline when picked up (`intake`), when its turn on the policy came
     /// (`queued`) or once its session binding was committed (`selected`): dropped unanswered.
     Expired(&'static str),
@@ -83,8 +89,17 @@ impl Router {
             self.metrics.bad_messages.inc("select_no_reply_subject");
             return;
         };
-        let (response, decision) = match self.respond(&msg.payload, clock).await {
+        let (response, decision) = match self.respond(&msg, clock).await {
             Outcome::Answer(response, decision) => (response, decision),
+            Outcome::Relayed(bytes) => {
+                if let Err(e) = self.nats.publish(inbox, bytes).await {
+                    tracing::warn!(error = %e, "passing on the owner's reply failed");
+                }
+                self.metrics
+                    .selection_latency
+                    .observe(clock.at.elapsed().as_secs_f64());
+                return;
+            }
             Outcome::Expired(stage) => {
                 self.metrics.expired.inc(stage);
                 return;
@@ -105,8 +120,8 @@ impl Router {
             .observe(clock.at.elapsed().as_secs_f64());
     }
 
-    async fn respond(&self, payload: &[u8], clock: Clock) -> Outcome {
-        let request = match intake::parse(payload) {
+    async fn respond(&self, msg: &async_nats::Message, clock: Clock) -> Outcome {
+        let request = match intake::parse(&msg.payload) {
             Ok(r) => r,
             Err(Rejected { code, message }) => {
                 return Outcome::Answer(wire::error(code, message, None), None);
@@ -118,6 +133,13 @@ impl Router {
         if clock.expired(&request) {
             tracing::debug!(request_id = ?request.request_id, attempt = request.attempt, "dropped a request past its deadline");
             return Outcome::Expired("intake");
+        }
+        let forwarded = msg.headers.as_ref().and_then(|h| h.get(FORWARDED_BY));
+        if forwarded.is_none()
+            && let Some(owner) = self.owner_of(&request)
+            && let Some(reply) = self.forward(&owner, msg, &request, clock).await
+        {
+            return Outcome::Relayed(reply);
         }
         let request_id = request.request_id.unwrap_or_else(Uuid::new_v4);
         match self.choose(&request, request_id, clock).await {
@@ -241,6 +263,67 @@ impl Router {
             SelectResponse::Ok(reply),
             Some(new.decision),
         ))
+    }
+
+    /// The replica owning the request's partition, when it is another one (see
+    /// `crate::decide::owner`); `None` when this replica owns it, forwarding is off, or no
+    /// replica is registered yet.
+    fn owner_of(&self, request: &SelectRequest) -> Option<String> {
+        let peers = self.peers.as_ref()?.borrow().clone();
+        let owner = crate::decide::owner::owner(
+            peers.iter().map(String::as_str),
+            &request.model,
+            request.role,
+        )?;
+        (owner != self.router_id).then(|| owner.to_owned())
+    }
+
+    /// Forwards the request to `owner` and returns its encoded reply; `None` when the owner
+    /// cannot answer in time (gone, stalled, not serving), and this replica decides instead.
+    async fn forward(
+        &self,
+        owner: &str,
+        msg: &async_nats::Message,
+        request: &SelectRequest,
+        clock: Clock,
+    ) -> Option<bytes::Bytes> {
+        let mut timeout = self.forward_timeout;
+        if let Some(deadline) = request.deadline_ms {
+            let left = deadline.saturating_sub(clock.now_ms());
+            timeout = timeout.min(std::time::Duration::from_millis(left.max(1)));
+        }
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(FORWARDED_BY, self.router_id.as_str());
+        let forward = async_nats::Request::new()
+            .payload(msg.payload.clone())
+            .headers(headers)
+            .timeout(Some(timeout));
+        let outcome = self
+            .nats
+            .send_request(self.names.router_select(owner), forward)
+            .await;
+        let forwards = &self.metrics.forwards;
+        match outcome {
+            Ok(reply) => {
+                forwards.inc("answered");
+                Some(reply.payload)
+            }
+            Err(e) => {
+                use async_nats::client::RequestErrorKind;
+                let reason = match e.kind() {
+                    RequestErrorKind::NoResponders => "no_responders",
+                    RequestErrorKind::TimedOut => "timeout",
+                    _ => "error",
+                };
+                forwards.inc(reason);
+                tracing::debug!(
+                    owner,
+                    reason,
+                    "the partition's owner did not answer; deciding here"
+                );
+                None
+            }
+        }
     }
 
     /// The prompt's overlap per rank, when the policy reads `CACHE`.
