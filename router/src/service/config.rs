@@ -180,11 +180,13 @@ pub struct RouterConfig {
     #[arg(long = "no-partition-owner", env = "KVROUTE_NO_PARTITION_OWNER")]
     pub no_partition_owner: bool,
     /// How long a forwarded request waits for its partition's owner before this replica
-    /// decides it itself, in milliseconds (shortened to the request's deadline).
+    /// decides it itself, in milliseconds (shortened to the request's deadline). Below the
+    /// clients' first attempt timeout (250 ms), so a stalled owner costs a request this
+    /// long, not a retry.
     #[arg(
         long = "forward-timeout-ms",
         env = "KVROUTE_FORWARD_TIMEOUT_MS",
-        default_value_t = 500
+        default_value_t = 150
     )]
     pub forward_timeout_ms: u64,
     /// TTL of this replica's registration in etcd while it serves, in seconds (at least 2):
