@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use kvroute_common::messages::{IndexReply, StorageTier, WorkerLoad};
+use kvroute_common::messages::{IndexReply, StorageTier, WorkerCard, WorkerLoad, WorkerMatch};
 
 use crate::worker::WorkerRank;
 
@@ -74,8 +74,17 @@ impl SignalSnapshot {
     }
 
     /// Takes every match of an index reply.
-    pub fn with_index_reply(mut self, reply: &IndexReply) -> Self {
-        for m in &reply.matches {
+    pub fn with_index_reply(self, reply: &IndexReply) -> Self {
+        self.with_matches(&reply.matches)
+    }
+
+    /// A snapshot with the overlap of every match (an index reply's or a local lookup's).
+    pub fn from_matches(matches: &[WorkerMatch]) -> Self {
+        Self::new().with_matches(matches)
+    }
+
+    fn with_matches(mut self, matches: &[WorkerMatch]) -> Self {
+        for m in matches {
             let overlap = Overlap {
                 device: m.device,
                 host: m.host,
@@ -84,6 +93,24 @@ impl SignalSnapshot {
             };
             self.overlaps
                 .insert(WorkerRank::new(m.worker_id, m.dp_rank), overlap);
+        }
+        self
+    }
+
+    /// Adds the load `load` knows of every rank of `cards` (ranks it knows nothing of stay
+    /// absent: idle).
+    pub fn with_loads(
+        mut self,
+        cards: &[WorkerCard],
+        load: impl Fn(WorkerRank) -> Option<ObservedLoad>,
+    ) -> Self {
+        for card in cards {
+            for rank in card.dp_ranks() {
+                let worker = WorkerRank::new(card.worker_id, rank);
+                if let Some(l) = load(worker) {
+                    self.loads.insert(worker, l);
+                }
+            }
         }
         self
     }

@@ -20,8 +20,7 @@ use crate::eligibility::EligibilityError;
 use crate::pipeline::WorkerInputs;
 use crate::registry::ConfigError;
 use crate::select::{SelectFailure, SelectInput, select};
-use crate::signals::{Overlap, SignalSnapshot};
-use crate::worker::WorkerRank;
+use crate::signals::SignalSnapshot;
 
 /// What became of one request message (lives for one request: not worth a box).
 #[allow(clippy::large_enum_variant)]
@@ -259,16 +258,7 @@ impl Router {
                             .overlap_retries
                             .add(u64::from(found.attempts - 1));
                     }
-                    for m in found.matches {
-                        let overlap = Overlap {
-                            device: m.device,
-                            host: m.host,
-                            disk: m.disk,
-                            cached_blocks: m.total_blocks,
-                        };
-                        signals =
-                            signals.with_overlap(WorkerRank::new(m.worker_id, m.dp_rank), overlap);
-                    }
+                    signals = SignalSnapshot::from_matches(&found.matches);
                 }
                 Err(fallback) => {
                     self.metrics.overlap_fallbacks.inc(fallback.reason());
@@ -289,21 +279,14 @@ impl Router {
     /// reads `LOAD`.
     fn load_signals(
         &self,
-        mut signals: SignalSnapshot,
+        signals: SignalSnapshot,
         cards: &[kvroute_common::messages::WorkerCard],
         slot: &PolicySlot,
     ) -> SignalSnapshot {
-        if slot.inputs.contains(WorkerInputs::LOAD) {
-            let view = self.lock_load();
-            for card in cards {
-                for rank in card.dp_ranks() {
-                    let worker = WorkerRank::new(card.worker_id, rank);
-                    if let Some(load) = view.load(worker) {
-                        signals = signals.with_load(worker, load);
-                    }
-                }
-            }
+        if !slot.inputs.contains(WorkerInputs::LOAD) {
+            return signals;
         }
-        signals
+        let view = self.lock_load();
+        signals.with_loads(cards, |rank| view.load(rank))
     }
 }
