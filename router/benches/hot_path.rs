@@ -229,18 +229,16 @@ impl Bench {
             partition.block_size,
             "bench",
         );
-        self.load.lock().unwrap().apply_decision(&decision, now_ms());
+        self.load
+            .lock()
+            .unwrap()
+            .apply_decision(&decision, now_ms());
         let m = &self.metrics;
         m.decisions_applied.inc();
         m.decisions.inc(&selection.worker.to_string());
         m.request_blocks.add(u64::from(prompt.blocks()));
         m.overlap_blocks.add(u64::from(decision.overlap_blocks));
-        let reply = selection.to_reply(
-            request_id,
-            decision.decision_id,
-            prompt.blocks(),
-            "bench",
-        );
+        let reply = selection.to_reply(request_id, decision.decision_id, prompt.blocks(), "bench");
         let reply_bytes = encode(&SelectResponse::Ok(reply)).expect("encode reply");
         let decision_bytes = encode(&decision).expect("encode decision");
         // The feed: every replica decodes every decision, this one's own echo included.

@@ -174,7 +174,8 @@ fn supersedes(new: &Decision, old: &Decision) -> bool {
 #[derive(Debug)]
 pub struct LoadView {
     config: LoadViewConfig,
-    ranks: HashMap<WorkerRank, RankLoad>,
+    /// Read once per candidate rank per selection: hashbrown's foldhash, not SipHash.
+    ranks: hashbrown::HashMap<WorkerRank, RankLoad>,
     decided: HashMap<RequestId, Decided>,
     /// Insertion order of `decided`, for the cap and the age limit.
     decided_order: VecDeque<RequestId>,
@@ -187,7 +188,7 @@ impl LoadView {
     pub fn new(config: LoadViewConfig) -> Self {
         Self {
             config,
-            ranks: HashMap::new(),
+            ranks: hashbrown::HashMap::new(),
             decided: HashMap::new(),
             decided_order: VecDeque::new(),
             settled_early: HashMap::new(),
