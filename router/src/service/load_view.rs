@@ -23,8 +23,11 @@ use std::sync::Arc;
 use kvroute_common::messages::{Decision, LifecycleKind, RequestLifecycle, WorkerLoad};
 use kvroute_common::{RequestId, WorkerId};
 
+use self::predictions::Predictions;
 use crate::signals::ObservedLoad;
 use crate::worker::WorkerRank;
+
+mod predictions;
 
 /// Decisions remembered per request id (de-duplication, retries).
 const RECENT_DECISIONS: usize = 65_536;
@@ -95,7 +98,7 @@ struct RankLoad {
     report_ts: u64,
     /// The report interval learned from consecutive reports' `ts` (a moving average).
     interval_ms: Option<f64>,
-    predictions: HashMap<RequestId, Prediction>,
+    predictions: Predictions,
     /// Insertion order, for the per-rank cap (entries may already be gone).
     order: VecDeque<RequestId>,
 }
@@ -106,13 +109,10 @@ impl RankLoad {
             return None;
         }
         let mut load = self.report.map(|(_, l)| l).unwrap_or_default();
-        for p in self.predictions.values() {
-            if !p.prefilled {
-                load.active_prefill_tokens += p.prefill_tokens;
-            }
-            load.active_decode_blocks += p.blocks;
-            load.active_requests += 1;
-        }
+        let predicted = self.predictions.totals();
+        load.active_prefill_tokens += predicted.prefill_tokens;
+        load.active_decode_blocks += predicted.blocks;
+        load.active_requests += predicted.requests;
         Some(load)
     }
 
@@ -148,7 +148,7 @@ impl RankLoad {
     }
 
     fn retain(&mut self, keep: impl Fn(&Prediction) -> bool) {
-        self.predictions.retain(|_, p| keep(p));
+        self.predictions.retain(keep);
         let predictions = &self.predictions;
         self.order.retain(|id| predictions.contains_key(id));
     }
@@ -303,9 +303,7 @@ impl LoadView {
         };
         match event.kind {
             LifecycleKind::PrefillDone { .. } => {
-                if let Some(p) = rank.predictions.get_mut(&event.request_id) {
-                    p.prefilled = true;
-                }
+                rank.predictions.mark_prefilled(&event.request_id);
             }
             LifecycleKind::Finished { .. } => {
                 rank.predictions.remove(&event.request_id);
