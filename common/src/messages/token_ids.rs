@@ -47,13 +47,12 @@ pub fn from_le_bytes(bytes: &[u8]) -> Option<Vec<u32>> {
     if !bytes.len().is_multiple_of(4) {
         return None;
     }
-    // Written in place rather than collected: this form the compiler vectorizes.
-    let mut tokens = vec![0u32; bytes.len() / 4];
-    for (token, chunk) in tokens.iter_mut().zip(bytes.chunks_exact(4)) {
-        if let &[a, b, c, d] = chunk {
-            *token = u32::from_le_bytes([a, b, c, d]);
-        }
-    }
+    let mut tokens = Vec::with_capacity(bytes.len() / 4);
+    tokens.extend(
+        bytes
+            .chunks_exact(4)
+            .map(|chunk| <[u8; 4]>::try_from(chunk).map_or(0, u32::from_le_bytes)),
+    );
     Some(tokens)
 }
 
