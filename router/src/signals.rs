@@ -2,9 +2,9 @@
 //! observed load (from the load view). The core reads them through [`SignalSource`], only for
 //! the groups some component asked for (see [`crate::pipeline::WorkerInputs`]).
 
-use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-use kvroute_common::messages::{IndexReply, StorageTier, WorkerLoad};
+use kvroute_common::messages::{IndexReply, StorageTier, WorkerCard, WorkerLoad, WorkerMatch};
 
 use crate::worker::WorkerRank;
 
@@ -61,11 +61,78 @@ pub trait SignalSource {
     fn load(&self, worker: WorkerRank) -> Option<ObservedLoad>;
 }
 
-/// A [`SignalSource`] over maps the caller filled beforehand (an index reply, a load view).
+/// Per-rank values sorted by rank, read in rank order: the core asks for the ranks of the
+/// partition's cards in card order (by worker id), so a read usually finds its rank at the
+/// slot after the previous read's and costs a comparison; any other order falls back to a
+/// binary search. (A hash map here cost a SipHash per candidate rank and per signal group.)
+#[derive(Debug, Default)]
+struct RankTable<T> {
+    entries: Vec<(WorkerRank, T)>,
+    /// Where the next read looks first. Only a hint: any value is correct.
+    next: AtomicUsize,
+}
+
+impl<T: Copy> Clone for RankTable<T> {
+    fn clone(&self) -> Self {
+        Self {
+            entries: self.entries.clone(),
+            next: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl<T: Copy> RankTable<T> {
+    fn with_capacity(capacity: usize) -> Self {
+        Self {
+            entries: Vec::with_capacity(capacity),
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// Sets `rank`'s value; appending in rank order is the fast case.
+    fn insert(&mut self, rank: WorkerRank, value: T) {
+        match self.entries.last() {
+            Some((last, _)) if *last >= rank => {
+                match self.entries.binary_search_by_key(&rank, |(r, _)| *r) {
+                    Ok(i) => self.entries[i].1 = value,
+                    Err(i) => self.entries.insert(i, (rank, value)),
+                }
+            }
+            _ => self.entries.push((rank, value)),
+        }
+    }
+
+    fn get(&self, rank: WorkerRank) -> Option<T> {
+        let hint = self.next.load(Ordering::Relaxed);
+        let at_hint = self.entries.get(hint).map(|(r, _)| *r);
+        // `rank` would sit right before the hinted slot: absent (most ranks have no load
+        // and no overlap, so a miss must be as cheap as a hit).
+        let after_previous =
+            hint == 0 || self.entries.get(hint - 1).is_some_and(|(r, _)| *r < rank);
+        let found = match at_hint {
+            Some(r) if r == rank => Ok(hint),
+            Some(r) if r > rank && after_previous => Err(hint),
+            None if hint == self.entries.len() && after_previous => Err(hint),
+            _ => self.entries.binary_search_by_key(&rank, |(r, _)| *r),
+        };
+        match found {
+            Ok(i) => {
+                self.next.store(i + 1, Ordering::Relaxed);
+                Some(self.entries[i].1)
+            }
+            Err(i) => {
+                self.next.store(i, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+}
+
+/// A [`SignalSource`] over tables the caller filled beforehand (an index reply, a load view).
 #[derive(Debug, Clone, Default)]
 pub struct SignalSnapshot {
-    overlaps: HashMap<WorkerRank, Overlap>,
-    loads: HashMap<WorkerRank, ObservedLoad>,
+    overlaps: RankTable<Overlap>,
+    loads: RankTable<ObservedLoad>,
 }
 
 impl SignalSnapshot {
@@ -74,8 +141,18 @@ impl SignalSnapshot {
     }
 
     /// Takes every match of an index reply.
-    pub fn with_index_reply(mut self, reply: &IndexReply) -> Self {
-        for m in &reply.matches {
+    pub fn with_index_reply(self, reply: &IndexReply) -> Self {
+        self.with_matches(&reply.matches)
+    }
+
+    /// A snapshot with the overlap of every match (an index reply's or a local lookup's).
+    pub fn from_matches(matches: &[WorkerMatch]) -> Self {
+        Self::new().with_matches(matches)
+    }
+
+    fn with_matches(mut self, matches: &[WorkerMatch]) -> Self {
+        self.overlaps.entries.reserve(matches.len());
+        for m in matches {
             let overlap = Overlap {
                 device: m.device,
                 host: m.host,
@@ -84,6 +161,27 @@ impl SignalSnapshot {
             };
             self.overlaps
                 .insert(WorkerRank::new(m.worker_id, m.dp_rank), overlap);
+        }
+        self
+    }
+
+    /// Adds the load `load` knows of every rank of `cards` (ranks it knows nothing of stay
+    /// absent: idle).
+    pub fn with_loads(
+        mut self,
+        cards: &[WorkerCard],
+        load: impl Fn(WorkerRank) -> Option<ObservedLoad>,
+    ) -> Self {
+        if self.loads.entries.is_empty() {
+            self.loads = RankTable::with_capacity(cards.len());
+        }
+        for card in cards {
+            for rank in card.dp_ranks() {
+                let worker = WorkerRank::new(card.worker_id, rank);
+                if let Some(l) = load(worker) {
+                    self.loads.insert(worker, l);
+                }
+            }
         }
         self
     }
@@ -101,11 +199,11 @@ impl SignalSnapshot {
 
 impl SignalSource for SignalSnapshot {
     fn overlap(&self, worker: WorkerRank) -> Overlap {
-        self.overlaps.get(&worker).copied().unwrap_or_default()
+        self.overlaps.get(worker).unwrap_or_default()
     }
 
     fn load(&self, worker: WorkerRank) -> Option<ObservedLoad> {
-        self.loads.get(&worker).copied()
+        self.loads.get(worker)
     }
 }
 
@@ -134,5 +232,55 @@ mod tests {
         assert_eq!(o.by_tier().len(), 2);
         assert_eq!(snap.overlap(WorkerRank::new(1, 0)), Overlap::default());
         assert_eq!(snap.load(WorkerRank::new(1, 2)), None);
+    }
+
+    #[test]
+    fn tables_answer_in_any_order_and_keep_the_last_value() {
+        let load = |n: u64| ObservedLoad {
+            active_requests: n,
+            ..ObservedLoad::default()
+        };
+        let mut snap = SignalSnapshot::new();
+        // Out of order, with a rank set twice.
+        for (w, r, n) in [(3, 0, 30), (1, 1, 11), (1, 0, 10), (2, 0, 20), (1, 1, 12)] {
+            snap = snap.with_load(WorkerRank::new(w, r), load(n));
+        }
+        let reads = [
+            (1, 0, Some(10)),
+            (1, 1, Some(12)),
+            (2, 0, Some(20)),
+            (3, 0, Some(30)),
+        ];
+        for order in [[0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]] {
+            for i in order {
+                let (w, r, n) = reads[i];
+                assert_eq!(snap.load(WorkerRank::new(w, r)), n.map(load));
+            }
+            assert_eq!(snap.load(WorkerRank::new(2, 1)), None);
+            assert_eq!(snap.load(WorkerRank::new(9, 0)), None);
+        }
+        assert_eq!(snap.clone().load(WorkerRank::new(3, 0)), Some(load(30)));
+    }
+
+    #[test]
+    fn loads_come_from_every_rank_of_the_cards() {
+        let mut cards = crate::testing::cards(3);
+        cards[1].dp_size = 2;
+        let snap = SignalSnapshot::new().with_loads(&cards, |rank| {
+            (rank.worker_id != 3).then_some(ObservedLoad {
+                active_requests: rank.worker_id * 10 + u64::from(rank.dp_rank),
+                ..ObservedLoad::default()
+            })
+        });
+        let requests = |w, r| snap.load(WorkerRank::new(w, r)).map(|l| l.active_requests);
+        assert_eq!(
+            [
+                requests(1, 0),
+                requests(2, 0),
+                requests(2, 1),
+                requests(3, 0)
+            ],
+            [Some(10), Some(20), Some(21), None]
+        );
     }
 }

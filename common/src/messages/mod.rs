@@ -11,6 +11,7 @@ mod index;
 mod kv_event;
 mod select;
 mod session;
+pub mod token_ids;
 mod worker;
 
 pub use decision::{Decision, LifecycleKind, RequestLifecycle};

@@ -24,7 +24,9 @@ pub struct SelectRequest {
     pub model: String,
     #[serde(default)]
     pub role: WorkerRole,
-    #[serde(default)]
+    /// On the wire a `bin` of little-endian `u32`s (what this encoder writes) or an array of
+    /// integers; see [`super::token_ids`].
+    #[serde(default, with = "super::token_ids")]
     pub token_ids: Option<Vec<u32>>,
     #[serde(default)]
     pub block_hashes: Option<Vec<LocalBlockHash>>,

@@ -23,9 +23,12 @@ use std::sync::Arc;
 use kvroute_common::messages::{Decision, LifecycleKind, RequestLifecycle, WorkerLoad};
 use kvroute_common::{RequestId, WorkerId};
 
+use self::predictions::Predictions;
 use super::predicted::PredictedOverlap;
 use crate::signals::ObservedLoad;
 use crate::worker::WorkerRank;
+
+mod predictions;
 
 /// Decisions remembered per request id (de-duplication, retries).
 const RECENT_DECISIONS: usize = 65_536;
@@ -99,7 +102,7 @@ struct RankLoad {
     report_ts: u64,
     /// The report interval learned from consecutive reports' `ts` (a moving average).
     interval_ms: Option<f64>,
-    predictions: HashMap<RequestId, Prediction>,
+    predictions: Predictions,
     /// Insertion order, for the per-rank cap (entries may already be gone).
     order: VecDeque<RequestId>,
 }
@@ -110,13 +113,10 @@ impl RankLoad {
             return None;
         }
         let mut load = self.report.map(|(_, l)| l).unwrap_or_default();
-        for p in self.predictions.values() {
-            if !p.prefilled {
-                load.active_prefill_tokens += p.prefill_tokens;
-            }
-            load.active_decode_blocks += p.blocks;
-            load.active_requests += 1;
-        }
+        let predicted = self.predictions.totals();
+        load.active_prefill_tokens += predicted.prefill_tokens;
+        load.active_decode_blocks += predicted.blocks;
+        load.active_requests += predicted.requests;
         Some(load)
     }
 
@@ -152,7 +152,7 @@ impl RankLoad {
     }
 
     fn retain(&mut self, keep: impl Fn(&Prediction) -> bool) {
-        self.predictions.retain(|_, p| keep(p));
+        self.predictions.retain(keep);
         let predictions = &self.predictions;
         self.order.retain(|id| predictions.contains_key(id));
     }
@@ -186,7 +186,8 @@ fn supersedes(new: &Decision, old: &Decision) -> bool {
 #[derive(Debug)]
 pub struct LoadView {
     config: LoadViewConfig,
-    ranks: HashMap<WorkerRank, RankLoad>,
+    /// Read once per candidate rank per selection: hashbrown's foldhash, not SipHash.
+    ranks: hashbrown::HashMap<WorkerRank, RankLoad>,
     decided: HashMap<RequestId, Decided>,
     /// Insertion order of `decided`, for the cap and the age limit.
     decided_order: VecDeque<RequestId>,
@@ -201,7 +202,7 @@ impl LoadView {
     pub fn new(config: LoadViewConfig) -> Self {
         Self {
             config,
-            ranks: HashMap::new(),
+            ranks: hashbrown::HashMap::new(),
             decided: HashMap::new(),
             decided_order: VecDeque::new(),
             settled_early: HashMap::new(),
@@ -362,9 +363,7 @@ impl LoadView {
         };
         match event.kind {
             LifecycleKind::PrefillDone { .. } => {
-                if let Some(p) = rank.predictions.get_mut(&event.request_id) {
-                    p.prefilled = true;
-                }
+                rank.predictions.mark_prefilled(&event.request_id);
             }
             LifecycleKind::Finished { .. } => {
                 rank.predictions.remove(&event.request_id);

@@ -79,14 +79,14 @@ pub fn eligible_ranks<'a>(
     busy: &BusyThresholds,
     signals: &dyn SignalSource,
 ) -> Result<Vec<EligibleRank<'a>>, EligibilityError> {
-    let serving: Vec<&WorkerCard> = workers.iter().filter(|c| rules.serves(c)).collect();
-    if serving.is_empty() {
+    if !workers.iter().any(|c| rules.serves(c)) {
         return Err(EligibilityError::NoWorkers {
             model: rules.model.to_owned(),
             role: rules.role,
         });
     }
-    let ranks = serving.into_iter().flat_map(|card| {
+    let serving = workers.iter().filter(|c| rules.serves(c));
+    let ranks = serving.flat_map(|card| {
         card.dp_ranks()
             .map(move |rank| (WorkerRank::new(card.worker_id, rank), card))
     });
@@ -119,7 +119,7 @@ pub fn eligible_ranks<'a>(
         return Ok(eligible);
     }
 
-    let mut eligible = Vec::new();
+    let mut eligible = Vec::with_capacity(workers.len());
     let mut filtered = Vec::new();
     let mut overloaded = Vec::new();
     for (worker, card) in ranks {

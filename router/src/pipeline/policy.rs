@@ -86,11 +86,12 @@ impl WorkerSelectionPolicy {
     ) -> Result<PolicyChoice<'a>, PipelineError> {
         let rows = self.filter(context, rows)?;
         let mut scored = Vec::with_capacity(rows.len());
-        let mut terms = Vec::with_capacity(rows.len());
+        // Every row's terms in one buffer (row-major), not one allocation per row.
+        let per_row = self.scorers.len();
+        let mut terms = Vec::with_capacity(rows.len() * per_row);
         for row in rows {
-            let (cost, row_terms) = self.score(context, &row)?;
+            let cost = self.score(context, &row, &mut terms)?;
             scored.push(ScoredCandidate::new(row, cost));
-            terms.push(row_terms);
         }
         let index =
             self.picker
@@ -108,7 +109,7 @@ impl WorkerSelectionPolicy {
             });
         }
         let row = scored[index];
-        let cost = self.breakdown(row.cost(), std::mem::take(&mut terms[index]));
+        let cost = self.breakdown(row.cost(), &terms[index * per_row..(index + 1) * per_row]);
         Ok(PolicyChoice { row, cost })
     }
 
@@ -119,10 +120,11 @@ impl WorkerSelectionPolicy {
         context: &RequestContext,
         row: WorkerCandidate<'a>,
     ) -> Result<PolicyChoice<'a>, PipelineError> {
-        let (cost, terms) = self.score(context, &row)?;
+        let mut terms = Vec::with_capacity(self.scorers.len());
+        let cost = self.score(context, &row, &mut terms)?;
         Ok(PolicyChoice {
             row: ScoredCandidate::new(row, cost),
-            cost: self.breakdown(cost, terms),
+            cost: self.breakdown(cost, &terms),
         })
     }
 
@@ -158,13 +160,14 @@ impl WorkerSelectionPolicy {
         Ok(rows)
     }
 
+    /// The row's total cost; its terms, one per scorer, are appended to `terms`.
     fn score(
         &mut self,
         context: &RequestContext,
         row: &WorkerCandidate<'_>,
-    ) -> Result<(f64, Vec<f64>), PipelineError> {
+        terms: &mut Vec<f64>,
+    ) -> Result<f64, PipelineError> {
         let mut total = 0.0;
-        let mut terms = Vec::with_capacity(self.scorers.len());
         for scorer in &mut self.scorers {
             let cost = scorer
                 .score(context, row)
@@ -191,15 +194,15 @@ impl WorkerSelectionPolicy {
                 cost: total,
             });
         }
-        Ok((total, terms))
+        Ok(total)
     }
 
-    fn breakdown(&self, total: f64, terms: Vec<f64>) -> CostBreakdown {
+    fn breakdown(&self, total: f64, terms: &[f64]) -> CostBreakdown {
         let mut breakdown = CostBreakdown {
             total,
             ..CostBreakdown::default()
         };
-        for (scorer, cost) in self.scorers.iter().zip(terms) {
+        for (scorer, cost) in self.scorers.iter().zip(terms.iter().copied()) {
             *breakdown
                 .terms
                 .entry(scorer.name().to_owned())

@@ -25,8 +25,7 @@ use crate::eligibility::EligibilityError;
 use crate::pipeline::WorkerInputs;
 use crate::registry::ConfigError;
 use crate::select::SelectFailure;
-use crate::signals::{Overlap, SignalSnapshot};
-use crate::worker::WorkerRank;
+use crate::signals::SignalSnapshot;
 
 /// The header of a request forwarded to its partition's owner: the forwarding replica's id.
 /// The owner decides such a request whatever it thinks of ownership (never a second hop).
@@ -343,16 +342,7 @@ impl Router {
                             .overlap_retries
                             .add(u64::from(found.attempts - 1));
                     }
-                    for m in found.matches {
-                        let overlap = Overlap {
-                            device: m.device,
-                            host: m.host,
-                            disk: m.disk,
-                            cached_blocks: m.total_blocks,
-                        };
-                        signals =
-                            signals.with_overlap(WorkerRank::new(m.worker_id, m.dp_rank), overlap);
-                    }
+                    signals = SignalSnapshot::from_matches(&found.matches);
                 }
                 Err(fallback) => {
                     self.metrics.overlap_fallbacks.inc(fallback.reason());
