@@ -24,8 +24,8 @@ use kvroute_common::messages::{
     Decision, KvEvent, KvEventBatch, KvEventData, SchemaVersion, SelectRequest, SelectResponse,
     StorageTier, StoredBlock, WorkerCard, WorkerRole, now_ms,
 };
-use kvroute_indexer::index::{IndexConfig, SharedIndex};
 use kvroute_common::{Names, Namespace};
+use kvroute_indexer::index::{IndexConfig, SharedIndex};
 use kvroute_router::decide::candidates::Candidates;
 use kvroute_router::decide::load_view::{LoadView, LoadViewConfig};
 use kvroute_router::decide::prompt::prompt;

@@ -43,6 +43,10 @@ struct Args {
     /// Measured seconds per target (after one second of warm-up).
     #[arg(long, default_value_t = 5)]
     seconds: u64,
+    /// Two router replicas, requests sent to the one that does not own the partition (it
+    /// forwards them to the owner); prints each replica's CPU per selection.
+    #[arg(long)]
+    forwarding: bool,
 }
 
 const DOCUMENTS: u32 = 64;
@@ -57,6 +61,36 @@ struct Measured {
     per_sec: f64,
     p50_us: f64,
     p99_us: f64,
+    /// Selections answered in the measured seconds (and the warm-up).
+    count: usize,
+}
+
+/// CPU time (user + system) of this process's threads named `name`, in seconds.
+fn thread_cpu(name: &str) -> f64 {
+    let ticks = 100.0; // USER_HZ on Linux
+    let mut total = 0u64;
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    for task in tasks.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim_end() != name {
+            continue;
+        }
+        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+        let Some((_, after)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let fields: Vec<&str> = after.split_whitespace().collect();
+        // After the command: state is field 3, utime 14 and stime 15.
+        for i in [11, 12] {
+            total += fields
+                .get(i)
+                .and_then(|f| f.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    total as f64 / ticks
 }
 
 fn main() -> anyhow::Result<()> {
@@ -71,7 +105,7 @@ fn main() -> anyhow::Result<()> {
     println!("|---|---|---|---|---|---|---|");
     for &workers in &args.workers {
         for mode in &args.modes {
-            let (echo, router) = driver.block_on(scenario(&args, workers, mode))?;
+            let (echo, router, cpu) = driver.block_on(scenario(&args, workers, mode))?;
             println!(
                 "| {workers} | {mode} | {:.0} | {:.0} | {:.0} % | {:.0} / {:.0} | {:.0} / {:.0} |",
                 echo.per_sec,
@@ -82,6 +116,17 @@ fn main() -> anyhow::Result<()> {
                 router.p50_us,
                 router.p99_us
             );
+            match cpu {
+                (receiver, Some(owner)) => eprintln!(
+                    "{workers} {mode}: CPU per selection, forwarding replica {:.1} µs, owner {:.1} µs",
+                    receiver * 1e6,
+                    owner * 1e6
+                ),
+                (receiver, None) => eprintln!(
+                    "{workers} {mode}: CPU per selection, router {:.1} µs",
+                    receiver * 1e6
+                ),
+            }
         }
     }
     Ok(())
@@ -100,6 +145,7 @@ where
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
+            .thread_name(format!("svc-{name}"))
             .enable_all()
             .build()
             .expect("runtime");
@@ -114,7 +160,13 @@ where
     })
 }
 
-async fn scenario(args: &Args, workers: u64, mode: &str) -> anyhow::Result<(Measured, Measured)> {
+/// The echo's and the router's figures, and the CPU per selection of the replica the requests
+/// reach and (with `--forwarding`) of the owner they are forwarded to.
+async fn scenario(
+    args: &Args,
+    workers: u64,
+    mode: &str,
+) -> anyhow::Result<(Measured, Measured, (f64, Option<f64>))> {
     let env = TestEnv::start()?;
     let names = Names::new(&env.namespace);
     let stop = Arc::new(AtomicBool::new(false));
@@ -214,22 +266,71 @@ async fn scenario(args: &Args, workers: u64, mode: &str) -> anyhow::Result<(Meas
         "--seed".into(),
         "1".into(),
     ]);
-    let r_config = kvroute_router::service::RouterConfig::parse_from(r_args);
-    let prepared = kvroute_router::service::Prepared::new(
-        r_config,
-        &kvroute_router::registry::PolicyRegistry::with_builtins(),
-    )?;
-    let router = spawn_service("router", stop.clone(), move |shutdown| {
-        Box::pin(kvroute_router::service::run(prepared, shutdown))
-    });
+    let ids: &[&str] = if args.forwarding {
+        &["bench", "bench-b"]
+    } else {
+        &["bench"]
+    };
+    let mut routers = Vec::new();
+    for (i, id) in ids.iter().enumerate() {
+        let port = if i == 0 { http_port } else { free_port() };
+        let mut r_args = r_args.clone();
+        let at = r_args.iter().position(|a| a == "bench").expect("router id");
+        r_args[at] = (*id).to_owned();
+        let at = r_args
+            .iter()
+            .position(|a| a == "--http-addr")
+            .expect("http")
+            + 1;
+        r_args[at] = format!("127.0.0.1:{port}");
+        let r_config = kvroute_router::service::RouterConfig::parse_from(r_args);
+        let prepared = kvroute_router::service::Prepared::new(
+            r_config,
+            &kvroute_router::registry::PolicyRegistry::with_builtins(),
+        )?;
+        routers.push(spawn_service(id, stop.clone(), move |shutdown| {
+            Box::pin(kvroute_router::service::run(prepared, shutdown))
+        }));
+        let start = Instant::now();
+        while !matches!(http_get(port, "/readyz"), Some((200, _))) {
+            anyhow::ensure!(
+                start.elapsed() < Duration::from_secs(60),
+                "router {id} not ready"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    // Every replica registered, and watched by the others.
     let start = Instant::now();
-    while !matches!(http_get(http_port, "/readyz"), Some((200, _))) {
+    loop {
+        let registered = etcd
+            .get(
+                names.routers_prefix(),
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_count_only(),
+                ),
+            )
+            .await?
+            .count();
+        if registered == ids.len() as i64 {
+            break;
+        }
         anyhow::ensure!(
-            start.elapsed() < Duration::from_secs(60),
-            "router not ready"
+            start.elapsed() < Duration::from_secs(30),
+            "routers not registered"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let owner = kvroute_router::decide::owner::owner(
+        ids.iter().copied(),
+        "bench",
+        kvroute_common::messages::WorkerRole::Aggregated,
+    )
+    .expect("an owner");
+    let receiver = ids.iter().copied().find(|id| *id != owner).unwrap_or(owner);
     let payloads: Vec<bytes::Bytes> = (0..DOCUMENTS)
         .map(|doc| {
             encode(&SelectRequest {
@@ -288,7 +389,20 @@ async fn scenario(args: &Args, workers: u64, mode: &str) -> anyhow::Result<(Meas
     tokio::time::sleep(Duration::from_millis(200)).await;
     let echo_subject = format!("kvroute-bench.{}.echo", env.namespace);
     let echo_result = drive(&nats, &echo_subject, &payloads, args).await?;
-    let router_result = drive(&nats, &names.select(), &payloads, args).await?;
+    let cpu_before = (
+        thread_cpu(&format!("svc-{receiver}")),
+        thread_cpu(&format!("svc-{owner}")),
+    );
+    let router_result = drive(&nats, &names.router_select(receiver), &payloads, args).await?;
+    let cpu_after = (
+        thread_cpu(&format!("svc-{receiver}")),
+        thread_cpu(&format!("svc-{owner}")),
+    );
+    let per = |before: f64, after: f64| (after - before) / router_result.count.max(1) as f64;
+    let cpu = (
+        per(cpu_before.0, cpu_after.0),
+        (receiver != owner).then(|| per(cpu_before.1, cpu_after.1)),
+    );
     let (_, metrics) = http_get(http_port, "/metrics").context("metrics")?;
     for line in metrics.lines().filter(|l| {
         l.starts_with("kvroute_router_errors_total")
@@ -297,11 +411,11 @@ async fn scenario(args: &Args, workers: u64, mode: &str) -> anyhow::Result<(Meas
         eprintln!("{workers} {mode}: {line}");
     }
     stop.store(true, Ordering::Relaxed);
-    for t in [router, indexer, echo] {
+    for t in routers.into_iter().chain([indexer, echo]) {
         let _ = t.join();
     }
     etcd.lease_revoke(lease).await.ok();
-    Ok((echo_result, router_result))
+    Ok((echo_result, router_result, cpu))
 }
 
 /// `concurrency` loops of request → reply for one warm-up second, then `seconds` measured.
@@ -321,16 +435,18 @@ async fn drive(
         let payloads = payloads.to_vec();
         tasks.push(tokio::spawn(async move {
             let mut latencies = Vec::new();
+            let mut answered = 0usize;
             let mut i = c;
             loop {
                 let now = Instant::now();
                 let elapsed = now.duration_since(begin);
                 if elapsed >= warmup + measured {
-                    return Ok::<_, anyhow::Error>(latencies);
+                    return Ok::<_, anyhow::Error>((latencies, answered));
                 }
                 let payload = payloads[i % payloads.len()].clone();
                 i += 7;
                 nats.request(subject.clone(), payload).await?;
+                answered += 1;
                 if elapsed >= warmup {
                     latencies.push(now.elapsed().as_secs_f64() * 1e6);
                 }
@@ -338,8 +454,11 @@ async fn drive(
         }));
     }
     let mut all = Vec::new();
+    let mut count = 0;
     for t in tasks {
-        all.extend(t.await??);
+        let (latencies, answered) = t.await??;
+        all.extend(latencies);
+        count += answered;
     }
     all.sort_by(f64::total_cmp);
     let pct = |p: f64| all[((all.len() as f64 - 1.0) * p) as usize];
@@ -347,5 +466,6 @@ async fn drive(
         per_sec: all.len() as f64 / measured.as_secs_f64(),
         p50_us: pct(0.50),
         p99_us: pct(0.99),
+        count,
     })
 }
