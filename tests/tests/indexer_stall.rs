@@ -98,7 +98,9 @@ async fn a_stopped_indexer_costs_only_the_ping_deadline_of_fallbacks() {
         },
     )
     .await;
-    let router = RouterProcess::start(&env, "r1", &[]).unwrap();
+    // No predicted overlap: a reply's overlap then comes from the index alone, which is what
+    // this test reads it for.
+    let router = RouterProcess::start(&env, "r1", &["--predicted-overlap-ttl-ms", "0"]).unwrap();
     let fleet = Arc::new(fleet);
     let prompts = Arc::new(prompts);
     let nats = env.nats.connect().await.unwrap();
@@ -230,7 +232,9 @@ async fn an_indexer_bootstrapping_again_answers_nothing_until_it_is_ready() {
     answer_resyncs_late(&nats, &names, SLOW).await;
     let first = prompt(1, BLOCKS);
     w1.store_prompt(&first).await;
-    let router = RouterProcess::start(&env, "r1", &[]).unwrap();
+    // No predicted overlap: a reply's overlap then comes from the index alone, which is what
+    // this test reads it for.
+    let router = RouterProcess::start(&env, "r1", &["--predicted-overlap-ttl-ms", "0"]).unwrap();
     let req = request("m", first.clone());
     select_until_overlap(&nats, &names, &req, BLOCKS, Duration::from_secs(30)).await;
 
@@ -356,7 +360,9 @@ async fn while_one_indexer_bootstraps_again_routers_use_the_ready_one() {
     answer_resyncs_late(&nats, &names, SLOW).await;
     let first = prompt(1, BLOCKS);
     w1.store_prompt(&first).await;
-    let router = RouterProcess::start(&env, "r1", &[]).unwrap();
+    // No predicted overlap: a reply's overlap then comes from the index alone, which is what
+    // this test reads it for.
+    let router = RouterProcess::start(&env, "r1", &["--predicted-overlap-ttl-ms", "0"]).unwrap();
     let req = request("m", first.clone());
     select_until_overlap(&nats, &names, &req, BLOCKS, Duration::from_secs(30)).await;
 
