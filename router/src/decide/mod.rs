@@ -29,10 +29,11 @@ use rand::rngs::StdRng;
 use self::candidates::Partition;
 use self::load_view::{Applied, LoadView};
 use self::prompt::Prompt;
-use crate::eligibility::Rules;
 use crate::pipeline::{WorkerInputs, WorkerSelectionPolicy};
-use crate::select::{SelectFailure, SelectInput, Selection, SelectionSettings, select_worker};
-use crate::session::{Chooser, SessionRoute, SessionStore, SessionTable, choose_in_session};
+use crate::select::{
+    SelectFailure, SelectInput, Selection, SelectionSettings, choose_for_request, select_worker,
+};
+use crate::session::{Chooser, SessionRoute, SessionStore, SessionTable};
 use crate::signals::{ObservedLoad, Overlap, SignalSnapshot, SignalSource};
 use crate::worker::WorkerRank;
 
@@ -168,14 +169,14 @@ pub fn decide(
         return Ok(Decided::Expired);
     }
     let reads_cache = policy.inputs.contains(WorkerInputs::CACHE);
-    let predicts = reads_cache && view.predicted().is_enabled();
+    let prefixes = (reads_cache && view.predicted().is_enabled())
+        .then(|| predicted::PromptPrefixes::of(&input.prompt.hashes));
     let signals = Signals {
         overlap: input.overlap,
-        predicted: if predicts {
-            view.predicted().matches(&input.prompt.hashes, now_ms)
-        } else {
-            Vec::new()
-        },
+        predicted: prefixes
+            .as_ref()
+            .map(|p| view.predicted().matches(p, now_ms))
+            .unwrap_or_default(),
         view: policy.inputs.contains(WorkerInputs::LOAD).then_some(&*view),
     };
     let select_input = SelectInput {
@@ -188,8 +189,8 @@ pub fn decide(
     };
     let selection = select_worker(&select_input, &mut policy.policy, route, &mut policy.rng)?;
     let mut decision = wire::decision(input, &selection, now_ms);
-    if predicts {
-        decision.prefix_hashes = predicted::prefix_hashes(&input.prompt.hashes);
+    if let Some(prefixes) = &prefixes {
+        decision.prefix_hashes = prefixes.hashes();
     }
     // The view has been held since the check above, so no other decision of this request
     // arrived meanwhile: this one is added (or was already counted by its worker).
@@ -225,17 +226,10 @@ pub async fn decide_request<S: SessionStore, D: DecisionState>(
     now_ms: u64,
 ) -> Result<Decided, SelectFailure> {
     let mut chooser = Step { state, input };
-    let Some(session) = &input.request.session else {
-        return chooser.choose(SessionRoute::Open { affinity: None });
-    };
-    let rules = Rules::from_request(input.request);
-    let registered =
-        |worker: WorkerRank| crate::select::registered(&input.partition.cards, &rules, worker);
-    choose_in_session(
+    choose_for_request(
         sessions,
-        session,
-        input.request.pin.is_some(),
-        &registered,
+        input.request,
+        &input.partition.cards,
         now_ms,
         &mut chooser,
     )

@@ -16,6 +16,7 @@
 //! is recorded). Pure: time comes in as `now_ms`.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::LazyLock;
 
 use kvroute_common::hashing::LocalBlockHash;
 
@@ -25,24 +26,22 @@ use crate::worker::WorkerRank;
 /// Chain hashes remembered at most (the oldest go first beyond it).
 const MAX_ENTRIES: usize = 1 << 20;
 
-/// The depths at which prefixes are recorded, ascending (the full length is added per prompt).
+/// The depths at which prefixes are recorded, ascending (the full length is added per
+/// prompt): `round(2^(k/4))` without repeats, up to 2^40 blocks, computed once.
+static SCHEDULE: LazyLock<Vec<usize>> = LazyLock::new(|| {
+    let mut depths: Vec<usize> = Vec::new();
+    for k in 0..=160u32 {
+        let depth = 2f64.powf(f64::from(k) / 4.0).round() as usize;
+        if depths.last().is_none_or(|&last| depth > last) {
+            depths.push(depth);
+        }
+    }
+    depths
+});
+
+#[cfg(test)]
 fn schedule() -> impl Iterator<Item = usize> {
-    let mut last = 0usize;
-    (0..)
-        .map_while(move |k: u32| {
-            if k > 160 {
-                return None;
-            }
-            let depth = 2f64.powf(f64::from(k) / 4.0).round() as usize;
-            Some(depth)
-        })
-        .filter(move |&d| {
-            let fresh = d > last;
-            if fresh {
-                last = d;
-            }
-            fresh
-        })
+    SCHEDULE.iter().copied()
 }
 
 fn mix(chain: u64, block: LocalBlockHash) -> u64 {
@@ -50,31 +49,40 @@ fn mix(chain: u64, block: LocalBlockHash) -> u64 {
     x ^ (x >> 31)
 }
 
-/// The chain hashes a decision carries for `hashes` (its prompt): one per scheduled depth up
-/// to the prompt's length, and one for the full length, in depth order.
-pub fn prefix_hashes(hashes: &[LocalBlockHash]) -> Vec<u64> {
-    sampled_chain(hashes)
-        .into_iter()
-        .map(|(_, chain)| chain)
-        .collect()
+/// A prompt's chain hashes at the scheduled depths up to its length and at its full length,
+/// in depth order: computed once per decision, for matching and for the decision's
+/// `prefix_hashes`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PromptPrefixes(Vec<(u32, u64)>);
+
+impl PromptPrefixes {
+    pub fn of(hashes: &[LocalBlockHash]) -> Self {
+        let mut out = Vec::new();
+        let mut depths = SCHEDULE.iter().copied().peekable();
+        let mut chain = 0x6B76_726F_7574_6521u64;
+        for (i, &h) in hashes.iter().enumerate() {
+            chain = mix(chain, h);
+            let depth = i + 1;
+            while depths.peek().is_some_and(|&d| d < depth) {
+                depths.next();
+            }
+            if depths.peek() == Some(&depth) || depth == hashes.len() {
+                out.push((u32::try_from(depth).unwrap_or(u32::MAX), chain));
+            }
+        }
+        Self(out)
+    }
+
+    /// The chain hashes alone, as a decision carries them.
+    pub fn hashes(&self) -> Vec<u64> {
+        self.0.iter().map(|&(_, chain)| chain).collect()
+    }
 }
 
-/// The chain hash at each scheduled depth ≤ `hashes.len()`, and at the full length.
-fn sampled_chain(hashes: &[LocalBlockHash]) -> Vec<(usize, u64)> {
-    let mut out = Vec::new();
-    let mut depths = schedule().peekable();
-    let mut chain = 0x6B76_726F_7574_6521u64;
-    for (i, &h) in hashes.iter().enumerate() {
-        chain = mix(chain, h);
-        let depth = i + 1;
-        while depths.peek().is_some_and(|&d| d < depth) {
-            depths.next();
-        }
-        if depths.peek() == Some(&depth) || depth == hashes.len() {
-            out.push((depth, chain));
-        }
-    }
-    out
+/// The chain hashes a decision carries for the prompt `hashes`.
+#[cfg(test)]
+fn prefix_hashes(hashes: &[LocalBlockHash]) -> Vec<u64> {
+    PromptPrefixes::of(hashes).hashes()
 }
 
 /// Predicted prefixes per rank, with their expiry.
@@ -163,14 +171,14 @@ impl PredictedOverlap {
         }
     }
 
-    /// The predicted leading blocks of `hashes` per rank, at `now_ms` (ranks with none are
+    /// The predicted leading blocks of the prompt per rank, at `now_ms` (ranks with none are
     /// left out).
-    pub fn matches(&self, hashes: &[LocalBlockHash], now_ms: u64) -> Vec<(WorkerRank, u32)> {
+    pub fn matches(&self, prompt: &PromptPrefixes, now_ms: u64) -> Vec<(WorkerRank, u32)> {
         let mut found: Vec<(WorkerRank, u32)> = Vec::new();
         if self.entries.is_empty() {
             return found;
         }
-        for (depth, chain) in sampled_chain(hashes) {
+        for &(depth, chain) in &prompt.0 {
             let Some(ranks) = self.entries.get(&chain) else {
                 break;
             };
@@ -180,7 +188,6 @@ impl PredictedOverlap {
                     continue;
                 }
                 any = true;
-                let depth = u32::try_from(depth).unwrap_or(u32::MAX);
                 match found.iter_mut().find(|(r, _)| *r == rank) {
                     Some((_, d)) => *d = depth,
                     None => found.push((rank, depth)),
@@ -261,19 +268,34 @@ mod tests {
         let mut p = PredictedOverlap::new(2_000);
         p.record(rank(1), &prefix_hashes(&prompt(512, 512, 1)), 1_000, 1_000);
         // The same prompt: all of it.
-        assert_eq!(p.matches(&prompt(512, 512, 1), 1_500), [(rank(1), 512)]);
+        assert_eq!(
+            p.matches(&PromptPrefixes::of(&prompt(512, 512, 1)), 1_500),
+            [(rank(1), 512)]
+        );
         // A prompt sharing 300 blocks then diverging: the deepest scheduled depth ≤ 300.
-        let m = p.matches(&prompt(300, 400, 2), 1_500);
+        let m = p.matches(&PromptPrefixes::of(&prompt(300, 400, 2)), 1_500);
         assert_eq!(m.len(), 1);
         assert!((256..=300).contains(&m[0].1), "{m:?}");
         // A prompt that is a prefix of the recorded one: the deepest scheduled depth.
-        assert_eq!(p.matches(&prompt(100, 100, 3), 1_500), [(rank(1), 91)]);
+        assert_eq!(
+            p.matches(&PromptPrefixes::of(&prompt(100, 100, 3)), 1_500),
+            [(rank(1), 91)]
+        );
         // A prompt extending the recorded one: all of the recorded one.
-        assert_eq!(p.matches(&prompt(512, 600, 3), 1_500), [(rank(1), 512)]);
+        assert_eq!(
+            p.matches(&PromptPrefixes::of(&prompt(512, 600, 3)), 1_500),
+            [(rank(1), 512)]
+        );
         // Nothing shared.
-        assert!(p.matches(&prompt(0, 50, 4), 1_500).is_empty());
+        assert!(
+            p.matches(&PromptPrefixes::of(&prompt(0, 50, 4)), 1_500)
+                .is_empty()
+        );
         // Past the TTL: gone, and expiry frees the entries.
-        assert!(p.matches(&prompt(512, 512, 1), 3_000).is_empty());
+        assert!(
+            p.matches(&PromptPrefixes::of(&prompt(512, 512, 1)), 3_000)
+                .is_empty()
+        );
         p.expire(3_000);
         assert!(p.is_empty());
     }
@@ -283,15 +305,21 @@ mod tests {
         let mut p = PredictedOverlap::new(5_000);
         p.record(rank(1), &prefix_hashes(&prompt(64, 64, 1)), 0, 0);
         p.record(rank(2), &prefix_hashes(&prompt(200, 200, 2)), 0, 0);
-        let mut m = p.matches(&prompt(200, 300, 3), 10);
+        let mut m = p.matches(&PromptPrefixes::of(&prompt(200, 300, 3)), 10);
         m.sort();
         assert_eq!(m, [(rank(1), 64), (rank(2), 181)]);
         p.remove_worker(2);
-        assert_eq!(p.matches(&prompt(200, 300, 3), 10), [(rank(1), 64)]);
+        assert_eq!(
+            p.matches(&PromptPrefixes::of(&prompt(200, 300, 3)), 10),
+            [(rank(1), 64)]
+        );
         // Off: records nothing.
         let mut off = PredictedOverlap::new(0);
         off.record(rank(1), &prefix_hashes(&prompt(64, 64, 1)), 0, 0);
-        assert!(off.matches(&prompt(64, 64, 1), 0).is_empty());
+        assert!(
+            off.matches(&PromptPrefixes::of(&prompt(64, 64, 1)), 0)
+                .is_empty()
+        );
     }
 
     #[test]

@@ -203,31 +203,40 @@ pub async fn select<S: SessionStore>(
     now_ms: u64,
     rng: &mut (dyn RngCore + Send),
 ) -> Result<Selection, SelectFailure> {
-    let Some(session) = &input.request.session else {
-        return select_worker(input, policy, SessionRoute::Open { affinity: None }, rng);
-    };
-    let rules = Rules::from_request(input.request);
-    let registered = |worker: WorkerRank| registered(input.workers, &rules, worker);
     let mut chooser = PolicyOnly { input, policy, rng };
+    choose_for_request(sessions, input.request, input.workers, now_ms, &mut chooser).await
+}
+
+/// Runs `chooser` for `request`: once, without a session; through [`choose_in_session`] with
+/// one, where a binding counts only while its rank is a registered rank of a card in
+/// `workers` serving the request.
+pub async fn choose_for_request<S: SessionStore, C: Chooser>(
+    sessions: &SessionTable<S>,
+    request: &SelectRequest,
+    workers: &[WorkerCard],
+    now_ms: u64,
+    chooser: &mut C,
+) -> Result<C::Choice, C::Error> {
+    let Some(session) = &request.session else {
+        return chooser.choose(SessionRoute::Open { affinity: None });
+    };
+    let rules = Rules::from_request(request);
+    let registered = |worker: WorkerRank| {
+        workers.iter().any(|c| {
+            c.worker_id == worker.worker_id
+                && rules.serves(c)
+                && c.dp_ranks().any(|r| r == worker.dp_rank)
+        })
+    };
     choose_in_session(
         sessions,
         session,
-        input.request.pin.is_some(),
+        request.pin.is_some(),
         &registered,
         now_ms,
-        &mut chooser,
+        chooser,
     )
     .await
-}
-
-/// Whether `worker` is a registered rank of a card serving the request (`rules`): a session
-/// bound elsewhere is not honoured.
-pub fn registered(workers: &[WorkerCard], rules: &Rules<'_>, worker: WorkerRank) -> bool {
-    workers.iter().any(|c| {
-        c.worker_id == worker.worker_id
-            && rules.serves(c)
-            && c.dp_ranks().any(|r| r == worker.dp_rank)
-    })
 }
 
 struct PolicyOnly<'a, 'b> {
