@@ -300,6 +300,12 @@ pub struct BridgeArgs {
     /// Do not create the events stream when it is missing (leave that to the indexers).
     #[arg(long, env = "KVROUTE_BRIDGE_NO_CREATE_STREAM")]
     pub no_create_stream: bool,
+    /// Ignore (and count, `ignored{reason="external"|"remote"}`) the engines' external media
+    /// and remote-locality blocks instead of publishing them in the shared tier: for an event
+    /// log whose indexers (or local-mode routers) predate the shared tier, which refuse a
+    /// batch naming it. Upgrade those first, then drop this flag.
+    #[arg(long, env = "KVROUTE_BRIDGE_NO_SHARED_TIER")]
+    pub no_shared_tier: bool,
 }
 
 impl BridgeArgs {

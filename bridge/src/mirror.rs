@@ -15,8 +15,10 @@
 //! - hybrid models: only the full-attention KV-cache group is indexed (the first `group_idx`
 //!   whose `kv_cache_spec_kind` is full attention; without kinds, group 0); other groups counted;
 //! - media: `GPU` → device; `CPU`, `CPU_PINNED`, `CPU_TIER1` → host; `STORAGE`, `DISK`,
-//!   `CPU_TIER2`, `NVME` → disk; `EXTERNAL` media and `REMOTE` locality are not this rank's
-//!   cache: ignored and counted, as is an unknown medium;
+//!   `CPU_TIER2`, `NVME` → disk; `EXTERNAL` media (SGLang's L4 shared pool) and `REMOTE`
+//!   locality (vLLM's network-backed offload tiers, whatever their medium) → the shared tier,
+//!   which any worker can load from; with the shared tier turned off (`shared_tier` false)
+//!   they are ignored and counted, as is an unknown medium;
 //! - tokens hashes are kvroute's local hashes of the tokens under the LoRA seed, with the
 //!   block's extra keys (multimodal ids, cache salt, ...) folded in ([`fold_extra`]), so such
 //!   blocks never match a plain-text prompt.
@@ -95,7 +97,7 @@ impl Translation {
 struct Node {
     parent: Option<u64>,
     tokens_hash: u64,
-    copies: [u32; 3],
+    copies: [u32; 4],
     children: u32,
     /// When the node was last stored (for the bound's eviction order).
     stamp: u64,
@@ -118,12 +120,14 @@ pub struct RankMirror {
     stamp: u64,
     /// The KV-cache group that is indexed, once known.
     index_group: Option<i64>,
+    /// Whether external and remote media become the shared tier (else they are ignored).
+    shared_tier: bool,
 }
 
 /// The tier a medium means, or why it is not indexed.
 pub fn tier_of(medium: Option<&str>, locality: Option<&str>) -> Result<StorageTier, &'static str> {
     if locality.is_some_and(|l| l.eq_ignore_ascii_case("REMOTE")) {
-        return Err("remote");
+        return Ok(StorageTier::Shared);
     }
     let Some(m) = medium else {
         return Ok(StorageTier::Device);
@@ -132,8 +136,17 @@ pub fn tier_of(medium: Option<&str>, locality: Option<&str>) -> Result<StorageTi
         "GPU" | "DEVICE" | "HBM" => Ok(StorageTier::Device),
         "CPU" | "CPU_PINNED" | "CPU_TIER1" => Ok(StorageTier::Host),
         "STORAGE" | "DISK" | "CPU_TIER2" | "NVME" => Ok(StorageTier::Disk),
-        "EXTERNAL" => Err("external"),
+        "EXTERNAL" => Ok(StorageTier::Shared),
         _ => Err("unknown_medium"),
+    }
+}
+
+/// Why a shared-tier medium is ignored when the shared tier is off.
+fn shared_reason(locality: Option<&str>) -> &'static str {
+    if locality.is_some_and(|l| l.eq_ignore_ascii_case("REMOTE")) {
+        "remote"
+    } else {
+        "external"
     }
 }
 
@@ -176,6 +189,26 @@ impl RankMirror {
             order: VecDeque::new(),
             stamp: 0,
             index_group: None,
+            shared_tier: true,
+        }
+    }
+
+    /// Turns the shared tier off (`false`): external and remote media are then ignored and
+    /// counted, for event logs whose readers predate the tier.
+    pub fn with_shared_tier(mut self, on: bool) -> Self {
+        self.shared_tier = on;
+        self
+    }
+
+    /// The tier of an event's medium and locality, or why it is not indexed.
+    fn tier(
+        &self,
+        medium: Option<&str>,
+        locality: Option<&str>,
+    ) -> Result<StorageTier, &'static str> {
+        match tier_of(medium, locality)? {
+            StorageTier::Shared if !self.shared_tier => Err(shared_reason(locality)),
+            t => Ok(t),
         }
     }
 
@@ -227,7 +260,7 @@ impl RankMirror {
         if !self.group_indexed(s.group_idx, s.kv_cache_spec_kind.as_deref()) {
             return out.ignore("other_group", n);
         }
-        let tier = match tier_of(s.medium.as_deref(), s.locality.as_deref()) {
+        let tier = match self.tier(s.medium.as_deref(), s.locality.as_deref()) {
             Ok(t) => t,
             Err(reason) => return out.ignore(reason, n),
         };
@@ -326,7 +359,7 @@ impl RankMirror {
                 parent,
                 tokens_hash,
                 copies: {
-                    let mut c = [0; 3];
+                    let mut c = [0; 4];
                     c[t] = 1;
                     c
                 },
@@ -392,7 +425,7 @@ impl RankMirror {
         if !self.group_indexed(r.group_idx, None) {
             return out.ignore("other_group", n);
         }
-        let tier = match tier_of(r.medium.as_deref(), r.locality.as_deref()) {
+        let tier = match self.tier(r.medium.as_deref(), r.locality.as_deref()) {
             Ok(t) => t,
             Err(reason) => return out.ignore(reason, n),
         };
@@ -503,7 +536,7 @@ impl RankMirror {
                 }
             }
             let node = self.nodes.get_mut(&hash).expect("present");
-            node.copies = [0; 3];
+            node.copies = [0; 4];
             self.held -= 1;
             if node.children == 0 {
                 self.delete(hash);

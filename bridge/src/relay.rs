@@ -29,6 +29,8 @@ use crate::zmq_io::{self, Subscriber};
 pub struct RelaySettings {
     /// Most blocks one rank's mirror holds.
     pub mirror_max_blocks: usize,
+    /// Whether external and remote media become the shared tier (else they are ignored).
+    pub shared_tier: bool,
 }
 
 /// How long a replay may take before the gap is treated as not replayable.
@@ -92,7 +94,8 @@ impl Relay {
                 .map_err(|e| anyhow::anyhow!("--zmq-endpoint {endpoint}: {e}"))?;
             tracing::info!(engine = %label, rank, %endpoint, replay = ?replay, "subscribed to the engine's KV events");
             let state = Arc::new(Mutex::new(RankState {
-                mirror: RankMirror::new(settings.mirror_max_blocks),
+                mirror: RankMirror::new(settings.mirror_max_blocks)
+                    .with_shared_tier(settings.shared_tier),
                 tracker: SeqTracker::default(),
                 publisher: None,
             }));

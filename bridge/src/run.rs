@@ -65,6 +65,7 @@ pub async fn run(
                 settings: SupervisorSettings::from_args(&args),
                 engine_timeout: args.engine_timeout(),
                 mirror_max_blocks: args.mirror_max_blocks,
+                shared_tier: !args.no_shared_tier,
                 registered: slot.registered.clone(),
             },
         ));
@@ -102,6 +103,7 @@ struct EngineStart {
     settings: SupervisorSettings,
     engine_timeout: Duration,
     mirror_max_blocks: usize,
+    shared_tier: bool,
     registered: Arc<AtomicBool>,
 }
 
@@ -126,6 +128,7 @@ async fn start_engine(spec: EngineSpec, start: EngineStart) -> anyhow::Result<Ru
         ranks.clone(),
         RelaySettings {
             mirror_max_blocks: start.mirror_max_blocks,
+            shared_tier: start.shared_tier,
         },
         start.conn.metrics.clone(),
     )

@@ -65,6 +65,7 @@ fn garbage_is_counted_and_skipped_and_the_relay_goes_on() {
         vec![0],
         RelaySettings {
             mirror_max_blocks: 1000,
+            shared_tier: true,
         },
         metrics.clone(),
     )

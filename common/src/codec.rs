@@ -16,6 +16,8 @@ pub const DEFAULT_MAX_BYTES: usize = 1024 * 1024;
 pub trait WireMessage: Serialize + DeserializeOwned {
     const NAME: &'static str;
     const MAX_BYTES: usize = DEFAULT_MAX_BYTES;
+    /// The newest schema version of this message that this build reads.
+    const SUPPORTED_VERSION: SchemaVersion = SchemaVersion::CURRENT;
     fn schema_version(&self) -> SchemaVersion;
 }
 
@@ -110,11 +112,11 @@ pub fn decode<T: WireMessage>(bytes: &[u8]) -> Result<T, DecodeError> {
         detail: e.to_string(),
     })?;
     let version = msg.schema_version();
-    if version > SchemaVersion::CURRENT {
+    if version > T::SUPPORTED_VERSION {
         return Err(DecodeError::UnsupportedVersion {
             message: T::NAME,
             version: version.0,
-            supported: SchemaVersion::CURRENT.0,
+            supported: T::SUPPORTED_VERSION.0,
         });
     }
     Ok(msg)

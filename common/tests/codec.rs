@@ -201,6 +201,7 @@ fn index_reply() -> IndexQueryResponse {
             device: 3,
             host: 1,
             disk: 0,
+            shared: 5,
             total_blocks: 99,
         }],
         query_blocks: 3,
@@ -454,6 +455,40 @@ fn truncated_and_garbage_bytes_give_typed_errors() {
     });
     let err = decode::<KvEventBatch>(&bytes).unwrap_err();
     assert!(err.to_string().contains("teleported"), "{err}");
+}
+
+#[test]
+fn a_batch_naming_the_shared_tier_is_version_2_and_others_stay_1() {
+    let mut b = batch();
+    assert_eq!(KvEventBatch::required_version(&b.events), SchemaVersion(1));
+    b.events.push(KvEvent {
+        event_id: 9,
+        data: KvEventData::Removed {
+            block_hashes: vec![7],
+            tier: StorageTier::Shared,
+        },
+    });
+    assert_eq!(
+        KvEventBatch::required_version(&b.events),
+        SHARED_TIER_VERSION
+    );
+    b.v = SHARED_TIER_VERSION;
+    round_trip(b.clone());
+    let bytes = encode(&b).unwrap();
+    let value = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
+    let json = serde_json::to_string(&rmpv_to_json(&value)).unwrap();
+    assert!(json.contains(r#""tier":"shared""#), "{json}");
+    assert!(json.contains(r#""v":2"#), "{json}");
+    // A version above the shared tier's is refused, naming what this build reads.
+    b.v = SchemaVersion(3);
+    assert_eq!(
+        decode::<KvEventBatch>(&encode(&b).unwrap()).unwrap_err(),
+        DecodeError::UnsupportedVersion {
+            message: "KvEventBatch",
+            version: 3,
+            supported: 2
+        }
+    );
 }
 
 #[test]

@@ -344,3 +344,76 @@ fn a_decode_storing_a_block_at_a_time_grows_a_few_runs() {
     assert_eq!(rows(&ix, &q), vec![(1, 0, 200, 0, 0)]);
     assert!(runs(&ix) <= 7, "{} runs for 200 blocks", runs(&ix));
 }
+
+#[test]
+fn the_shared_tier_prefix_chains_across_workers_and_stops_at_the_first_block_nobody_shares() {
+    let mut ix = RadixIndex::new(IndexConfig::default());
+    let (dev, shared) = (StorageTier::Device, StorageTier::Shared);
+    // Worker 1 computed blocks 1..=3 and wrote them to the shared store.
+    ix.apply(1, 0, &stored(None, &chain(1, 3), dev)).unwrap();
+    ix.apply(1, 0, &stored(None, &chain(1, 3), shared)).unwrap();
+    // Worker 2 loaded them, continued the conversation and wrote only the new blocks 4..=5.
+    ix.apply(2, 0, &stored(None, &chain(1, 5), dev)).unwrap();
+    ix.apply(2, 0, &stored(Some(1003), &chain(4, 5), shared))
+        .unwrap();
+    // Worker 2 then lost blocks 1..=3 from its device: it holds 4..=5 only in the shared tier.
+    ix.apply(2, 0, &removed(&[1001, 1002, 1003], dev)).unwrap();
+    let prefix = |ix: &RadixIndex, q: &[u64]| ix.find_matches(q).shared_prefix();
+    assert_eq!(
+        prefix(&ix, &[1, 2, 3, 4, 5, 6]),
+        5,
+        "1..=3 by worker 1, 4..=5 by worker 2"
+    );
+    assert_eq!(prefix(&ix, &[1, 2, 9]), 2);
+    assert_eq!(prefix(&ix, &[7]), 0);
+    // Every row carries it; the pairs' own tiers count from the first block only.
+    let s = ix.find_matches(&[1, 2, 3, 4, 5]);
+    assert!(s.matches.iter().all(|m| m.shared == 5));
+    assert_eq!(rows(&ix, &[1, 2, 3, 4, 5]), vec![(1, 0, 3, 0, 0)]);
+    // A hole in the shared chain (worker 1 evicted block 2 from the store) stops it there,
+    // although worker 1 still holds block 2 on its device.
+    ix.apply(1, 0, &removed(&[1002], shared)).unwrap();
+    assert_eq!(prefix(&ix, &[1, 2, 3, 4, 5]), 1);
+    assert_eq!(rows(&ix, &[1, 2, 3]), vec![(1, 0, 3, 0, 0)]);
+    // A block held only in the shared tier is in no row's own tiers.
+    let mut only = RadixIndex::new(IndexConfig::default());
+    only.apply(3, 0, &stored(None, &chain(1, 2), shared))
+        .unwrap();
+    let s = only.find_matches(&[1, 2]);
+    assert_eq!(rows(&only, &[1, 2]), vec![(3, 0, 0, 0, 0)]);
+    assert_eq!(s.shared_prefix(), 2);
+}
+
+#[test]
+fn snapshots_are_v2_without_the_shared_tier_and_v3_with_it() {
+    let version = |ix: &RadixIndex| u32::from_le_bytes(ix.snapshot()[8..12].try_into().unwrap());
+    let mut ix = RadixIndex::new(IndexConfig::default());
+    ix.apply(1, 0, &stored(None, &chain(1, 3), StorageTier::Host))
+        .unwrap();
+    assert_eq!(
+        version(&ix),
+        2,
+        "readable by replicas older than the shared tier"
+    );
+    ix.apply(2, 0, &stored(None, &chain(1, 4), StorageTier::Shared))
+        .unwrap();
+    assert_eq!(version(&ix), 3);
+    let back = RadixIndex::restore(&ix.snapshot()).unwrap();
+    assert_eq!(back.digest(), ix.digest());
+    assert_eq!(back.find_matches(&[1, 2, 3, 4]).shared_prefix(), 4);
+    // The digest tells the shared tier from the others.
+    let mut host = RadixIndex::new(IndexConfig::default());
+    host.apply(1, 0, &stored(None, &chain(1, 3), StorageTier::Host))
+        .unwrap();
+    let mut both = host.clone();
+    both.apply(1, 0, &stored(None, &chain(1, 3), StorageTier::Shared))
+        .unwrap();
+    assert_ne!(host.digest(), both.digest());
+    // A v2 snapshot claiming the shared tier is corrupt.
+    let mut bytes = ix.snapshot();
+    bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
+    let body = bytes.len() - 8;
+    let sum = xxhash_rust::xxh3::xxh3_64(&bytes[..body]);
+    bytes[body..].copy_from_slice(&sum.to_le_bytes());
+    assert!(RadixIndex::restore(&bytes).is_err());
+}

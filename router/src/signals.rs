@@ -8,18 +8,47 @@ use kvroute_common::messages::{IndexReply, StorageTier, WorkerCard, WorkerLoad, 
 
 use crate::worker::WorkerRank;
 
-/// Leading blocks of the request's prompt that one rank holds, per storage tier. Tiers are
-/// disjoint: each leading block counts in the best tier holding it (device, host, disk).
+/// Leading blocks of the request's prompt that one rank holds, per storage tier. The rank's own
+/// tiers are disjoint: each leading block counts in the best tier holding it (device, host,
+/// disk). `shared` is the fleet's, not the rank's: see [`Overlap::shared_beyond_device_blocks`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Overlap {
     pub device: u32,
     pub host: u32,
     pub disk: u32,
+    /// Leading prompt blocks the shared tier (LMCache, a remote store) holds, which every
+    /// worker can load: the index's shared prefix (`WorkerMatch::shared`), the same for every
+    /// rank of one selection; 0 when no worker announced shared-tier blocks of the prompt.
+    pub shared: u32,
     /// Blocks this rank holds in all, matching or not (a tie-break: fewer is better).
     pub cached_blocks: u64,
 }
 
 impl Overlap {
+    /// Device-resident prefix overlap in blocks.
+    pub fn device_overlap_blocks(&self) -> u32 {
+        self.device
+    }
+
+    /// Leading blocks past the device prefix whose best tier on this rank is host memory.
+    pub fn host_overlap_blocks(&self) -> u32 {
+        self.host
+    }
+
+    /// Leading blocks past the device and host prefix whose best tier on this rank is disk.
+    pub fn disk_overlap_blocks(&self) -> u32 {
+        self.disk
+    }
+
+    /// Shared-cache hits beyond the device-resident prefix: `max(shared − device, 0)`, the
+    /// leading blocks this rank would load from the shared tier instead of recomputing. Only the
+    /// device tier counts as the rank's prefix here: blocks the rank also holds in host memory
+    /// or on disk are counted both here and in `host` / `disk` (a policy combining both credits
+    /// should weigh that; the default cost model does, through its multiplier).
+    pub fn shared_beyond_device_blocks(&self) -> u32 {
+        self.shared.saturating_sub(self.device)
+    }
+
     /// The non-zero tiers, as carried in `SelectReply::overlap_blocks`.
     pub fn by_tier(&self) -> std::collections::BTreeMap<StorageTier, u32> {
         [
@@ -133,6 +162,8 @@ impl<T: Copy> RankTable<T> {
 pub struct SignalSnapshot {
     overlaps: RankTable<Overlap>,
     loads: RankTable<ObservedLoad>,
+    /// The prompt's shared-tier prefix, reported for every rank (also ranks without a row).
+    shared: u32,
 }
 
 impl SignalSnapshot {
@@ -157,11 +188,19 @@ impl SignalSnapshot {
                 device: m.device,
                 host: m.host,
                 disk: m.disk,
+                shared: m.shared,
                 cached_blocks: m.total_blocks,
             };
+            self.shared = self.shared.max(m.shared);
             self.overlaps
                 .insert(WorkerRank::new(m.worker_id, m.dp_rank), overlap);
         }
+        self
+    }
+
+    /// Sets the prompt's shared-tier prefix (`Overlap::shared`) for every rank.
+    pub fn with_shared_prefix(mut self, blocks: u32) -> Self {
+        self.shared = blocks;
         self
     }
 
@@ -199,7 +238,11 @@ impl SignalSnapshot {
 
 impl SignalSource for SignalSnapshot {
     fn overlap(&self, worker: WorkerRank) -> Overlap {
-        self.overlaps.get(worker).unwrap_or_default()
+        let overlap = self.overlaps.get(worker).unwrap_or_default();
+        Overlap {
+            shared: self.shared,
+            ..overlap
+        }
     }
 
     fn load(&self, worker: WorkerRank) -> Option<ObservedLoad> {
@@ -222,6 +265,7 @@ mod tests {
                 device: 5,
                 host: 1,
                 disk: 0,
+                shared: 0,
                 total_blocks: 40,
             }],
             ..IndexReply::default()
@@ -232,6 +276,29 @@ mod tests {
         assert_eq!(o.by_tier().len(), 2);
         assert_eq!(snap.overlap(WorkerRank::new(1, 0)), Overlap::default());
         assert_eq!(snap.load(WorkerRank::new(1, 2)), None);
+    }
+
+    #[test]
+    fn the_shared_prefix_reaches_every_rank_and_counts_beyond_the_device_prefix() {
+        let row = |worker_id, device| WorkerMatch {
+            worker_id,
+            device,
+            shared: 6,
+            ..WorkerMatch::default()
+        };
+        let snap = SignalSnapshot::from_matches(&[row(1, 2), row(2, 8)]);
+        let beyond = |w| {
+            snap.overlap(WorkerRank::new(w, 0))
+                .shared_beyond_device_blocks()
+        };
+        assert_eq!(snap.overlap(WorkerRank::new(1, 0)).shared, 6);
+        // max(6 − 2, 0), max(6 − 8, 0), and a rank with no row: all 6.
+        assert_eq!([beyond(1), beyond(2), beyond(3)], [4, 0, 6]);
+        assert_eq!(
+            snap.overlap(WorkerRank::new(1, 0)).by_tier().len(),
+            1,
+            "overlap_blocks keeps the rank's own tiers"
+        );
     }
 
     #[test]

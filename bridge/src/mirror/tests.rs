@@ -206,10 +206,61 @@ fn media_and_locality_map_to_tiers_or_are_ignored() {
     for m in ["STORAGE", "DISK", "CPU_TIER2", "NVME"] {
         assert_eq!(tier_of(Some(m), None), Ok(StorageTier::Disk), "{m}");
     }
-    assert_eq!(tier_of(Some("EXTERNAL"), None), Err("external"));
-    assert_eq!(tier_of(Some("GPU"), Some("REMOTE")), Err("remote"));
+    assert_eq!(tier_of(Some("EXTERNAL"), None), Ok(StorageTier::Shared));
+    // vLLM's network-backed offload tiers: any medium with locality REMOTE.
+    assert_eq!(
+        tier_of(Some("STORAGE"), Some("REMOTE")),
+        Ok(StorageTier::Shared)
+    );
+    assert_eq!(
+        tier_of(Some("CPU"), Some("remote")),
+        Ok(StorageTier::Shared)
+    );
     assert_eq!(tier_of(Some("GPU"), Some("LOCAL")), Ok(StorageTier::Device));
     assert_eq!(tier_of(Some("TAPE"), None), Err("unknown_medium"));
+}
+
+#[test]
+fn shared_media_become_the_shared_tier_or_are_ignored_when_it_is_off() {
+    let remote = |hashes: &[u64], parent, tokens: &[u32]| match stored(hashes, parent, tokens) {
+        EngineEvent::Stored(mut s) => {
+            s.medium = Some("STORAGE".into());
+            s.locality = Some("REMOTE".into());
+            EngineEvent::Stored(s)
+        }
+        e => e,
+    };
+    let history = [
+        stored(&[1, 2], None, &[1, 1, 2, 2]),
+        // A chain in the shared store: a copy of the device blocks and one more.
+        remote(&[1, 2, 3], None, &[1, 1, 2, 2, 3, 3]),
+        offload(&[2], "EXTERNAL"),
+        removed(&[3], "EXTERNAL"),
+    ];
+    let mut on = RankMirror::new(100);
+    let t = run(&mut on, &history);
+    assert!(t.ignored.is_empty(), "{:?}", t.ignored);
+    let tiers: Vec<_> = t.events.iter().filter_map(KvEventData::tier).collect();
+    assert_eq!(
+        tiers,
+        [
+            StorageTier::Device,
+            StorageTier::Shared,
+            StorageTier::Shared
+        ]
+    );
+    assert_eq!(t.duplicate_copies, 1, "block 2 was already shared");
+    assert_eq!(on.len(), 2);
+    assert_resync_equals_live(&on, &t.events);
+    let (index, _) = index_of(&t.events);
+    let hashes = local_block_hashes(&[1, 1, 2, 2, 3, 3], 2, BLOCK_HASH_SEED);
+    let m = index.find_matches(&hashes).matches[0];
+    assert_eq!((m.device, m.shared), (2, 2));
+
+    let mut off = RankMirror::new(100).with_shared_tier(false);
+    let t = run(&mut off, &history);
+    assert_eq!(t.events.len(), 1, "only the device store");
+    assert_eq!(t.ignored, [("remote", 3), ("external", 2)]);
 }
 
 #[test]
@@ -316,7 +367,7 @@ fn all_blocks_cleared_empties_the_mirror() {
 /// A random engine history over a small hash space: stores (chains under a held parent or at the
 /// root, sometimes a second copy), token-less offloads, removals per tier, clears.
 fn history() -> impl Strategy<Value = Vec<(u8, u64, u64, u8)>> {
-    proptest::collection::vec((0u8..10, 0u64..12, 0u64..12, 0u8..3), 1..80)
+    proptest::collection::vec((0u8..10, 0u64..12, 0u64..12, 0u8..4), 1..80)
 }
 
 proptest! {
@@ -326,7 +377,7 @@ proptest! {
     fn resync_recreates_the_live_state(ops in history(), bound in 3usize..40) {
         let mut m = RankMirror::new(bound);
         let mut live = Vec::new();
-        let media = ["GPU", "CPU", "DISK"];
+        let media = ["GPU", "CPU", "DISK", "EXTERNAL"];
         for (op, a, b, tier) in ops {
             let medium = media[tier as usize];
             let event = match op {

@@ -73,6 +73,10 @@ pub struct IndexReply {
     pub replica_id: String,
 }
 
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
 /// Leading blocks held by one (worker, dp rank), per tier, and the worker's total blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct WorkerMatch {
@@ -85,6 +89,13 @@ pub struct WorkerMatch {
     pub host: u32,
     #[serde(default)]
     pub disk: u32,
+    /// Leading blocks of the query held in the shared tier (LMCache, a remote store), which
+    /// any worker can load: each block of the prefix announced in the shared tier by some
+    /// (worker, dp rank), not necessarily this one. The same in every row of an answer; not
+    /// disjoint from the row's own tiers. Omitted when 0 (readers older than the field ignore
+    /// it).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub shared: u32,
     /// Blocks this (worker, dp rank) holds in all (for tie-breaks).
     #[serde(default)]
     pub total_blocks: u64,

@@ -23,6 +23,7 @@ pub struct KvEventBatch {
 
 impl WireMessage for KvEventBatch {
     const NAME: &'static str = "KvEventBatch";
+    const SUPPORTED_VERSION: SchemaVersion = SHARED_TIER_VERSION;
     fn schema_version(&self) -> SchemaVersion {
         self.v
     }
@@ -80,7 +81,13 @@ pub struct StoredBlock {
 }
 
 /// Where a block lives. Routing prefers device blocks; host and disk blocks are cheaper to
-/// load than to recompute.
+/// load than to recompute. `Shared` is a tier outside the worker (LMCache, a remote store)
+/// that any worker of the model can load from: the worker announcing it wrote the block there.
+///
+/// Tiers are ordered best first (`Device < Host < Disk < Shared`); the index credits each
+/// leading block in the best tier holding it. A batch carrying a `Shared` event is stamped
+/// `v` = [`SHARED_TIER_VERSION`], so that readers older than the tier refuse it as
+/// `unsupported_version` instead of as malformed.
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
 )]
@@ -90,13 +97,49 @@ pub enum StorageTier {
     Device,
     Host,
     Disk,
+    Shared,
 }
 
+/// The `KvEventBatch` schema version that introduced [`StorageTier::Shared`]: a batch naming
+/// that tier carries it; every other batch keeps `v` = 1, which older readers accept.
+pub const SHARED_TIER_VERSION: SchemaVersion = SchemaVersion(2);
+
 impl StorageTier {
-    pub const ALL: [StorageTier; 3] = [StorageTier::Device, StorageTier::Host, StorageTier::Disk];
+    /// Every tier, best first.
+    pub const ALL: [StorageTier; 4] = [
+        StorageTier::Device,
+        StorageTier::Host,
+        StorageTier::Disk,
+        StorageTier::Shared,
+    ];
 
     pub fn index(self) -> usize {
         self as usize
+    }
+}
+
+impl KvEventData {
+    /// The tier the event names (`Cleared` names none).
+    pub fn tier(&self) -> Option<StorageTier> {
+        match self {
+            KvEventData::Stored { tier, .. } | KvEventData::Removed { tier, .. } => Some(*tier),
+            KvEventData::Cleared => None,
+        }
+    }
+}
+
+impl KvEventBatch {
+    /// The lowest schema version whose readers understand these events: 1, or
+    /// [`SHARED_TIER_VERSION`] when an event names the shared tier. Writers stamp `v` with it.
+    pub fn required_version(events: &[KvEvent]) -> SchemaVersion {
+        if events
+            .iter()
+            .any(|e| e.data.tier() == Some(StorageTier::Shared))
+        {
+            SHARED_TIER_VERSION
+        } else {
+            SchemaVersion::CURRENT
+        }
     }
 }
 

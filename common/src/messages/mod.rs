@@ -23,7 +23,8 @@ pub use index::{
     WorkerMatch, digest_hex, parse_digest_hex,
 };
 pub use kv_event::{
-    ControlAction, ControlRecord, KvEvent, KvEventBatch, KvEventData, StorageTier, StoredBlock,
+    ControlAction, ControlRecord, KvEvent, KvEventBatch, KvEventData, SHARED_TIER_VERSION,
+    StorageTier, StoredBlock,
 };
 pub use select::{
     BindingState, CostBreakdown, DpRankRange, ErrorCode, Pin, SelectError, SelectReply,
@@ -37,7 +38,8 @@ use serde::{Deserialize, Serialize};
 /// The schema version carried in every top-level message as field `v`.
 ///
 /// Additive changes (new optional fields) keep the version; a reader refuses a message whose
-/// version is above [`SchemaVersion::CURRENT`] with a typed error. A missing `v` means 1.
+/// version is above the type's `WireMessage::SUPPORTED_VERSION` ([`SchemaVersion::CURRENT`]
+/// unless the type says otherwise) with a typed error. A missing `v` means 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct SchemaVersion(pub u16);

@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::codec::{EncodeError, encode};
 use crate::ids::{DpRank, WorkerId};
-use crate::messages::{KvEvent, KvEventBatch, KvEventData, SchemaVersion};
+use crate::messages::{KvEvent, KvEventBatch, KvEventData};
 use crate::names::Names;
 
 /// Publisher settings.
@@ -236,7 +236,7 @@ async fn run(
 
 fn batch(worker_id: WorkerId, dp_rank: DpRank, events: Vec<KvEvent>) -> KvEventBatch {
     KvEventBatch {
-        v: SchemaVersion::CURRENT,
+        v: KvEventBatch::required_version(&events),
         worker_id,
         dp_rank,
         events,

@@ -1,20 +1,30 @@
 //! Overlap queries: for a prompt's local block hashes, how many leading blocks each
-//! (worker, dp rank) holds, split by tier.
+//! (worker, dp rank) holds, split by tier, and how many the shared tier holds.
+//!
+//! The shared tier (LMCache, a remote store) is one store for the whole fleet, announced in
+//! parts: each worker announces the blocks it wrote there. Its prefix is therefore chained
+//! across pairs — block `i` counts if *some* pair holds it in the shared tier — where a pair's
+//! own tiers count only from the first block on. A worker that continued a conversation
+//! another worker wrote to the store announces only the new blocks, and the chain still
+//! reaches them.
 
 use std::sync::atomic::Ordering;
 
 use kvroute_common::hashing::{LocalBlockHash, local_block_hashes, seed_for_lora};
 use kvroute_common::messages::WorkerMatch;
 
-use super::view::{Owner, ROOT, Slot, View, owner_end, owner_slot, owner_tiers};
+use super::view::{Owner, ROOT, SHARED_BIT, Slot, View, owner_end, owner_slot, owner_tiers};
 
 /// The answer to one query.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OverlapScores {
     /// One row per (worker, dp rank) holding at least the first block, sorted by worker then
-    /// rank. `device + host + disk` is the number of consecutive leading blocks held; each
-    /// block counts in the best tier the worker holds it in (device, then host, then disk).
-    /// `total_blocks` is everything that pair holds (for tie-breaks).
+    /// rank. `device + host + disk` is the number of consecutive leading blocks held in the
+    /// pair's own tiers; each block counts in the best tier the worker holds it in (device,
+    /// then host, then disk; a block the pair holds only in the shared tier counts in none).
+    /// `shared` is the same in every row: the query's shared-tier prefix
+    /// ([`OverlapScores::shared_prefix`]). `total_blocks` is everything that pair holds (for
+    /// tie-breaks).
     pub matches: Vec<WorkerMatch>,
     /// Full blocks in the query.
     pub query_blocks: u32,
@@ -33,17 +43,35 @@ impl OverlapScores {
             .map(|i| &self.matches[i])
     }
 
-    /// Leading blocks matched by a row, in any tier.
+    /// Leading blocks matched by a row in the pair's own tiers (device, host, disk).
     pub fn matched(m: &WorkerMatch) -> u32 {
         m.device + m.host + m.disk
     }
+
+    /// Leading blocks of the query the shared tier holds: every block of the prefix is held
+    /// in the shared tier by some pair (not necessarily the same one). 0 without rows.
+    pub fn shared_prefix(&self) -> u32 {
+        self.matches.first().map_or(0, |m| m.shared)
+    }
 }
 
-/// A pair met on the path, with its blocks by tier.
+/// A pair met on the path, with its blocks by best tier (the last, shared, is not reported).
 #[derive(Debug, Clone, Copy)]
 struct Run {
     slot: Slot,
-    by_tier: [u32; 3],
+    by_tier: [u32; 4],
+}
+
+/// The shared-tier blocks of a run that the query matched `m` blocks of: the longest prefix
+/// any owner holds in the shared tier.
+#[inline]
+fn shared_cover(owners: &[Owner], m: u32) -> u32 {
+    owners
+        .iter()
+        .filter(|&&o| owner_tiers(o) & SHARED_BIT != 0)
+        .map(|&o| owner_end(o).min(m))
+        .max()
+        .unwrap_or(0)
 }
 
 /// A query's working memory, kept per thread and reused: at 1,024 workers a query's pairs
@@ -108,6 +136,10 @@ impl View {
         // Indices into `runs` of the pairs still on the path, in slot order (as owners are).
         live.clear();
         let mut pos = 0usize;
+        // The shared-tier prefix so far, and whether every block so far was in it: the walk
+        // goes on while it is, even with no pair left on the path.
+        let mut shared = 0u32;
+        let mut shared_on = true;
         loop {
             let n = self.node(node);
             let tokens = self.arena.run(n.start, n.len);
@@ -122,12 +154,17 @@ impl View {
             // Pairs holding the whole run go on only if the query goes past it.
             let goes_on = m == n.len as usize && pos + m < local_hashes.len();
             let m = m as u32;
+            if shared_on {
+                let cover = shared_cover(owners, m);
+                shared += cover;
+                shared_on = cover == n.len;
+            }
             if runs.is_empty() {
                 runs.reserve_exact(owners.len());
                 for &o in owners {
                     let mut run = Run {
                         slot: owner_slot(o),
-                        by_tier: [0; 3],
+                        by_tier: [0; 4],
                     };
                     if credit(&mut run, o, m, n.len) && goes_on {
                         live.push(runs.len() as u32);
@@ -167,7 +204,7 @@ impl View {
                 }
                 live.truncate(kept);
             }
-            if live.is_empty() || !goes_on {
+            if (live.is_empty() && !shared_on) || !goes_on {
                 break;
             }
             pos += m as usize;
@@ -176,11 +213,11 @@ impl View {
                 None => break,
             }
         }
-        self.rows(runs, at)
+        self.rows(runs, at, shared)
     }
 
-    /// The answer's rows, sorted by (worker, dp rank).
-    fn rows(&self, runs: &mut [Run], at: &mut Vec<u32>) -> Vec<WorkerMatch> {
+    /// The answer's rows, sorted by (worker, dp rank), each with the shared prefix.
+    fn rows(&self, runs: &mut [Run], at: &mut Vec<u32>, shared: u32) -> Vec<WorkerMatch> {
         let row = |r: &Run| {
             let p = self.pair(r.slot);
             WorkerMatch {
@@ -189,6 +226,7 @@ impl View {
                 device: r.by_tier[0],
                 host: r.by_tier[1],
                 disk: r.by_tier[2],
+                shared,
                 total_blocks: p.blocks,
             }
         };

@@ -1,6 +1,10 @@
 //! Snapshots: the whole index as versioned bytes, and back.
 //!
-//! Format v2 (written by this build), all integers little-endian: `"KVRIDX\0\0"`, version
+//! Format v3 is v2 whose owner tier masks may carry the shared tier (bit 3, so up to 15);
+//! this build writes v3 only when some owner holds blocks in the shared tier, and v2
+//! otherwise, so a replica older than the shared tier still restores a snapshot without it.
+//!
+//! Format v2, all integers little-endian: `"KVRIDX\0\0"`, version
 //! `u32`, config (`max_entries` `u64`, 0 = none; `write_chunk_events` `u64`), the anomaly
 //! counters (7 × `u64`), the next eviction stamp `u32`; (worker, rank) pairs (`u64` count, then
 //! per pair `worker_id` `u64`, `dp_rank` `u32`, entry count `u64`); runs (`u64` count, then per
@@ -28,11 +32,14 @@ use super::extents::MAX_RUN;
 use super::ops::{Op, Rec};
 use super::radix::RadixIndex;
 use super::stats::Anomalies;
-use super::view::{NodeId, ROOT, Slot, View, owner_end, owner_slot, owner_tiers};
+use super::view::{NodeId, ROOT, SHARED_BIT, Slot, View, owner_end, owner_slot, owner_tiers};
 
 pub(crate) const MAGIC: &[u8; 8] = b"KVRIDX\0\0";
-/// The snapshot format this build writes and the newest it reads.
-pub const SNAPSHOT_VERSION: u32 = 2;
+/// The newest snapshot format this build writes and reads (v3: v2 with the shared tier).
+pub const SNAPSHOT_VERSION: u32 = 3;
+
+/// The format written when no owner holds the shared tier.
+const NO_SHARED_VERSION: u32 = 2;
 
 /// Why bytes could not be restored.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -224,7 +231,9 @@ pub(crate) fn write(view: &View, maps: &(impl Maps + ?Sized), meta: &Meta) -> Ve
         + 8;
     let mut out = Vec::with_capacity(size);
     out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
+    let version_at = out.len();
+    out.extend_from_slice(&NO_SHARED_VERSION.to_le_bytes());
+    let mut shared = false;
     let cap = meta.config.max_entries.map_or(0, |c| c as u64);
     out.extend_from_slice(&cap.to_le_bytes());
     out.extend_from_slice(&(meta.config.write_chunk_events as u64).to_le_bytes());
@@ -252,8 +261,12 @@ pub(crate) fn write(view: &View, maps: &(impl Maps + ?Sized), meta: &Meta) -> Ve
         for &o in owners {
             out.extend_from_slice(&pair_index[owner_slot(o) as usize].to_le_bytes());
             out.push(owner_tiers(o));
+            shared |= owner_tiers(o) & SHARED_BIT != 0;
             out.extend_from_slice(&owner_end(o).to_le_bytes());
         }
+    }
+    if shared {
+        out[version_at..version_at + 4].copy_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
     }
     let mut list = Vec::new();
     for &(slot, ..) in &pairs {
@@ -340,7 +353,7 @@ impl RadixIndex {
         let queued = if version == 1 {
             super::snapshot_v1::read(&mut ix, &mut r)?
         } else {
-            read_v2(&mut ix, &mut r)?
+            read_v2(&mut ix, &mut r, version)?
         };
         if r.at != r.bytes.len() {
             return Err(corrupt("trailing bytes"));
@@ -354,8 +367,14 @@ impl RadixIndex {
     }
 }
 
-/// Reads a v2 body into an empty index; returns the eviction queue's items.
-fn read_v2(ix: &mut RadixIndex, r: &mut Reader<'_>) -> Result<Vec<Queued>, SnapshotError> {
+/// Reads a v2 or v3 body (they differ only in the tier masks they allow) into an empty
+/// index; returns the eviction queue's items.
+fn read_v2(
+    ix: &mut RadixIndex,
+    r: &mut Reader<'_>,
+    version: u32,
+) -> Result<Vec<Queued>, SnapshotError> {
+    let max_tiers = if version >= 3 { 15 } else { 7 };
     let capped = ix.core.config.max_entries.is_some();
     let RadixIndex { core, view } = ix;
     let mut rec = Rec::new(view, None);
@@ -420,7 +439,7 @@ fn read_v2(ix: &mut RadixIndex, r: &mut Reader<'_>) -> Result<Vec<Queued>, Snaps
             if (pair as usize) >= pair_count || prev.is_some_and(|p| p >= pair) {
                 return Err(corrupt("run owners out of order"));
             }
-            if tiers == 0 || tiers > 7 || end == 0 || end > len {
+            if tiers == 0 || tiers > max_tiers || end == 0 || end > len {
                 return Err(corrupt("run owner out of range"));
             }
             prev = Some(pair);

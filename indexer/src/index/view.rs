@@ -27,8 +27,11 @@ pub(crate) const ROOT: NodeId = 0;
 /// The number of a (worker, dp rank) pair.
 pub(crate) type Slot = u32;
 
-/// Tier masks take the low bits of an owner's first word.
-pub(crate) const TIER_BITS: u32 = 3;
+/// Tier masks take the low bits of an owner's first word: device, host, disk, shared.
+pub(crate) const TIER_BITS: u32 = 4;
+
+/// The shared tier's bit in a tier mask.
+pub(crate) const SHARED_BIT: u8 = 1 << 3;
 
 /// Largest slot number an owner entry can carry.
 pub(crate) const MAX_SLOTS: usize = 1 << (32 - TIER_BITS);
@@ -39,7 +42,7 @@ const FREE: u32 = u32::MAX;
 /// Owners kept in the node itself; more go to the spill arena.
 const INLINE: usize = 2;
 
-/// An owner entry: `slot << 3 | tiers` in the low word, `end` in the high word.
+/// An owner entry: `slot << 4 | tiers` in the low word, `end` in the high word.
 pub(crate) type Owner = u64;
 
 #[inline]

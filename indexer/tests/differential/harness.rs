@@ -93,7 +93,17 @@ fn engine_hash(rng: &mut Rng, w: u64, parent: u64, tokens: u64) -> u64 {
         .rotate_left(17)
 }
 
-fn tier(rng: &mut Rng) -> StorageTier {
+/// A tier; with `shared` (the long cases) sometimes the shared tier. Without it, the draws
+/// are those the recorded fixtures (`compat.rs`) were generated with.
+fn tier(rng: &mut Rng, shared: bool) -> StorageTier {
+    if shared {
+        return match rng.below(12) {
+            0..=6 => StorageTier::Device,
+            7 | 8 => StorageTier::Host,
+            9 | 10 => StorageTier::Disk,
+            _ => StorageTier::Shared,
+        };
+    }
     match rng.below(10) {
         0..=6 => StorageTier::Device,
         7 | 8 => StorageTier::Host,
@@ -138,7 +148,7 @@ pub fn gen_step(rng: &mut Rng, model: &Reference, long: bool) -> Step {
                 KvEventData::Stored {
                     parent_hash: parent,
                     blocks,
-                    tier: tier(rng),
+                    tier: tier(rng, long),
                 },
             )
         }
@@ -159,7 +169,7 @@ pub fn gen_step(rng: &mut Rng, model: &Reference, long: bool) -> Step {
                 d,
                 KvEventData::Removed {
                     block_hashes,
-                    tier: tier(rng),
+                    tier: tier(rng, long),
                 },
             )
         }
@@ -186,6 +196,8 @@ pub struct Coverage {
     /// joined runs without removing blocks.
     pub cut_runs: u64,
     pub joined_runs: u64,
+    /// Queries with a shared-tier prefix of at least 2 blocks.
+    pub shared_matches: u64,
     pub anomalies: kvroute_indexer::Anomalies,
 }
 
@@ -227,6 +239,7 @@ pub fn run<S: Subject>(steps: &[Step], cap: Option<usize>) -> Result<Coverage, S
             .iter()
             .filter(|m| m.device + m.host + m.disk >= 3)
             .count() as u64;
+        coverage.shared_matches += u64::from(want.first().is_some_and(|m| m.shared >= 2));
         let ix = subject.index();
         if ix.len() != model.len() || ix.workers() != model.workers() {
             return Err(format!(

@@ -33,6 +33,7 @@ fn run_cases(cap: Option<usize>, default_cases: u64) {
                 seen.deep_matches += c.deep_matches;
                 seen.cut_runs += c.cut_runs;
                 seen.joined_runs += c.joined_runs;
+                seen.shared_matches += c.shared_matches;
                 let (a, b) = (&mut seen.anomalies, c.anomalies);
                 a.parent_unknown_events += b.parent_unknown_events;
                 a.parent_unknown_blocks += b.parent_unknown_blocks;
@@ -56,6 +57,7 @@ fn run_cases(cap: Option<usize>, default_cases: u64) {
             && seen.deep_matches > 0
             && seen.cut_runs > 0
             && seen.joined_runs > 0
+            && seen.shared_matches > 0
             && a.parent_unknown_events > 0
             && a.removed_unknown_blocks > 0
             && a.duplicate_stored_blocks > 0

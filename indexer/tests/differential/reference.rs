@@ -187,19 +187,35 @@ impl Reference {
                 total_blocks: m.len() as u64,
                 ..WorkerMatch::default()
             };
+            let mut held = 0;
             for depth in 1..=query.len() {
                 let Some(h) = m.values().find(|h| h.path == query[..depth]) else {
                     break;
                 };
+                held += 1;
                 match h.tiers.trailing_zeros() {
                     0 => row.device += 1,
                     1 => row.host += 1,
-                    _ => row.disk += 1,
+                    2 => row.disk += 1,
+                    _ => {}
                 }
             }
-            if row.device + row.host + row.disk > 0 {
+            if held > 0 {
                 out.push(row);
             }
+        }
+        // The shared tier's prefix: each block held in the shared tier by some pair.
+        let shared_bit = 1u8 << 3;
+        let shared = (1..=query.len())
+            .take_while(|&depth| {
+                self.pairs.values().any(|m| {
+                    m.values()
+                        .any(|h| h.path == query[..depth] && h.tiers & shared_bit != 0)
+                })
+            })
+            .count() as u32;
+        for row in &mut out {
+            row.shared = shared;
         }
         out
     }

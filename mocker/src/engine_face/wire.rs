@@ -95,15 +95,22 @@ impl EventWriter {
         }
     }
 
-    /// The engine's `medium` string for a tier.
+    /// The engine's `medium` string for a tier. vLLM has no shared medium: its network-backed
+    /// offload tiers say `STORAGE` with `locality: "REMOTE"` ([`Self::remote`]).
     pub fn medium(&self, tier: StorageTier) -> &'static str {
         match (tier, self.engine) {
             (StorageTier::Device, _) => "GPU",
             (StorageTier::Host, FaceEngine::Vllm) => "CPU",
             (StorageTier::Host, FaceEngine::Sglang) => "CPU_PINNED",
-            (StorageTier::Disk, FaceEngine::Vllm) => "STORAGE",
+            (StorageTier::Disk | StorageTier::Shared, FaceEngine::Vllm) => "STORAGE",
             (StorageTier::Disk, FaceEngine::Sglang) => "DISK",
+            (StorageTier::Shared, FaceEngine::Sglang) => "EXTERNAL",
         }
+    }
+
+    /// Whether an event of `tier` carries vLLM's `locality: "REMOTE"`.
+    fn remote(&self, tier: StorageTier) -> bool {
+        tier == StorageTier::Shared && self.engine == FaceEngine::Vllm
     }
 
     fn stored(
@@ -137,6 +144,15 @@ impl EventWriter {
                 ("lora_name", Value::Nil),
             ]),
         }
+        if self.remote(tier) {
+            if self.format == EventFormat::Arrays {
+                // The slots before `locality`: extra_keys, group_idx, kv_cache_spec_kind and
+                // kv_cache_spec_sliding_window.
+                fields.extend([("", Value::Nil), ("", Value::Nil), ("", Value::Nil)]);
+                fields.push(("", Value::Nil));
+            }
+            fields.push(("locality", Value::from("REMOTE")));
+        }
         self.tagged("BlockStored", fields)
     }
 
@@ -147,6 +163,12 @@ impl EventWriter {
         ];
         if (self.engine, self.format) == (FaceEngine::Vllm, EventFormat::Maps) {
             fields.push(("group_idx", Value::from(0)));
+        }
+        if self.remote(tier) {
+            if self.format == EventFormat::Arrays {
+                fields.push(("group_idx", Value::Nil));
+            }
+            fields.push(("locality", Value::from("REMOTE")));
         }
         self.tagged("BlockRemoved", fields)
     }

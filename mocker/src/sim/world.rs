@@ -36,8 +36,7 @@ use kvroute_router::pipeline::WorkerInputs;
 use kvroute_router::registry::ResolvedPolicies;
 use kvroute_router::select::SelectionSettings;
 use kvroute_router::session::{MemSessionStore, SessionConfig, SessionTable};
-use kvroute_router::signals::{Overlap, SignalSnapshot};
-use kvroute_router::worker::WorkerRank;
+use kvroute_router::signals::SignalSnapshot;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use uuid::Uuid;
@@ -356,20 +355,11 @@ impl World<'_> {
             hashes: hashes.local.clone(),
             tokens: tokens.len() as u64,
         };
-        let mut overlap = SignalSnapshot::new();
-        if self.replicas[r].policy.inputs.contains(WorkerInputs::CACHE) {
-            for m in self.index.find_matches(&hashes.local).matches {
-                overlap = overlap.with_overlap(
-                    WorkerRank::new(m.worker_id, m.dp_rank),
-                    Overlap {
-                        device: m.device,
-                        host: m.host,
-                        disk: m.disk,
-                        cached_blocks: m.total_blocks,
-                    },
-                );
-            }
-        }
+        let overlap = if self.replicas[r].policy.inputs.contains(WorkerInputs::CACHE) {
+            SignalSnapshot::from_matches(&self.index.find_matches(&hashes.local).matches)
+        } else {
+            SignalSnapshot::new()
+        };
         let router_id = format!("sim-router-{r}");
         let input = DecideInput {
             request: &request,

@@ -214,6 +214,7 @@ pub fn with_predicted(overlap: Overlap, predicted: u32) -> Overlap {
         device: predicted,
         host: host_end.saturating_sub(predicted),
         disk: disk_end.saturating_sub(host_from),
+        shared: overlap.shared,
         cached_blocks: overlap.cached_blocks.max(u64::from(predicted)),
     }
 }
@@ -328,6 +329,7 @@ mod tests {
             device: 10,
             host: 20,
             disk: 10,
+            shared: 30,
             cached_blocks: 100,
         };
         assert_eq!(with_predicted(index, 5), index);
@@ -337,6 +339,7 @@ mod tests {
                 device: 25,
                 host: 5,
                 disk: 10,
+                shared: 30,
                 cached_blocks: 100
             }
         );
@@ -346,6 +349,7 @@ mod tests {
                 device: 35,
                 host: 0,
                 disk: 5,
+                shared: 30,
                 cached_blocks: 100
             }
         );
@@ -355,6 +359,7 @@ mod tests {
                 device: 7,
                 host: 0,
                 disk: 0,
+                shared: 0,
                 cached_blocks: 7
             }
         );

@@ -2,13 +2,18 @@
 //!
 //! ```text
 //! prefill_blocks  = active_prefill_tokens / block_size + request_blocks
-//! adjusted        = max(prefill_blocks − credit·device − host_weight·host − disk_weight·disk, 0)
+//! adjusted        = max(prefill_blocks − credit·device − host_weight·host − disk_weight·disk
+//!                       − shared_cache_multiplier·shared_beyond_device, 0)
 //! cost            = (prefill_load_scale·adjusted + decode_blocks) · preferred_taint_multiplier
 //! ```
 //!
 //! `decode_blocks` is the rank's active decode blocks plus the request's blocks. The overlap
 //! tiers are disjoint (the index counts each leading block in the best tier holding it), so no
-//! block is credited twice. Temperature 0 picks the lowest cost (costs within `tie_tolerance`
+//! block is credited twice by them. `shared_beyond_device` (`Overlap::shared_beyond_device_blocks`:
+//! the prompt's shared-tier prefix past the rank's device prefix) is not disjoint from host and
+//! disk: a block a rank holds in host memory that is also in the shared tier earns both credits,
+//! so keep `shared_cache_multiplier` at most what loading a block from the shared tier saves,
+//! which is less than a host hit saves. Off (0) by default. Temperature 0 picks the lowest cost (costs within `tie_tolerance`
 //! of it tie, and a tie goes to a random one of them, seeded); above 0 it samples.
 //!
 //! `prefill_load_scale` defaults to 64: an uncomputed prompt block costs an engine far more
@@ -42,6 +47,9 @@ pub struct DefaultPolicyParameters {
     pub host_cache_hit_weight: f64,
     /// Credit per overlap block whose best tier is disk, 0..=1. Default 0.5.
     pub disk_cache_hit_weight: f64,
+    /// Credit per block of the prompt's shared-tier prefix beyond the rank's device prefix
+    /// (`shared_beyond_device_blocks`), ≥ 0. Default 0: shared-cache hits are not credited.
+    pub shared_cache_multiplier: f64,
     /// Weight of the adjusted prefill blocks relative to decode blocks, ≥ 0. Default 64.
     pub prefill_load_scale: f64,
     /// 0: lowest cost; above 0: softmax sampling. Default 0.
@@ -58,6 +66,7 @@ impl Default for DefaultPolicyParameters {
             overlap_score_credit: 3.0,
             host_cache_hit_weight: 0.75,
             disk_cache_hit_weight: 0.5,
+            shared_cache_multiplier: 0.0,
             prefill_load_scale: 64.0,
             temperature: 0.0,
             tie_tolerance: 0.0,
@@ -78,6 +87,11 @@ impl DefaultPolicyParameters {
                 "disk_cache_hit_weight",
                 self.disk_cache_hit_weight,
                 Some(1.0),
+            ),
+            (
+                "shared_cache_multiplier",
+                self.shared_cache_multiplier,
+                None,
             ),
             ("prefill_load_scale", self.prefill_load_scale, None),
             ("temperature", self.temperature, None),
@@ -155,7 +169,8 @@ impl WorkerScorer for PrefillCostScorer {
             load.active_prefill_tokens as f64 / block_size + f64::from(context.request_blocks());
         let credit = p.overlap_score_credit * f64::from(overlap.device)
             + p.host_cache_hit_weight * f64::from(overlap.host)
-            + p.disk_cache_hit_weight * f64::from(overlap.disk);
+            + p.disk_cache_hit_weight * f64::from(overlap.disk)
+            + p.shared_cache_multiplier * f64::from(overlap.shared_beyond_device_blocks());
         let adjusted = (prefill_blocks - credit).max(0.0);
         Ok(p.prefill_load_scale * adjusted * taint_multiplier(candidate))
     }
@@ -241,11 +256,67 @@ mod tests {
             device: 2,
             host: 4,
             disk: 4,
+            shared: 0,
             cached_blocks: 0,
         };
         // 10 - 2 - 0.75·4 - 0.5·4 = 3
         assert_eq!(cost(tiers, 0, 0), 3.0);
         assert_eq!(cost(device(20), 0, 0), 0.0, "clamped at zero");
+    }
+
+    /// The cost with `shared_cache_multiplier` = `multiplier` (scale 1, credit 1).
+    fn cost_with_shared(overlap: Overlap, decode: u64, multiplier: f64) -> f64 {
+        let card = card(1);
+        let ctx = RequestContext::new(10, 16);
+        let load = LoadSignals::project(
+            Some(ObservedLoad {
+                active_decode_blocks: decode,
+                ..ObservedLoad::default()
+            }),
+            0,
+        );
+        let row = WorkerCandidate::new(WorkerRank::new(1, 0), &card)
+            .with_cache(overlap)
+            .with_load(load);
+        let mut policy = DefaultPolicyParameters {
+            prefill_load_scale: 1.0,
+            overlap_score_credit: 1.0,
+            shared_cache_multiplier: multiplier,
+            ..DefaultPolicyParameters::default()
+        }
+        .policy();
+        policy.score_exact(&ctx, row).unwrap().cost.total
+    }
+
+    #[test]
+    fn shared_hits_beyond_the_device_prefix_reduce_the_prefill_inside_the_clamp() {
+        let shared = |device, shared| Overlap {
+            device,
+            shared,
+            ..Overlap::default()
+        };
+        // Off by default: the shared tier changes nothing.
+        assert_eq!(cost(shared(2, 8), 0, 0), 8.0);
+        assert_eq!(cost_with_shared(shared(2, 8), 0, 0.0), 8.0);
+        // 10 − 1·2 − 0.5·(8 − 2) = 5.
+        assert_eq!(shared(2, 8).shared_beyond_device_blocks(), 6);
+        assert_eq!(cost_with_shared(shared(2, 8), 0, 0.5), 5.0);
+        // A device prefix deeper than the shared one: nothing beyond it.
+        assert_eq!(shared(9, 4).shared_beyond_device_blocks(), 0);
+        assert_eq!(cost_with_shared(shared(9, 4), 3, 0.5), 1.0 + 3.0);
+        // No device overlap: the whole shared prefix counts; the clamp holds (decode 3 stays).
+        assert_eq!(cost_with_shared(shared(0, 10), 3, 0.5), 5.0 + 3.0);
+        assert_eq!(cost_with_shared(shared(0, 10), 3, 2.0), 3.0);
+        // Host and disk are not device: their blocks also earn the shared credit.
+        let tiers = Overlap {
+            device: 2,
+            host: 4,
+            disk: 0,
+            shared: 6,
+            cached_blocks: 0,
+        };
+        // 10 − 2 − 0.75·4 − 0.25·(6 − 2) = 4.
+        assert_eq!(cost_with_shared(tiers, 0, 0.25), 4.0);
     }
 
     #[test]
@@ -259,6 +330,14 @@ mod tests {
                 .contains("host_cache_hit_weight")
         );
         assert!(bad("temperature: -1").is_some());
+        assert!(bad("shared_cache_multiplier: 0.8").is_none());
+        assert!(
+            bad("shared_cache_multiplier: -0.5")
+                .unwrap()
+                .message
+                .contains("shared_cache_multiplier")
+        );
+        assert!(bad("shared_cache_multiplier: .nan").is_some());
         assert!(
             bad("tie_tolerance: -0.1")
                 .unwrap()

@@ -70,6 +70,7 @@ pub async fn bridge(env: &TestEnv, engine: &EnginePublisher) -> Bridged {
         vec![0, 1],
         RelaySettings {
             mirror_max_blocks: 100_000,
+            shared_tier: true,
         },
         metrics.clone(),
     )

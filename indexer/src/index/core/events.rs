@@ -14,7 +14,7 @@ use crate::index::outcome::{ApplyError, ApplyOk};
 use crate::index::view::{MAX_SLOTS, Slot};
 
 /// Every tier.
-const ALL_TIERS: u8 = 0b111;
+const ALL_TIERS: u8 = 0b1111;
 
 /// How many blocks ahead of the one being applied its map bucket is prefetched (measured best
 /// of 8, 16 and 32 on the project's machine).

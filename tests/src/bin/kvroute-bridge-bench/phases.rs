@@ -156,6 +156,7 @@ impl Run<'_> {
             vec![0],
             RelaySettings {
                 mirror_max_blocks: 1_000_000,
+                shared_tier: true,
             },
             metrics.clone(),
         )?;
