@@ -76,6 +76,12 @@ impl<'a> WorkerCandidate<'a> {
         self.card
     }
 
+    /// One label of the worker's card (e.g. the device it runs on), read from the card when
+    /// asked: nothing is gathered for components that never call it.
+    pub fn label(&self, key: &str) -> Option<&'a str> {
+        self.card.labels.get(key).map(String::as_str)
+    }
+
     /// Present when some component requested [`super::WorkerInputs::CACHE`].
     pub fn cache(&self) -> Option<&Overlap> {
         self.cache.as_ref()

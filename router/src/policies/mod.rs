@@ -1,6 +1,7 @@
 //! The built-in worker-selection policies, one per file, and their registration.
 
 pub mod default;
+pub mod device_aware;
 pub mod least_busy;
 pub mod load_metric;
 pub mod pickers;
@@ -15,7 +16,7 @@ use crate::registry::{PolicyRegistry, RegistryError};
 
 impl PolicyRegistry {
     /// A registry holding the built-in types (`default`, `least-busy`, `round-robin`,
-    /// `random`, `power-of-two`).
+    /// `random`, `power-of-two`, `device-aware-weighted`).
     pub fn with_builtins() -> Self {
         let mut registry = Self::new();
         register_builtins(&mut registry).expect("built-in policy type names are valid and unique");
@@ -23,13 +24,15 @@ impl PolicyRegistry {
     }
 }
 
-/// Registers `default`, `least-busy`, `round-robin`, `random` and `power-of-two`.
+/// Registers `default`, `least-busy`, `round-robin`, `random`, `power-of-two` and
+/// `device-aware-weighted`.
 pub fn register_builtins(registry: &mut PolicyRegistry) -> Result<(), RegistryError> {
     registry.register(DEFAULT_TYPE, Arc::new(default::provider))?;
     registry.register("least-busy", Arc::new(least_busy::provider))?;
     registry.register("round-robin", Arc::new(round_robin::provider))?;
     registry.register("random", Arc::new(random::provider))?;
     registry.register("power-of-two", Arc::new(power_of_two::provider))?;
+    registry.register(device_aware::TYPE, Arc::new(device_aware::provider))?;
     Ok(())
 }
 

@@ -187,7 +187,10 @@ fn a_selection_naming_nothing_stops_startup_naming_where_it_came_from() {
     assert!(!err.in_file());
     let text = err.to_string();
     assert!(text.contains("(from --decode-policy)"), "{text}");
-    assert!(text.contains("registered: default, least-busy"), "{text}");
+    assert!(
+        text.contains("registered: default, device-aware-weighted, least-busy"),
+        "{text}"
+    );
 
     // The same from the environment names the variable, for every role it applies to.
     let env = PolicyOverrides {
