@@ -85,6 +85,8 @@ pub struct Engine {
     step_end: Option<Duration>,
     /// End of the last step (simulated time the engine has reached while busy).
     clock: Duration,
+    /// Report computed prompts in [`Ready::prefilled`].
+    shared_writes: bool,
 }
 
 impl Engine {
@@ -102,7 +104,15 @@ impl Engine {
             ids: HashSet::new(),
             step_end: None,
             clock: Duration::ZERO,
+            shared_writes: false,
         })
+    }
+
+    /// Reports every computed prompt's blocks in [`Ready::prefilled`] (a fleet writing
+    /// through to a shared tier).
+    pub fn with_shared_writes(mut self, on: bool) -> Self {
+        self.shared_writes = on;
+        self
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -293,16 +303,22 @@ impl Engine {
             };
             let w = self.waiting.pop_front().expect("head exists");
             // An engine always computes at least the last prompt token.
-            let cached_tokens = (admission.cached_blocks * self.config.block_size)
-                .min(w.req.prompt_tokens.saturating_sub(1));
-            let scheduled = (w.req.prompt_tokens - cached_tokens).min(budget);
+            let last = w.req.prompt_tokens.saturating_sub(1);
+            let cached_tokens = (admission.cached_blocks * self.config.block_size).min(last);
+            // The shared tier's blocks past the device prefix are loaded, not computed.
+            let loaded = (w.req.shared_blocks.saturating_sub(admission.cached_blocks)
+                * self.config.block_size)
+                .min(last - cached_tokens);
+            work.shared_load_tokens += u64::from(loaded);
+            let not_computed = cached_tokens + loaded;
+            let scheduled = (w.req.prompt_tokens - not_computed).min(budget);
             budget -= scheduled;
             work.prefill_tokens += u64::from(scheduled);
             self.running.push(Running {
                 req: w.req,
                 arrival: w.arrival,
-                cached_tokens,
-                prefilled: cached_tokens,
+                cached_tokens: not_computed,
+                prefilled: not_computed,
                 generated: 0,
                 ttft: Duration::ZERO,
                 scheduled,
@@ -335,6 +351,9 @@ impl Engine {
                 if r.decoding() {
                     r.generated = 1;
                     r.ttft = end - r.arrival;
+                    if self.shared_writes {
+                        ready.prefilled.push(r.req.hashes.clone());
+                    }
                     outputs.push(EngineOutput::PrefillDone {
                         request_id: r.req.request_id,
                         at: end,

@@ -31,6 +31,8 @@ pub use worker::StopMode;
 pub(crate) use metrics::FleetHttp;
 use worker::{WorkerHandle, WorkerSettings};
 
+use crate::shared_store::SharedStore;
+
 /// The card label that tells clients (the replay tool) the fleet's time compression.
 pub const SPEEDUP_LABEL: &str = "kvroute.mocker/speedup";
 /// Card label with the engine model's parameters (JSON), for the replay's TTFT floor.
@@ -61,6 +63,11 @@ impl Fleet {
             engine: config.engine.engine_config(),
             speedup: config.speedup,
             load_interval: config.load_interval(),
+            shared: (config.shared_cache_blocks > 0).then(|| {
+                Arc::new(std::sync::Mutex::new(SharedStore::new(
+                    config.shared_cache_blocks as usize,
+                )))
+            }),
         };
         let agent_config = WorkerAgentConfig {
             registration: RegistrationConfig {
@@ -166,15 +173,17 @@ fn card(config: &FleetConfig, worker_id: WorkerId, names: &Names) -> WorkerCard 
         dp_start_rank: 0,
         dp_size: 1,
         taints: Vec::new(),
-        labels: [
-            (SPEEDUP_LABEL.to_owned(), config.speedup.to_string()),
-            (
-                ENGINE_LABEL.to_owned(),
-                serde_json::to_string(&config.engine.engine_config())
-                    .expect("an engine config serializes"),
-            ),
-        ]
-        .into(),
+        labels: config
+            .label_pairs()
+            .chain([
+                (SPEEDUP_LABEL.to_owned(), config.speedup.to_string()),
+                (
+                    ENGINE_LABEL.to_owned(),
+                    serde_json::to_string(&config.engine.engine_config())
+                        .expect("an engine config serializes"),
+                ),
+            ])
+            .collect(),
         request_subject: names.worker_requests(worker_id),
         software_version: format!("kvroute-mocker {}", env!("CARGO_PKG_VERSION")),
         http_url: None,

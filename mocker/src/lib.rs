@@ -10,6 +10,7 @@ pub mod engine;
 pub mod engine_face;
 pub mod fleet;
 pub mod replay;
+pub mod shared_store;
 pub mod sim;
 pub mod tracegen;
 

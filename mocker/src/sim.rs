@@ -87,6 +87,9 @@ pub fn run_with(args: &SimArgs, registry: &PolicyRegistry) -> anyhow::Result<Run
             seed: args.seed,
             send_sessions: !args.no_sessions,
             sessions: args.sessions(),
+            cpu_workers: args.cpu_workers,
+            cpu_slowdown: args.cpu_slowdown,
+            shared_cache_blocks: args.shared_cache_blocks,
         };
         let progress = Progress::new(mode.as_str(), plan.len() as u64, args.output.interactive());
         let report = simulate(&plan, &settings, &policies, |t| progress.update(t))?;

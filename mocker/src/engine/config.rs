@@ -28,6 +28,9 @@ pub struct EngineConfig {
     pub decode_ns_per_seq: u64,
     /// Cost of each context token attended by a decoding request in a step, ns. Default 20.
     pub decode_ns_per_context_token: u64,
+    /// Cost of each prompt token loaded from the shared tier instead of prefilled, ns (a
+    /// remote store at about 12 GB/s for 128 KiB of KV per token). Default 10,000.
+    pub shared_load_ns_per_token: u64,
 }
 
 impl Default for EngineConfig {
@@ -41,6 +44,7 @@ impl Default for EngineConfig {
             prefill_ns_per_token: 40_000,
             decode_ns_per_seq: 100_000,
             decode_ns_per_context_token: 20,
+            shared_load_ns_per_token: 10_000,
         }
     }
 }
@@ -91,7 +95,10 @@ impl EngineConfig {
             + work.decode_seqs.saturating_mul(self.decode_ns_per_seq)
             + work
                 .decode_context_tokens
-                .saturating_mul(self.decode_ns_per_context_token);
+                .saturating_mul(self.decode_ns_per_context_token)
+            + work
+                .shared_load_tokens
+                .saturating_mul(self.shared_load_ns_per_token);
         Duration::from_nanos(nanos)
     }
 }
@@ -105,6 +112,8 @@ pub struct StepWork {
     pub decode_seqs: u64,
     /// Context tokens those requests attend to, summed.
     pub decode_context_tokens: u64,
+    /// Prompt tokens loaded from the shared tier (requests admitted in this step).
+    pub shared_load_tokens: u64,
 }
 
 #[cfg(test)]

@@ -19,6 +19,10 @@ pub struct SimRequest {
     /// Report every decoded token in [`Ready::tokens`] (for a streamed answer); otherwise only
     /// the first and the last token are reported, as lifecycle outputs.
     pub report_tokens: bool,
+    /// Leading blocks of the prompt the fleet's shared tier holds (the caller looks them up
+    /// when it submits): those beyond the device cache's prefix are loaded, at
+    /// `shared_load_ns_per_token`, instead of prefilled. 0 without a shared tier.
+    pub shared_blocks: u32,
 }
 
 impl SimRequest {
@@ -35,6 +39,7 @@ impl SimRequest {
             output_tokens,
             hashes: BlockHashes::of_tokens(tokens, block_size as usize, lora_name),
             report_tokens: false,
+            shared_blocks: 0,
         }
     }
 }
@@ -46,7 +51,7 @@ pub enum EngineOutput {
     PrefillDone {
         request_id: RequestId,
         at: Duration,
-        /// Prompt tokens found in the cache (not recomputed).
+        /// Prompt tokens found in the cache or loaded from the shared tier (not recomputed).
         cached_tokens: u64,
         /// Time to first token, from submission.
         ttft: Duration,
@@ -98,6 +103,9 @@ pub struct Ready {
     /// In time order; only for requests submitted with `report_tokens`, and only the tokens
     /// between the first (`PrefillDone`) and the last (`Finished`).
     pub tokens: Vec<TokenOutput>,
+    /// With [`super::Engine::with_shared_writes`]: the block hashes of every prompt whose
+    /// prefill completed, for the caller to write through to its shared tier.
+    pub prefilled: Vec<BlockHashes>,
 }
 
 /// A decode step produced one more token of a request, at simulated time `at`.

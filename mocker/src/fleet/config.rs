@@ -58,6 +58,14 @@ pub struct EngineArgs {
         default_value_t = 20
     )]
     pub decode_ns_per_context_token: u64,
+    /// Cost of each prompt token loaded from the shared tier instead of prefilled, in
+    /// nanoseconds (simulated; only with a shared tier).
+    #[arg(
+        long,
+        env = "KVROUTE_MOCKER_SHARED_LOAD_NS_PER_TOKEN",
+        default_value_t = 10_000
+    )]
+    pub shared_load_ns_per_token: u64,
 }
 
 impl EngineArgs {
@@ -93,6 +101,7 @@ impl EngineArgs {
             prefill_ns_per_token: self.prefill_ns_per_token,
             decode_ns_per_seq: self.decode_ns_per_seq,
             decode_ns_per_context_token: self.decode_ns_per_context_token,
+            shared_load_ns_per_token: self.shared_load_ns_per_token,
         }
     }
 }
@@ -109,6 +118,7 @@ impl Default for EngineArgs {
             prefill_ns_per_token: c.prefill_ns_per_token,
             decode_ns_per_seq: c.decode_ns_per_seq,
             decode_ns_per_context_token: c.decode_ns_per_context_token,
+            shared_load_ns_per_token: c.shared_load_ns_per_token,
         }
     }
 }
@@ -134,6 +144,17 @@ pub struct FleetConfig {
     /// Simulated seconds per wall-clock second (e.g. 10 runs the engines ten times faster).
     #[arg(long, env = "KVROUTE_MOCKER_SPEEDUP", default_value_t = 1.0)]
     pub speedup: f64,
+    /// A label on every worker's card, `KEY=VALUE` (repeat the flag for more; the variable
+    /// takes a comma-separated list), e.g. `kvroute.io/device=cpu` for a fleet of CPU workers.
+    #[arg(long = "label", env = "KVROUTE_MOCKER_LABELS", value_delimiter = ',')]
+    pub labels: Vec<String>,
+    /// Blocks of a shared KV tier per worker (0: none). The process's workers share one store
+    /// (an LMCache-like tier): each writes the prompts it computes through to it and announces
+    /// them in the shared tier, and each loads the store's blocks beyond its device prefix at
+    /// `--shared-load-ns-per-token` instead of prefilling them. Workers of other processes do
+    /// not see it.
+    #[arg(long, env = "KVROUTE_MOCKER_SHARED_CACHE_BLOCKS", default_value_t = 0)]
+    pub shared_cache_blocks: u64,
     /// TTL of each worker's etcd lease, in seconds (minimum 2); a crashed worker disappears
     /// after at most this long.
     #[arg(long, env = "KVROUTE_MOCKER_LEASE_TTL_SECS", default_value_t = 10)]
@@ -162,6 +183,8 @@ impl Default for FleetConfig {
             model: "mock-model".into(),
             engine: EngineArgs::default(),
             speedup: 1.0,
+            labels: Vec::new(),
+            shared_cache_blocks: 0,
             lease_ttl_secs: 10,
             load_interval_ms: 200,
             http_addr: None,
@@ -175,6 +198,14 @@ impl Default for FleetConfig {
 pub const MAX_WORKERS: u32 = 1024;
 
 impl FleetConfig {
+    /// The `--label` flags as (key, value) pairs (validated).
+    pub fn label_pairs(&self) -> impl Iterator<Item = (String, String)> + '_ {
+        self.labels.iter().filter_map(|l| {
+            l.split_once('=')
+                .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        })
+    }
+
     /// Checks every setting; the error names the flag.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.workers == 0 || self.workers > MAX_WORKERS {
@@ -195,6 +226,16 @@ impl FleetConfig {
         }
         if self.model.trim().is_empty() {
             return Err(ConfigError::new("model", "must not be empty"));
+        }
+        if let Some(bad) = self
+            .labels
+            .iter()
+            .find(|l| l.split_once('=').is_none_or(|(k, _)| k.trim().is_empty()))
+        {
+            return Err(ConfigError::new(
+                "label",
+                format!("must be KEY=VALUE, got {bad:?}"),
+            ));
         }
         self.engine.validate()?;
         if !(self.speedup.is_finite() && self.speedup > 0.0 && self.speedup <= 1e6) {

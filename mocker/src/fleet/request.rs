@@ -94,6 +94,7 @@ pub fn to_sim_request(
                     sequence,
                 },
                 report_tokens: false,
+                shared_blocks: 0,
             })
         }
     }

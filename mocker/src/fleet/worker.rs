@@ -26,6 +26,7 @@ use super::clock::SimClock;
 use super::metrics::FleetMetrics;
 use super::request::{self, decode_error, submit_error};
 use crate::engine::{Engine, EngineConfig, EngineOutput};
+use crate::shared_store::SharedStore;
 
 /// The data-parallel rank every simulated worker serves (one rank per worker).
 const DP_RANK: DpRank = 0;
@@ -80,6 +81,23 @@ pub(crate) struct WorkerSettings {
     pub engine: EngineConfig,
     pub speedup: f64,
     pub load_interval: std::time::Duration,
+    /// The process's shared tier, if it has one (locked inside the engine's lock, never the
+    /// other way round).
+    pub shared: Option<Arc<std::sync::Mutex<SharedStore>>>,
+}
+
+impl WorkerSettings {
+    fn engine(&self) -> Engine {
+        Engine::new(self.engine.clone())
+            .expect("the fleet config was validated")
+            .with_shared_writes(self.shared.is_some())
+    }
+
+    fn store(&self) -> Option<MutexGuard<'_, SharedStore>> {
+        self.shared
+            .as_ref()
+            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()))
+    }
 }
 
 /// A running worker task.
@@ -102,9 +120,8 @@ impl WorkerHandle {
 }
 
 pub(crate) fn new_core(settings: &WorkerSettings) -> Arc<SharedCore> {
-    let engine = Engine::new(settings.engine.clone()).expect("the fleet config was validated");
     Arc::new(SharedCore(Mutex::new(Core {
-        engine,
+        engine: settings.engine(),
         clock: SimClock::start(settings.speedup),
         pending: HashMap::new(),
     })))
@@ -226,8 +243,11 @@ impl Worker {
             Ok(req) => {
                 match request::to_sim_request(&req, self.settings.engine.block_size, DP_RANK) {
                     Err(e) => Some(e),
-                    Ok(sim) => {
+                    Ok(mut sim) => {
                         let mut core = self.core.lock();
+                        if let Some(store) = self.settings.store() {
+                            sim.shared_blocks = store.prefix(&sim.hashes);
+                        }
                         let now = core.clock.now();
                         let prompt_tokens = u64::from(sim.prompt_tokens);
                         match core.engine.submit(sim, now) {
@@ -266,9 +286,11 @@ impl Worker {
         self.cancel_all("the worker's cache was reset").await;
         {
             let mut core = self.core.lock();
-            core.engine =
-                Engine::new(self.settings.engine.clone()).expect("the fleet config was validated");
+            core.engine = self.settings.engine();
             core.clock = SimClock::start(self.settings.speedup);
+            if let Some(mut store) = self.settings.store() {
+                store.forget(self.worker_id);
+            }
             self.publisher.publish(DP_RANK, vec![KvEventData::Cleared]);
         }
         self.metrics.kv_events.inc();
@@ -285,9 +307,16 @@ impl Worker {
             let mut core = self.core.lock();
             let now = core.clock.now();
             let ready = core.engine.advance_to(now);
-            if !ready.kv_events.is_empty() {
-                self.metrics.kv_events.add(ready.kv_events.len() as u64);
-                self.publisher.publish(DP_RANK, ready.kv_events);
+            let mut events = ready.kv_events;
+            if let Some(mut store) = self.settings.store() {
+                // Written through once computed, announced after the device blocks.
+                for hashes in &ready.prefilled {
+                    events.extend(store.write(self.worker_id, hashes));
+                }
+            }
+            if !events.is_empty() {
+                self.metrics.kv_events.add(events.len() as u64);
+                self.publisher.publish(DP_RANK, events);
             }
             let mut out = Vec::new();
             for output in ready.outputs {

@@ -46,6 +46,19 @@ pub struct SimArgs {
     /// Simulated workers (worker ids 1..=N).
     #[arg(long, env = "KVROUTE_SIM_WORKERS", default_value_t = 8)]
     pub workers: u32,
+    /// The last N workers are CPU workers: their cards carry `kvroute.io/device: cpu` and their
+    /// engines' step costs are `--cpu-slowdown` times the others'.
+    #[arg(long, env = "KVROUTE_SIM_CPU_WORKERS", default_value_t = 0)]
+    pub cpu_workers: u32,
+    /// How many times slower a CPU worker's engine is (step overhead, prefill, decode, shared
+    /// loads), ≥ 1.
+    #[arg(long, env = "KVROUTE_SIM_CPU_SLOWDOWN", default_value_t = 4.0)]
+    pub cpu_slowdown: f64,
+    /// Blocks of a shared KV tier per worker (0: none): every engine writes the prompts it
+    /// computes through to one store that every engine loads from, and announces what it
+    /// wrote in the shared tier (see `kvroute_mocker::shared_store`).
+    #[arg(long, env = "KVROUTE_SIM_SHARED_CACHE_BLOCKS", default_value_t = 0)]
+    pub shared_cache_blocks: u64,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Router replicas, each with its own load view and policy state; arrivals go to them in
@@ -165,6 +178,15 @@ impl SimArgs {
         }
         if self.routers == 0 || self.routers > 64 {
             return Err(ConfigError::new("routers", "must be 1..=64"));
+        }
+        if self.cpu_workers > self.workers {
+            return Err(ConfigError::new(
+                "cpu-workers",
+                format!("must be at most --workers ({})", self.workers),
+            ));
+        }
+        if !(self.cpu_slowdown.is_finite() && self.cpu_slowdown >= 1.0) {
+            return Err(ConfigError::new("cpu-slowdown", "must be a number ≥ 1"));
         }
         self.engine.validate()?;
         if let Some(path) = &self.policy_config {

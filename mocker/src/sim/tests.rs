@@ -54,6 +54,9 @@ fn settings(mode: Mode, routers: u32, seed: u64) -> SimSettings {
         seed,
         send_sessions: true,
         sessions: Default::default(),
+        cpu_workers: 0,
+        cpu_slowdown: 1.0,
+        shared_cache_blocks: 0,
     }
 }
 

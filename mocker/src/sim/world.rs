@@ -43,6 +43,8 @@ use uuid::Uuid;
 
 use crate::engine::{Engine, EngineConfig, EngineOutput, SimRequest};
 use crate::replay::{Mode, ModeRecorder, ModeReport, Plan, RequestSample, Tally, session_context};
+use crate::shared_store::SharedStore;
+use kvroute_router::policies::device_aware::DEVICE_LABEL;
 
 /// The model every simulated worker serves.
 pub const SIM_MODEL: &str = "mock-model";
@@ -74,6 +76,35 @@ pub struct SimSettings {
     pub send_sessions: bool,
     /// The routers' session settings (`--session-affinity`, `--session-idle-ttl-secs`).
     pub sessions: SessionConfig,
+    /// The last `cpu_workers` workers are CPU workers (card label `kvroute.io/device: cpu`),
+    /// their engines `cpu_slowdown` times slower.
+    pub cpu_workers: u32,
+    pub cpu_slowdown: f64,
+    /// Blocks of the shared tier per worker (0: no shared tier).
+    pub shared_cache_blocks: u64,
+}
+
+impl SimSettings {
+    /// Worker `i`'s (0-based) engine and whether it is a CPU worker.
+    fn engine_of(&self, i: u32) -> (EngineConfig, bool) {
+        if i < self.workers - self.cpu_workers.min(self.workers) {
+            return (self.engine.clone(), false);
+        }
+        (slowed(&self.engine, self.cpu_slowdown), true)
+    }
+}
+
+/// `engine` with every step cost `factor` times larger (a CPU worker).
+pub fn slowed(engine: &EngineConfig, factor: f64) -> EngineConfig {
+    let f = |v: u64| (v as f64 * factor).round() as u64;
+    EngineConfig {
+        step_overhead_us: f(engine.step_overhead_us),
+        prefill_ns_per_token: f(engine.prefill_ns_per_token),
+        decode_ns_per_seq: f(engine.decode_ns_per_seq),
+        decode_ns_per_context_token: f(engine.decode_ns_per_context_token),
+        shared_load_ns_per_token: f(engine.shared_load_ns_per_token),
+        ..engine.clone()
+    }
 }
 
 /// The cards of a simulated fleet (worker ids 1..=n).
@@ -168,6 +199,8 @@ struct World<'a> {
     seq: u64,
     workers: Vec<SimWorker>,
     index: RadixIndex,
+    /// The fleet's shared tier, if it has one.
+    shared: Option<SharedStore>,
     replicas: Vec<SimRouter>,
     /// Every worker, as the router's one partition.
     partition: Partition,
@@ -190,14 +223,25 @@ pub fn simulate(
     mut progress: impl FnMut(&Tally),
 ) -> anyhow::Result<ModeReport> {
     let cards = sim_cards(&settings.engine, settings.workers);
+    let shared = settings.shared_cache_blocks > 0;
     let workers = cards
         .into_iter()
-        .map(|card| SimWorker {
-            card,
-            engine: Engine::new(settings.engine.clone()).expect("validated by the caller"),
-            wake: None,
-            report_seq: 0,
-            new_requests: Vec::new(),
+        .zip(0..)
+        .map(|(mut card, i)| {
+            let (engine, cpu) = settings.engine_of(i);
+            if cpu {
+                card.labels
+                    .insert(DEVICE_LABEL.to_owned(), "cpu".to_owned());
+            }
+            SimWorker {
+                card,
+                engine: Engine::new(engine)
+                    .expect("validated by the caller")
+                    .with_shared_writes(shared),
+                wake: None,
+                report_seq: 0,
+                new_requests: Vec::new(),
+            }
         })
         .collect::<Vec<_>>();
     let view_config = LoadViewConfig {
@@ -236,6 +280,7 @@ pub fn simulate(
         names: Names::new(&Namespace::new("sim").expect("a valid namespace")),
         workers,
         index: RadixIndex::new(IndexConfig::default()),
+        shared: shared.then(|| SharedStore::new(settings.shared_cache_blocks as usize)),
         replicas,
         sessions: SessionTable::new(MemSessionStore::new(), settings.sessions),
         in_flight: HashMap::new(),
@@ -407,6 +452,7 @@ impl World<'_> {
             request_id,
             prompt_tokens: tokens.len() as u32,
             output_tokens: trace.output_length,
+            shared_blocks: self.shared.as_ref().map_or(0, |s| s.prefix(&hashes)),
             hashes,
             report_tokens: false,
         };
@@ -440,6 +486,17 @@ impl World<'_> {
             );
         }
         let worker_id = self.workers[w].card.worker_id;
+        if let Some(store) = &mut self.shared {
+            // Written through once computed; announced after the device blocks (their parents).
+            let events: Vec<KvEventData> = ready
+                .prefilled
+                .iter()
+                .flat_map(|hashes| store.write(worker_id, hashes))
+                .collect();
+            if !events.is_empty() {
+                self.schedule(now + self.settings.event_delay, Event::KvEvents(w, events));
+            }
+        }
         let mut finished = false;
         for output in ready.outputs {
             let lifecycle = RequestLifecycle {
