@@ -251,6 +251,11 @@ impl PromptWorker {
 
     /// Publishes the full blocks of `tokens` as one stored chain and waits until acked.
     pub async fn store_prompt(&self, tokens: &[u32]) {
+        self.store_prompt_in(tokens, StorageTier::Device).await;
+    }
+
+    /// [`Self::store_prompt`] in `tier` (device-tier chains are also republished on resync).
+    pub async fn store_prompt_in(&self, tokens: &[u32], tier: StorageTier) {
         let seed = seed_for_lora(None);
         let local = local_block_hashes(tokens, self.agent.card().block_size as usize, seed);
         let seq = sequence_hashes(&local, seed);
@@ -262,13 +267,15 @@ impl PromptWorker {
                 tokens_hash: *l,
             })
             .collect();
-        self.cache.0.lock().expect("sim cache").push(blocks.clone());
+        if tier == StorageTier::Device {
+            self.cache.0.lock().expect("sim cache").push(blocks.clone());
+        }
         self.agent.publish_events(
             0,
             vec![KvEventData::Stored {
                 parent_hash: None,
                 blocks,
-                tier: StorageTier::Device,
+                tier,
             }],
         );
         self.agent.publisher().flush().await;

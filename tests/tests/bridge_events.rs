@@ -197,3 +197,104 @@ async fn vllm_history_through_the_bridge_matches_the_reference() {
 async fn sglang_history_through_the_bridge_matches_the_reference() {
     full_history(Engine::Sglang).await;
 }
+
+/// A chain written to the engine's shared tier — vLLM's network-backed offload tier
+/// (`STORAGE` with `locality: "REMOTE"`), SGLang's `EXTERNAL` medium — reaches the index in
+/// kvroute's shared tier: the query reports it as the shared prefix, beside the rank's device
+/// blocks, and a removal from the store shortens it.
+async fn shared_tier(engine: Engine) {
+    let env = TestEnv::start().unwrap();
+    let indexer = IndexerProcess::start(&env, "a", NO_SNAPSHOTS).unwrap();
+    let mut publisher = EnginePublisher::start(EngineOptions::new(engine)).unwrap();
+    let bridged = bridge(&env, &publisher).await;
+    let nats = env.nats.connect().await.unwrap();
+    let names = Names::new(&env.namespace);
+    let e = engine;
+    let t1 = tokens(100, 3);
+    let shared = |hashes: &[u64], tokens: &[u32]| {
+        let mut s = stored(e, hashes, None, tokens, "GPU", None);
+        match e {
+            Engine::Vllm => {
+                s["medium"] = json!("STORAGE");
+                s["locality"] = json!("REMOTE");
+            }
+            Engine::Sglang => s["medium"] = json!("EXTERNAL"),
+        }
+        s
+    };
+    let shared_removed = |hashes: &[u64]| {
+        let mut r = removed(e, hashes, "GPU");
+        match e {
+            Engine::Vllm => {
+                r["medium"] = json!("STORAGE");
+                r["locality"] = json!("REMOTE");
+            }
+            Engine::Sglang => r["medium"] = json!("EXTERNAL"),
+        }
+        r
+    };
+    // Rank 0 computed the first two blocks and wrote all three to the store.
+    publisher
+        .publish(
+            0,
+            json!([
+                stored(e, &[1, 2], None, &t1[..2 * BS as usize], "GPU", None),
+                shared(&[1, 2, 3], &t1)
+            ]),
+        )
+        .unwrap();
+    let expected = reference(&[
+        (
+            0,
+            chain(
+                e,
+                &[1, 2],
+                None,
+                &t1[..2 * BS as usize],
+                StorageTier::Device,
+                None,
+            ),
+        ),
+        (
+            0,
+            chain(e, &[1, 2, 3], None, &t1, StorageTier::Shared, None),
+        ),
+    ]);
+    wait_digest(&indexer, expected.digest(), "shared tier").await;
+    let rows = query(&nats, &names, &indexer, &t1, None).await;
+    assert_eq!(
+        rows,
+        expected
+            .find_matches_for_tokens(&t1, BS as usize, None)
+            .matches
+    );
+    assert_eq!(
+        rows.iter()
+            .map(|m| (m.dp_rank, m.device, m.shared))
+            .collect::<Vec<_>>(),
+        [(0, 2, 3)]
+    );
+    // The store dropped the last block.
+    publisher.publish(0, json!([shared_removed(&[3])])).unwrap();
+    let start = std::time::Instant::now();
+    let rows = loop {
+        let rows = query(&nats, &names, &indexer, &t1, None).await;
+        if rows.first().is_some_and(|m| m.shared == 2) {
+            break rows;
+        }
+        assert!(start.elapsed().as_secs() < 20, "{rows:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert_eq!(rows[0].device, 2);
+    drop(bridged);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_remote_tier_reaches_the_index_as_the_shared_tier() {
+    shared_tier(Engine::Vllm).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_external_medium_reaches_the_index_as_the_shared_tier() {
+    shared_tier(Engine::Sglang).await;
+}
