@@ -154,24 +154,31 @@ impl View {
             // Pairs holding the whole run go on only if the query goes past it.
             let goes_on = m == n.len as usize && pos + m < local_hashes.len();
             let m = m as u32;
-            if shared_on {
-                let cover = shared_cover(owners, m);
-                shared += cover;
-                shared_on = cover == n.len;
-            }
             if runs.is_empty() {
+                // The first run: every owner is met anyway, so the shared cover comes along.
                 runs.reserve_exact(owners.len());
+                let mut cover = 0;
                 for &o in owners {
                     let mut run = Run {
                         slot: owner_slot(o),
                         by_tier: [0; 4],
                     };
+                    if owner_tiers(o) & SHARED_BIT != 0 {
+                        cover = cover.max(owner_end(o).min(m));
+                    }
                     if credit(&mut run, o, m, n.len) && goes_on {
                         live.push(runs.len() as u32);
                     }
                     runs.push(run);
                 }
+                shared = cover;
+                shared_on = cover == n.len;
             } else {
+                if shared_on {
+                    let cover = shared_cover(owners, m);
+                    shared += cover;
+                    shared_on = cover == n.len;
+                }
                 let mut kept = 0;
                 if live.len() * 16 < owners.len() {
                     // Few pairs left on a crowded run: look each one up.
