@@ -8,6 +8,7 @@ pub mod decide;
 pub mod eligibility;
 pub mod pipeline;
 pub mod policies;
+pub mod queue;
 pub mod registry;
 pub mod request;
 pub mod select;

@@ -52,6 +52,9 @@ pub async fn watch_workers(router: Arc<Router>, mut events: mpsc::Receiver<Worke
                 view.remove_worker(*worker_id);
             }
         }
+        // A worker that joined (or left, failing requests pinned to it) changes what queued
+        // requests can get.
+        router.admission.poke();
     }
 }
 
@@ -94,6 +97,12 @@ impl Router {
 
     /// `disconnected_at`: when the NATS connection was last lost (until it is back).
     fn on_feed(&self, feed: Feed, disconnected_at: &mut Option<u64>) {
+        self.apply_feed(feed, disconnected_at);
+        // Whatever changed the load view may have freed capacity for queued requests.
+        self.admission.poke();
+    }
+
+    fn apply_feed(&self, feed: Feed, disconnected_at: &mut Option<u64>) {
         let m = &self.metrics;
         match feed {
             Feed::Decision(msg) => match decode::<Decision>(&msg.payload) {

@@ -5,6 +5,7 @@
 //! [`sessions_kv`] → [`reply`] (answer, then the published decision). This module holds only
 //! I/O: intake, reply, overlap, sessions_kv and feeds touch the network.
 
+mod admission;
 pub mod config;
 mod feeds;
 mod http;
@@ -118,6 +119,7 @@ pub struct Router {
     /// itself (`--no-partition-owner`).
     peers: Option<tokio::sync::watch::Receiver<peers::PeerSet>>,
     forward_timeout: Duration,
+    admission: admission::Admission,
 }
 
 impl std::fmt::Debug for Router {
@@ -211,6 +213,7 @@ pub async fn run(
         max_in_flight: config.max_in_flight,
         peers: (!config.no_partition_owner).then_some(peers_rx),
         forward_timeout: Duration::from_millis(config.forward_timeout_ms),
+        admission: admission::Admission::new(config.queue()),
     });
     let registration = Arc::new(peers::Registration::default());
     let mut etcd_for_shutdown = etcd.clone();
@@ -252,6 +255,7 @@ pub async fn run(
         watchdog_observer("select", router.metrics.watchdog()),
     );
     let intake_task = tokio::spawn(intake::serve(router.clone(), serve, in_flight));
+    let dispatch_task = tokio::spawn(admission::dispatch_loop(router.clone()));
     tracing::info!(router_id, subject = names.select(), overlap = ?config.overlap_mode, "router started; serving once ready");
 
     shutdown.await;
@@ -262,6 +266,9 @@ pub async fn run(
     }
     registration.revoke(&mut etcd_for_shutdown).await;
     intake_task.abort();
+    dispatch_task.abort();
+    // Queued requests get an answer they can retry elsewhere, not silence.
+    router.refuse_queued().await;
     watchdog_task.abort();
     watch_task.abort();
     feed_task.abort();

@@ -9,15 +9,21 @@
 //!
 //! The wall clock is read once per request, at intake; later times (after waiting for the lock
 //! or for the session store) add the monotonic time elapsed since.
+//!
+//! When every eligible worker is busy, a request of a partition this replica queues waits in
+//! its admission queue ([`super::admission`]) instead of failing `all_overloaded`; so does a
+//! request whose partition already has requests waiting (they go first).
 
 use std::time::Instant;
 
 use kvroute_common::messages::{Decision, ErrorCode, SelectRequest, SelectResponse, now_ms};
 use uuid::Uuid;
 
+use super::admission::{self, Joined, Waiting};
 use super::intake::{self, Rejected};
 use super::reply;
 use super::{PolicySlot, Router};
+use crate::decide::candidates::Partition;
 use crate::decide::load_view::LoadView;
 use crate::decide::prompt::{Prompt, prompt};
 use crate::decide::{DecideInput, Decided, DecisionState, PartitionPolicy, decide_request, wire};
@@ -31,6 +37,14 @@ use crate::signals::SignalSnapshot;
 /// The owner decides such a request whatever it thinks of ownership (never a second hop).
 pub const FORWARDED_BY: &str = "Kvroute-Forwarded-By";
 
+/// The owner's answer to a forwarded request.
+enum Forwarded {
+    /// Its reply, to pass on to the client.
+    Answered(bytes::Bytes),
+    /// It queued the request and answers the client itself.
+    Queued,
+}
+
 /// What became of one request message (lives for one request: not worth a box).
 #[allow(clippy::large_enum_variant)]
 enum Outcome {
@@ -41,17 +55,40 @@ enum Outcome {
     /// Past its deadline when picked up (`intake`), when its turn on the policy came
     /// (`queued`) or once its session binding was committed (`selected`): dropped unanswered.
     Expired(&'static str),
+    /// In this replica's admission queue: the answer goes to the client later (`forwarded`:
+    /// tell the forwarding replica so).
+    Queued { forwarded: bool },
+    /// The partition's owner queued it and answers the client itself.
+    QueuedByOwner,
+}
+
+/// What a queued request's turn came to.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Queued {
+    /// Every eligible worker is still busy: it keeps waiting.
+    Overloaded,
+    /// Served or refused: answer, and publish the decision if one was made.
+    Answer(SelectResponse, Option<Decision>),
+    /// Past its attempt's deadline.
+    Expired,
 }
 
 /// The request's clock: one wall-clock reading at intake, advanced by the monotonic clock.
 #[derive(Debug, Clone, Copy)]
-struct Clock {
+pub(super) struct Clock {
     wall_ms: u64,
     at: Instant,
 }
 
 impl Clock {
-    fn now_ms(&self) -> u64 {
+    pub(super) fn now() -> Self {
+        Self {
+            wall_ms: now_ms(),
+            at: Instant::now(),
+        }
+    }
+
+    pub(super) fn now_ms(&self) -> u64 {
         self.wall_ms + u64::try_from(self.at.elapsed().as_millis()).unwrap_or(u64::MAX / 2)
     }
 
@@ -80,10 +117,7 @@ impl Router {
     /// Answers one request message: every request gets a reply (ok or error with a code),
     /// except one past its deadline, which nobody waits for any more.
     pub(super) async fn handle(&self, msg: async_nats::Message) {
-        let clock = Clock {
-            wall_ms: now_ms(),
-            at: Instant::now(),
-        };
+        let clock = Clock::now();
         let Some(inbox) = msg.reply.clone() else {
             self.metrics.bad_messages.inc("select_no_reply_subject");
             return;
@@ -103,6 +137,21 @@ impl Router {
                 self.metrics.expired.inc(stage);
                 return;
             }
+            Outcome::Queued { forwarded } => {
+                if forwarded {
+                    let mut headers = async_nats::HeaderMap::new();
+                    headers.insert(admission::QUEUED, self.router_id.as_str());
+                    if let Err(e) = self
+                        .nats
+                        .publish_with_headers(inbox, headers, bytes::Bytes::new())
+                        .await
+                    {
+                        tracing::warn!(error = %e, "telling the forwarding replica a request is queued failed");
+                    }
+                }
+                return;
+            }
+            Outcome::QueuedByOwner => return,
         };
         if let SelectResponse::Error(e) = &response {
             self.metrics.errors.inc(e.code.as_str());
@@ -133,26 +182,54 @@ impl Router {
             tracing::debug!(request_id = ?request.request_id, attempt = request.attempt, "dropped a request past its deadline");
             return Outcome::Expired("intake");
         }
-        let forwarded = msg.headers.as_ref().and_then(|h| h.get(FORWARDED_BY));
-        if forwarded.is_none()
-            && let Some(owner) = self.owner_of(&request)
-            && let Some(reply) = self.forward(&owner, msg, &request, clock).await
-        {
-            return Outcome::Relayed(reply);
+        let headers = msg.headers.as_ref();
+        let forwarded = headers.and_then(|h| h.get(FORWARDED_BY)).is_some();
+        // A request whose owner did not answer is decided here, and may queue here.
+        let mut owner_failed = false;
+        if !forwarded && let Some(owner) = self.owner_of(&request) {
+            match self.forward(&owner, msg, &request, clock).await {
+                Some(Forwarded::Answered(reply)) => return Outcome::Relayed(reply),
+                Some(Forwarded::Queued) => return Outcome::QueuedByOwner,
+                None => owner_failed = true,
+            }
         }
+        // The client's inbox: a forwarded request names it (the owner may answer it later).
+        let client = headers
+            .and_then(|h| h.get(admission::REPLY_TO))
+            .map(|v| async_nats::Subject::from(v.as_str()))
+            .or_else(|| msg.reply.clone());
+        // A request handed over by a former owner keeps its first arrival.
+        let arrived_ms = headers
+            .and_then(|h| h.get(admission::ARRIVED_MS))
+            .and_then(|v| v.as_str().parse::<u64>().ok())
+            .unwrap_or(clock.wall_ms);
         let request_id = request.request_id.unwrap_or_else(Uuid::new_v4);
-        match self.choose(&request, request_id, clock).await {
+        let queue = self
+            .queues_here(&request, forwarded || owner_failed)
+            .then_some(client)
+            .flatten()
+            .map(|reply_to| (reply_to, arrived_ms, forwarded));
+        match self.choose(&request, request_id, clock, queue).await {
             Ok(outcome) => outcome,
             Err(response) => Outcome::Answer(response, None),
         }
     }
 
-    async fn choose(
+    /// The partition, prompt and policy slot of a request: what deciding it needs besides its
+    /// overlap. The error is the reply itself (sent once, on a cold path).
+    #[allow(clippy::result_large_err)]
+    fn prepare(
         &self,
         request: &SelectRequest,
         request_id: Uuid,
-        clock: Clock,
-    ) -> Result<Outcome, SelectResponse> {
+    ) -> Result<
+        (
+            std::sync::Arc<Partition>,
+            Prompt,
+            std::sync::Arc<PolicySlot>,
+        ),
+        SelectResponse,
+    > {
         let fail = |f: SelectFailure| SelectResponse::Error(f.to_select_error(Some(request_id)));
         if !self.is_ready() {
             return Err(wire::error(
@@ -201,42 +278,192 @@ impl Router {
                     Some(request_id),
                 )
             })?;
+        Ok((partition, prompt, slot))
+    }
+
+    /// Decides a request (see the module docs); `queue` — the client's inbox, the request's
+    /// first arrival and whether it was forwarded — when this replica may queue it.
+    async fn choose(
+        &self,
+        request: &SelectRequest,
+        request_id: Uuid,
+        clock: Clock,
+        queue: Option<(async_nats::Subject, u64, bool)>,
+    ) -> Result<Outcome, SelectResponse> {
+        let fail = |f: SelectFailure| SelectResponse::Error(f.to_select_error(Some(request_id)));
+        let (partition, prompt, slot) = self.prepare(request, request_id)?;
+        let key = (request.model.clone(), request.role);
+        // A retry of a queued request takes its place; a request joins a queue others wait in.
+        let mut queue = match queue {
+            Some((reply_to, arrived_ms, forwarded)) => {
+                let waiting = Waiting {
+                    request: request.clone(),
+                    reply_to,
+                    overlap: None,
+                };
+                match self.join_queue(&key, request_id, waiting, arrived_ms, clock, false) {
+                    Ok(Some(waiting)) => Some((*waiting, arrived_ms, forwarded)),
+                    Ok(None) => return Ok(Outcome::Queued { forwarded }),
+                    Err(full) => return Err(*full),
+                }
+            }
+            None => None,
+        };
         let overlap = self.overlap_signals(request, &prompt, &slot).await;
+        let decided = self
+            .decide_prepared(
+                request, request_id, &partition, &prompt, &slot, &overlap, clock,
+            )
+            .await;
+        let decided = match decided {
+            Err(SelectFailure::Eligibility(EligibilityError::AllOverloaded { .. }))
+                if queue.is_some() =>
+            {
+                let (mut waiting, arrived_ms, forwarded) = queue.take().expect("checked");
+                waiting.overlap = Some((overlap, clock.now_ms()));
+                return match self.join_queue(&key, request_id, waiting, arrived_ms, clock, true) {
+                    Ok(_) => Ok(Outcome::Queued { forwarded }),
+                    Err(full) => Err(*full),
+                };
+            }
+            other => other.map_err(fail)?,
+        };
+        Ok(self.conclude(request, request_id, &prompt, decided, clock))
+    }
+
+    /// [`super::admission::Admission::join`] with the metrics; `Ok(Some)` gives the request
+    /// back to be decided now, `Err` is the `queue_full` answer.
+    fn join_queue(
+        &self,
+        key: &admission::PartitionKey,
+        request_id: Uuid,
+        waiting: Waiting,
+        arrived_ms: u64,
+        clock: Clock,
+        force: bool,
+    ) -> Result<Option<Box<Waiting>>, Box<SelectResponse>> {
+        let labels = [key.0.as_str(), key.1.as_str()];
+        match self
+            .admission
+            .join(key, request_id, waiting, arrived_ms, clock.now_ms(), force)
+        {
+            Joined::Decide(waiting) => Ok(Some(waiting)),
+            Joined::Queued => {
+                self.metrics.queue_joined.with(&labels).inc();
+                Ok(None)
+            }
+            Joined::Full(e) => {
+                self.metrics.queue_full.with(&labels).inc();
+                Err(Box::new(wire::error(
+                    ErrorCode::QueueFull,
+                    format!(
+                        "every eligible worker is busy and router {}'s queue for this model is full: {e}",
+                        self.router_id
+                    ),
+                    Some(request_id),
+                )))
+            }
+        }
+    }
+
+    /// A queued request's turn (the dispatcher's): decided with the overlap it had when not
+    /// too old (else fetched again, and handed to `fresh`).
+    pub(super) async fn decide_queued(
+        &self,
+        request: &SelectRequest,
+        request_id: Uuid,
+        overlap: Option<SignalSnapshot>,
+        clock: Clock,
+        fresh: impl FnOnce(SignalSnapshot),
+    ) -> Queued {
+        let (partition, prompt, slot) = match self.prepare(request, request_id) {
+            Ok(p) => p,
+            Err(response) => return Queued::Answer(response, None),
+        };
+        let overlap = match overlap {
+            Some(o) => o,
+            None => {
+                let o = self.overlap_signals(request, &prompt, &slot).await;
+                fresh(o.clone());
+                o
+            }
+        };
+        let decided = self
+            .decide_prepared(
+                request, request_id, &partition, &prompt, &slot, &overlap, clock,
+            )
+            .await;
+        match decided {
+            Err(SelectFailure::Eligibility(EligibilityError::AllOverloaded { .. })) => {
+                Queued::Overloaded
+            }
+            Err(f) => Queued::Answer(
+                SelectResponse::Error(f.to_select_error(Some(request_id))),
+                None,
+            ),
+            Ok(decided) => match self.conclude(request, request_id, &prompt, decided, clock) {
+                Outcome::Answer(response, decision) => Queued::Answer(response, decision),
+                _ => Queued::Expired,
+            },
+        }
+    }
+
+    /// The core's decision for a prepared request.
+    #[allow(clippy::too_many_arguments)]
+    async fn decide_prepared(
+        &self,
+        request: &SelectRequest,
+        request_id: Uuid,
+        partition: &Partition,
+        prompt: &Prompt,
+        slot: &PolicySlot,
+        overlap: &SignalSnapshot,
+        clock: Clock,
+    ) -> Result<Decided, SelectFailure> {
         let input = DecideInput {
             request,
             request_id,
             decision_id: Uuid::new_v4(),
-            prompt: &prompt,
-            partition: &partition,
-            overlap: &overlap,
+            prompt,
+            partition,
+            overlap,
             settings: &self.settings,
             names: &self.names,
             router_id: &self.router_id,
         };
         let mut state = Locked {
-            slot: &slot,
+            slot,
             router: self,
             clock,
         };
         // Reading the load view, selecting and charging the decision to the view happen under
         // the partition's policy lock: concurrent selections (a burst of requests) each see
         // the ones before them, instead of all picking the same least-loaded worker.
-        let decided = decide_request(&mut state, &self.sessions, &input, clock.now_ms())
-            .await
-            .map_err(fail)?;
+        decide_request(&mut state, &self.sessions, &input, clock.now_ms()).await
+    }
+
+    /// What a decision comes to: the answer and the decision to publish, or nothing.
+    fn conclude(
+        &self,
+        request: &SelectRequest,
+        request_id: Uuid,
+        prompt: &Prompt,
+        decided: Decided,
+        clock: Clock,
+    ) -> Outcome {
         let new = match decided {
             Decided::Known(reply) => {
                 self.metrics.repeated.inc();
-                return Ok(Outcome::Answer(SelectResponse::Ok(*reply), None));
+                return Outcome::Answer(SelectResponse::Ok(*reply), None);
             }
-            Decided::Expired => return Ok(Outcome::Expired("queued")),
+            Decided::Expired => return Outcome::Expired("queued"),
             Decided::New(new) => new,
         };
         // The session round trips may have taken the rest of the deadline (or the process
         // was stopped mid-selection): nobody would use this decision.
         if request.session.is_some() && clock.expired(request) {
             self.lock_load().withdraw(&new.decision);
-            return Ok(Outcome::Expired("selected"));
+            return Outcome::Expired("selected");
         }
         let m = &self.metrics;
         m.decisions_applied.inc();
@@ -258,16 +485,13 @@ impl Router {
             "selected"
         );
         let reply = new.reply();
-        Ok(Outcome::Answer(
-            SelectResponse::Ok(reply),
-            Some(new.decision),
-        ))
+        Outcome::Answer(SelectResponse::Ok(reply), Some(new.decision))
     }
 
     /// The replica owning the request's partition, when it is another one (see
     /// `crate::decide::owner`); `None` when this replica owns it, forwarding is off, or no
     /// replica is registered yet.
-    fn owner_of(&self, request: &SelectRequest) -> Option<String> {
+    pub(super) fn owner_of(&self, request: &SelectRequest) -> Option<String> {
         let peers = self.peers.as_ref()?.borrow().clone();
         let owner = crate::decide::owner::owner(
             peers.iter().map(String::as_str),
@@ -277,15 +501,16 @@ impl Router {
         (owner != self.router_id).then(|| owner.to_owned())
     }
 
-    /// Forwards the request to `owner` and returns its encoded reply; `None` when the owner
-    /// cannot answer in time (gone, stalled, not serving), and this replica decides instead.
+    /// Forwards the request to `owner` with the client's inbox; its encoded reply, or word
+    /// that it queued the request; `None` when the owner cannot answer in time (gone,
+    /// stalled, not serving), and this replica decides instead.
     async fn forward(
         &self,
         owner: &str,
         msg: &async_nats::Message,
         request: &SelectRequest,
         clock: Clock,
-    ) -> Option<bytes::Bytes> {
+    ) -> Option<Forwarded> {
         let mut timeout = self.forward_timeout;
         if let Some(deadline) = request.deadline_ms {
             let left = deadline.saturating_sub(clock.now_ms());
@@ -293,6 +518,9 @@ impl Router {
         }
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(FORWARDED_BY, self.router_id.as_str());
+        if let Some(inbox) = &msg.reply {
+            headers.insert(admission::REPLY_TO, inbox.as_str());
+        }
         let forward = async_nats::Request::new()
             .payload(msg.payload.clone())
             .headers(headers)
@@ -303,9 +531,18 @@ impl Router {
             .await;
         let forwards = &self.metrics.forwards;
         match outcome {
+            Ok(reply)
+                if reply
+                    .headers
+                    .as_ref()
+                    .is_some_and(|h| h.get(admission::QUEUED).is_some()) =>
+            {
+                forwards.inc("queued");
+                Some(Forwarded::Queued)
+            }
             Ok(reply) => {
                 forwards.inc("answered");
-                Some(reply.payload)
+                Some(Forwarded::Answered(reply.payload))
             }
             Err(e) => {
                 use async_nats::client::RequestErrorKind;
