@@ -498,6 +498,7 @@ impl World<'_> {
                     ttft,
                     latency,
                     selection_latency: Some(done.selection),
+                    selection_wait: Duration::ZERO,
                 });
             }
         }

@@ -71,8 +71,6 @@ pub(super) enum Joined {
     /// Queued (or, for a retry of a queued request, its entry updated): answer later.
     Queued,
     Full(QueueError),
-    /// Not queued (nothing waits in the partition and `force` was false): decide now.
-    Decide(Box<Waiting>),
 }
 
 /// Every partition's queue on this replica.
@@ -117,9 +115,18 @@ impl Admission {
         self.held.store(held, Ordering::Release);
     }
 
-    /// Queues `waiting` when its id is already queued (a retry: it takes the entry's place),
-    /// when requests already wait in its partition (they go first), or when `force` (every
-    /// eligible worker was busy). `arrived_ms` is its first arrival, `now_ms` this attempt's.
+    /// Whether a request must join its partition's queue rather than be decided at once: it
+    /// is queued already (a retry), or others wait there (they go first).
+    pub fn must_join(&self, key: &PartitionKey, id: &RequestId) -> bool {
+        self.held() > 0
+            && self
+                .lock()
+                .get(key)
+                .is_some_and(|q| q.contains(id) || q.waiting() > 0)
+    }
+
+    /// Queues `waiting` (a retry of a queued request takes its entry's place). `arrived_ms` is
+    /// its first arrival, `now_ms` this attempt's.
     pub fn join(
         &self,
         key: &PartitionKey,
@@ -127,14 +134,8 @@ impl Admission {
         waiting: Waiting,
         arrived_ms: u64,
         now_ms: u64,
-        force: bool,
     ) -> Joined {
         let mut partitions = self.lock();
-        let queued = partitions.get(key).is_some_and(|q| q.contains(&id));
-        let others_wait = partitions.get(key).is_some_and(|q| q.waiting() > 0);
-        if !queued && !others_wait && !force {
-            return Joined::Decide(Box::new(waiting));
-        }
         let config = self.config;
         let queue = partitions
             .entry(key.clone())
@@ -158,6 +159,9 @@ impl Admission {
             Ok(Pushed::New | Pushed::Replaced(_)) => Joined::Queued,
             Err(e) => Joined::Full(e),
         };
+        if queue.is_empty() {
+            partitions.remove(key);
+        }
         self.recount(&partitions);
         drop(partitions);
         self.wake.notify_one();
@@ -455,9 +459,7 @@ impl Router {
             // Keep it: re-queue with its first arrival (forced: it was waiting already).
             let now = now_ms();
             let arrived = left.ticket.arrived_ms;
-            let _ = self
-                .admission
-                .join(&key, left.id, left.item, arrived, now, true);
+            let _ = self.admission.join(&key, left.id, left.item, arrived, now);
         }
     }
 

@@ -294,45 +294,49 @@ impl Router {
         let (partition, prompt, slot) = self.prepare(request, request_id)?;
         let key = (request.model.clone(), request.role);
         // A retry of a queued request takes its place; a request joins a queue others wait in.
-        let mut queue = match queue {
-            Some((reply_to, arrived_ms, forwarded)) => {
-                let waiting = Waiting {
-                    request: request.clone(),
-                    reply_to,
-                    overlap: None,
-                };
-                match self.join_queue(&key, request_id, waiting, arrived_ms, clock, false) {
-                    Ok(Some(waiting)) => Some((*waiting, arrived_ms, forwarded)),
-                    Ok(None) => return Ok(Outcome::Queued { forwarded }),
-                    Err(full) => return Err(*full),
-                }
-            }
-            None => None,
-        };
+        if let Some((reply_to, arrived_ms, forwarded)) = &queue
+            && self.admission.must_join(&key, &request_id)
+        {
+            let waiting = Waiting {
+                request: request.clone(),
+                reply_to: reply_to.clone(),
+                overlap: None,
+            };
+            return self
+                .join_queue(&key, request_id, waiting, *arrived_ms, clock)
+                .map(|()| Outcome::Queued {
+                    forwarded: *forwarded,
+                })
+                .map_err(|full| *full);
+        }
         let overlap = self.overlap_signals(request, &prompt, &slot).await;
         let decided = self
             .decide_prepared(
                 request, request_id, &partition, &prompt, &slot, &overlap, clock,
             )
             .await;
-        let decided = match decided {
-            Err(SelectFailure::Eligibility(EligibilityError::AllOverloaded { .. }))
-                if queue.is_some() =>
-            {
-                let (mut waiting, arrived_ms, forwarded) = queue.take().expect("checked");
-                waiting.overlap = Some((overlap, clock.now_ms()));
-                return match self.join_queue(&key, request_id, waiting, arrived_ms, clock, true) {
-                    Ok(_) => Ok(Outcome::Queued { forwarded }),
-                    Err(full) => Err(*full),
+        let decided = match (decided, queue) {
+            (
+                Err(SelectFailure::Eligibility(EligibilityError::AllOverloaded { .. })),
+                Some((reply_to, arrived_ms, forwarded)),
+            ) => {
+                let waiting = Waiting {
+                    request: request.clone(),
+                    reply_to,
+                    overlap: Some((overlap, clock.now_ms())),
                 };
+                return self
+                    .join_queue(&key, request_id, waiting, arrived_ms, clock)
+                    .map(|()| Outcome::Queued { forwarded })
+                    .map_err(|full| *full);
             }
-            other => other.map_err(fail)?,
+            (other, _) => other.map_err(fail)?,
         };
         Ok(self.conclude(request, request_id, &prompt, decided, clock))
     }
 
-    /// [`super::admission::Admission::join`] with the metrics; `Ok(Some)` gives the request
-    /// back to be decided now, `Err` is the `queue_full` answer.
+    /// [`super::admission::Admission::join`] with the metrics; `Err` is the `queue_full`
+    /// answer.
     fn join_queue(
         &self,
         key: &admission::PartitionKey,
@@ -340,17 +344,15 @@ impl Router {
         waiting: Waiting,
         arrived_ms: u64,
         clock: Clock,
-        force: bool,
-    ) -> Result<Option<Box<Waiting>>, Box<SelectResponse>> {
+    ) -> Result<(), Box<SelectResponse>> {
         let labels = [key.0.as_str(), key.1.as_str()];
         match self
             .admission
-            .join(key, request_id, waiting, arrived_ms, clock.now_ms(), force)
+            .join(key, request_id, waiting, arrived_ms, clock.now_ms())
         {
-            Joined::Decide(waiting) => Ok(Some(waiting)),
             Joined::Queued => {
                 self.metrics.queue_joined.with(&labels).inc();
-                Ok(None)
+                Ok(())
             }
             Joined::Full(e) => {
                 self.metrics.queue_full.with(&labels).inc();
