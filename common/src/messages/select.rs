@@ -56,8 +56,13 @@ pub struct SelectRequest {
     pub preferred_taints: Vec<String>,
     #[serde(default)]
     pub expected_output_tokens: Option<u32>,
+    /// Strict priority: larger is more urgent.
     #[serde(default)]
     pub priority: Option<i32>,
+    /// Milliseconds the request moves forward in its first-come-first-served order (its due
+    /// time is its arrival minus this); negative is treated as 0.
+    #[serde(default)]
+    pub priority_jump_ms: Option<i64>,
     /// Overrides the policy's temperature for this request (0 = deterministic).
     #[serde(default)]
     pub temperature: Option<f64>,
