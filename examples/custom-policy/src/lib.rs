@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use kvroute_router::pipeline::{WorkerFilter, WorkerScorer, WorkerSelectionPolicy};
 use kvroute_router::registry::{
-    PolicyFactory, PolicyParameters, PolicyRegistry, ProviderError, RegistryError,
+    PolicyFactory, PolicyParameters, ProviderError, RegistryError, RouterPluginRegistry,
 };
 use serde::Deserialize;
 
@@ -57,6 +57,6 @@ pub fn provider(parameters: &PolicyParameters) -> Result<PolicyFactory, Provider
 }
 
 /// Adds `sticky-until-busy` to `registry`.
-pub fn register(registry: &mut PolicyRegistry) -> Result<(), RegistryError> {
-    registry.register(TYPE_NAME, Arc::new(provider))
+pub fn register(registry: &mut RouterPluginRegistry) -> Result<(), RegistryError> {
+    registry.register_worker_selection(TYPE_NAME, Arc::new(provider))
 }

@@ -6,7 +6,8 @@ use kvroute_common::messages::{
 };
 use kvroute_router::pipeline::{WorkerInputs, WorkerSelectionPolicy};
 use kvroute_router::registry::{
-    ConfigError, PolicyOverrides, PolicyRegistry, RegistryError, WorkerSelectionConfig,
+    ConfigError, PluginKind, PolicyOverrides, RegistryError, RouterPluginRegistry,
+    WorkerSelectionConfig,
 };
 use kvroute_router::select::{SelectInput, SelectionSettings, select, select_worker};
 use kvroute_router::session::{
@@ -20,8 +21,8 @@ use rand::rngs::StdRng;
 /// The walkthrough's configuration file, as the README runs it.
 const YAML: &str = include_str!("../sticky.yaml");
 
-fn registry() -> PolicyRegistry {
-    let mut registry = PolicyRegistry::with_builtins();
+fn registry() -> RouterPluginRegistry {
+    let mut registry = RouterPluginRegistry::with_builtins();
     crate::register(&mut registry).unwrap();
     registry
 }
@@ -202,6 +203,7 @@ fn bad_parameters_and_duplicate_registration_stop_startup() {
     assert_eq!(
         crate::register(&mut registry),
         Err(RegistryError::Duplicate {
+            kind: PluginKind::WorkerSelection,
             type_name: crate::TYPE_NAME.into()
         })
     );

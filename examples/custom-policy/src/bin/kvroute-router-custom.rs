@@ -5,12 +5,12 @@
 use std::process::ExitCode;
 
 use kvroute_common::ops::exit;
-use kvroute_router::registry::PolicyRegistry;
+use kvroute_router::registry::RouterPluginRegistry;
 
 const BIN: &str = "kvroute-router-custom";
 
 fn main() -> ExitCode {
-    let mut registry = PolicyRegistry::with_builtins();
+    let mut registry = RouterPluginRegistry::with_builtins();
     if let Err(e) = kvroute_example_custom_policy::register(&mut registry) {
         exit::report(BIN, &e.to_string());
         return exit::Status::Failed.into();
