@@ -1,6 +1,7 @@
-//! `kvroute-router-custom`: the standard router binary with `sticky-until-busy` registered
-//! next to the built-ins — how a deployment links its own policy catalog. Same flags as
-//! `kvroute-router`; select the policy through `--policy-config` YAML or a selection flag.
+//! `kvroute-router-custom`: the standard router binary with the example's plugins
+//! (`sticky-until-busy`, `session-serial`) registered next to the built-ins — how a deployment
+//! links its own catalog. Same flags as `kvroute-router`; select the plugins through
+//! `--policy-config` YAML (the policy also through a selection flag).
 
 use std::process::ExitCode;
 

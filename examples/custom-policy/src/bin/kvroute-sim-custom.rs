@@ -1,6 +1,6 @@
-//! `kvroute-sim-custom`: `kvroute-sim` with `sticky-until-busy` registered next to the
+//! `kvroute-sim-custom`: `kvroute-sim` with the example's plugins registered next to the
 //! built-ins, so the example's policy can be tried offline on a trace before it runs in a
-//! router. Same flags as `kvroute-sim`.
+//! router. Same flags as `kvroute-sim`; like it, it refuses a `request_classifier`.
 
 use std::process::ExitCode;
 
