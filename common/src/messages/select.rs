@@ -56,6 +56,7 @@ pub struct SelectRequest {
     pub preferred_taints: Vec<String>,
     #[serde(default)]
     pub expected_output_tokens: Option<u32>,
+    /// Strict priority: larger is more urgent.
     #[serde(default)]
     pub priority: Option<i32>,
     /// Milliseconds the request moves forward in its FCFS order in a router's admission

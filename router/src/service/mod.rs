@@ -36,7 +36,8 @@ use self::sessions_kv::{BucketConfig, KvSessionStore};
 use crate::decide::candidates::Candidates;
 use crate::decide::load_view::{LoadView, LoadViewConfig};
 use crate::registry::{
-    ConfigError as PolicyConfigError, PolicyFileError, PolicyRegistry, WorkerSelectionConfig,
+    ConfigError as PolicyConfigError, PolicyFileError, RouterPluginRegistry, RouterPlugins,
+    RouterPluginsConfig,
 };
 use crate::select::SelectionSettings;
 use crate::session::SessionTable;
@@ -58,18 +59,21 @@ pub enum StartupError {
     Policy(Box<PolicyConfigError>),
 }
 
-/// The checked configuration with the policies resolved: everything that can fail before
+/// The checked configuration with the plugins resolved: everything that can fail before
 /// connecting to anything.
 #[derive(Debug)]
 pub struct Prepared {
     config: RouterConfig,
-    policies: crate::registry::ResolvedPolicies,
+    plugins: RouterPlugins,
 }
 
 impl Prepared {
-    /// Validates `config` and resolves every role's policy against `registry` (unknown
-    /// types, duplicate instances and bad parameters stop here).
-    pub fn new(config: RouterConfig, registry: &PolicyRegistry) -> Result<Self, StartupError> {
+    /// Validates `config` and resolves every role's policy and the request classifier against
+    /// `registry` (unknown types, duplicate instances and bad parameters stop here).
+    pub fn new(
+        config: RouterConfig,
+        registry: &RouterPluginRegistry,
+    ) -> Result<Self, StartupError> {
         config.validate().map_err(|e| config.origins.attribute(e))?;
         let file_error = |source: PolicyFileError| StartupError::PolicyFile {
             flag: config.origins.label("policy-config"),
@@ -81,11 +85,11 @@ impl Prepared {
             source: Box::new(source),
         };
         let yaml = match &config.policy_config {
-            Some(path) => WorkerSelectionConfig::from_file(path).map_err(file_error)?,
-            None => WorkerSelectionConfig::default(),
+            Some(path) => RouterPluginsConfig::from_file(path).map_err(file_error)?,
+            None => RouterPluginsConfig::default(),
         };
-        let policies = registry
-            .resolve(&yaml, &config.policy_overrides())
+        let plugins = registry
+            .resolve_plugins(&yaml, &config.policy_overrides())
             .map_err(|e| {
                 if e.in_file() && config.policy_config.is_some() {
                     file_error(PolicyFileError::Content(e))
@@ -93,7 +97,12 @@ impl Prepared {
                     StartupError::Policy(Box::new(e))
                 }
             })?;
-        Ok(Self { config, policies })
+        Ok(Self { config, plugins })
+    }
+
+    /// The resolved worker-selection policies and request classifier.
+    pub fn plugins(&self) -> &RouterPlugins {
+        &self.plugins
     }
 }
 
@@ -152,7 +161,8 @@ pub async fn run(
     prepared: Prepared,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let Prepared { config, policies } = prepared;
+    let Prepared { config, plugins } = prepared;
+    let policies = plugins.policies.clone();
     let router_id = config.router_id();
     let names = Names::new(&config.namespace.namespace);
     let (nats, connection_events) = config.nats.connect_observed(&router_id).await?;
@@ -284,14 +294,19 @@ pub async fn run(
 /// `KVROUTE_*` env fallbacks), set up logging, prepare (a bad configuration exits with
 /// status 2 and one line naming it), run until SIGTERM or Ctrl-C; errors end it with one
 /// line and a status of kvroute's exit table (`kvroute_common::ops::exit`).
-pub fn main_with(registry: PolicyRegistry, name: &str) -> std::process::ExitCode {
+pub fn main_with(registry: RouterPluginRegistry, name: &str) -> std::process::ExitCode {
     use clap::CommandFactory as _;
     use kvroute_common::ops::exit;
     let types = registry.types().collect::<Vec<_>>().join(", ");
+    let classifiers = registry
+        .request_classifier_types()
+        .collect::<Vec<_>>()
+        .join(", ");
     let command = RouterConfig::command()
         .bin_name(name.to_owned())
         .after_help(format!(
-            "Policy types (for --policy-config, the selection flags and a request's `policy`): {types}"
+            "Policy types (for --policy-config, the selection flags and a request's `policy`): {types}\n\
+             Request classifier types (for request_classifier.type in --policy-config): {classifiers}"
         ));
     exit::run_command(name, command, |mut config: RouterConfig, origins| {
         config.origins = origins;
