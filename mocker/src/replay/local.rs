@@ -177,6 +177,7 @@ impl LocalSelector {
             settings: &self.settings,
             names: &self.names,
             router_id: "local",
+            selection_target: None,
         };
         let now = now_ms();
         let mut decision_state = Owned {

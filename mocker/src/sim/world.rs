@@ -381,6 +381,7 @@ impl World<'_> {
             settings: &self.selection_settings,
             names: &self.names,
             router_id: &router_id,
+            selection_target: None,
         };
         let replica = &mut self.replicas[r];
         let mut state = Owned {

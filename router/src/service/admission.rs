@@ -28,10 +28,13 @@ use kvroute_common::messages::{ErrorCode, SelectRequest, SelectResponse, WorkerR
 use tokio::sync::Notify;
 
 use super::Router;
+use super::classifying::Classifiers;
 use super::reply;
+use crate::classify::{Classification, ClassifyRequest, Verdict};
 use crate::decide::wire;
 use crate::queue::{AdmissionQueue, Left, Pushed, QueueConfig, QueueError, Ticket};
 use crate::signals::SignalSnapshot;
+use crate::worker::WorkerTarget;
 
 /// The header naming the client's inbox on a forwarded request: the owner answers there when
 /// it queues the request.
@@ -64,6 +67,26 @@ pub(super) struct Waiting {
     pub reply_to: async_nats::Subject,
     /// The overlap fetched for it, and when.
     pub overlap: Option<(SignalSnapshot, u64)>,
+    /// What its classifier saw (with the selection target it set), when one is configured.
+    pub classify: Option<ClassifyRequest>,
+}
+
+/// A queued request's turn: a copy of what deciding it needs.
+pub(super) struct Turn {
+    pub id: RequestId,
+    pub request: SelectRequest,
+    pub overlap: Option<(SignalSnapshot, u64)>,
+    pub target: Option<WorkerTarget>,
+}
+
+/// How a request enters the queue.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Entry {
+    /// No classifier: the defaults.
+    Default,
+    Classified(Classification),
+    /// Its classifier holds it back.
+    Deferred,
 }
 
 /// What [`Admission::join`] did.
@@ -115,23 +138,26 @@ impl Admission {
         self.held.store(held, Ordering::Release);
     }
 
-    /// Whether a request must join its partition's queue rather than be decided at once: it
-    /// is queued already (a retry), or others wait there (they go first).
-    pub fn must_join(&self, key: &PartitionKey, id: &RequestId) -> bool {
-        self.held() > 0
-            && self
-                .lock()
-                .get(key)
-                .is_some_and(|q| q.contains(id) || q.waiting() > 0)
+    /// Whether `id` waits in its partition's queue (a retry of it takes its place).
+    pub fn is_queued(&self, key: &PartitionKey, id: &RequestId) -> bool {
+        self.held() > 0 && self.lock().get(key).is_some_and(|q| q.contains(id))
     }
 
-    /// Queues `waiting` (a retry of a queued request takes its entry's place). `arrived_ms` is
-    /// its first arrival, `now_ms` this attempt's.
+    /// Whether admitted requests wait in the partition (a new request goes behind them).
+    pub fn others_wait(&self, key: &PartitionKey) -> bool {
+        self.held() > 0 && self.lock().get(key).is_some_and(|q| q.waiting() > 0)
+    }
+
+    /// Queues `waiting` (a retry of a queued request takes its entry's place): admitted with
+    /// its classification (or the defaults: class 0, due = arrival − priority jump, cost 1),
+    /// or deferred by its classifier. `arrived_ms` is its first arrival, `now_ms` this
+    /// attempt's.
     pub fn join(
         &self,
         key: &PartitionKey,
         id: RequestId,
         waiting: Waiting,
+        entry: Entry,
         arrived_ms: u64,
         now_ms: u64,
     ) -> Joined {
@@ -142,11 +168,21 @@ impl Admission {
             .or_insert_with(|| AdmissionQueue::new(config));
         let first_arrival = queue.get(&id).map_or(arrived_ms, |(_, t)| t.arrived_ms);
         let request = &waiting.request;
+        let (class, due_ms, cost, deferred) = match entry {
+            Entry::Default => (
+                0,
+                config.due(first_arrival, request.priority_jump_ms),
+                1,
+                false,
+            ),
+            Entry::Classified(c) => (c.class, c.due_ms, c.cost.max(1), false),
+            Entry::Deferred => (0, first_arrival, 1, true),
+        };
         let ticket = Ticket {
-            class: 0,
+            class,
             strict_priority: request.priority.unwrap_or(0),
-            due_ms: config.due(first_arrival, request.priority_jump_ms),
-            cost: 1,
+            due_ms,
+            cost,
             arrived_ms: first_arrival,
             deadline_ms: config.deadline(
                 first_arrival,
@@ -155,7 +191,7 @@ impl Admission {
                 request.deadline_ms,
             ),
         };
-        let joined = match queue.push(id, waiting, ticket, false) {
+        let joined = match queue.push(id, waiting, ticket, deferred) {
             Ok(Pushed::New | Pushed::Replaced(_)) => Joined::Queued,
             Err(e) => Joined::Full(e),
         };
@@ -196,18 +232,17 @@ impl Admission {
         out
     }
 
-    /// Ages and expires every partition at `now_ms`; returns the expired requests, and the
-    /// requests to try in order per partition (a copy of each request with its overlap).
+    /// Ages and expires every partition at `now_ms`, classifies deferred requests again
+    /// (admitting those their classifier now admits); returns the expired requests, and the
+    /// requests to try in order per partition.
     #[allow(clippy::type_complexity)]
     fn round(
         &self,
+        classifiers: &Classifiers,
         now_ms: u64,
     ) -> (
         Vec<(PartitionKey, Left<Waiting>)>,
-        Vec<(
-            PartitionKey,
-            Vec<(RequestId, SelectRequest, Option<(SignalSnapshot, u64)>)>,
-        )>,
+        Vec<(PartitionKey, Vec<Turn>)>,
     ) {
         let mut partitions = self.lock();
         let mut expired = Vec::new();
@@ -215,12 +250,28 @@ impl Admission {
         for (key, queue) in partitions.iter_mut() {
             queue.age(now_ms);
             expired.extend(queue.expire(now_ms).into_iter().map(|l| (key.clone(), l)));
-            let head: Vec<_> = queue
+            for id in queue.deferred_ids() {
+                let Some(classify) = queue.get_mut(&id).and_then(|w| w.classify.as_mut()) else {
+                    continue;
+                };
+                if let Some(Verdict::Admit(c)) = classifiers.reclassify(key, classify, now_ms) {
+                    queue.admit(&id, c.class, c.due_ms);
+                }
+            }
+            let head: Vec<Turn> = queue
                 .head(SCAN)
                 .into_iter()
                 .filter_map(|id| {
                     let (w, _) = queue.get(&id)?;
-                    Some((id, w.request.clone(), w.overlap.clone()))
+                    Some(Turn {
+                        id,
+                        request: w.request.clone(),
+                        overlap: w.overlap.clone(),
+                        target: w
+                            .classify
+                            .as_ref()
+                            .and_then(ClassifyRequest::worker_selection_target),
+                    })
                 })
                 .collect();
             if !head.is_empty() {
@@ -259,8 +310,14 @@ impl Admission {
     fn gauges(&self, router: &Router) {
         let m = &router.metrics;
         m.queue_depth.clear();
+        m.queue_deferred.clear();
         let partitions = self.lock();
         for ((model, role), queue) in partitions.iter() {
+            if queue.deferred() > 0 {
+                m.queue_deferred
+                    .with(&[model, role.as_str()])
+                    .set(queue.deferred() as i64);
+            }
             for (class, depth) in queue.depth_by_class() {
                 m.queue_depth
                     .with(&[model, role.as_str(), &class.to_string()])
@@ -301,15 +358,15 @@ impl Router {
     async fn dispatch_round(&self) {
         self.hand_over().await;
         let now = now_ms();
-        let (expired, tries) = self.admission.round(now);
+        let (expired, tries) = self.admission.round(&self.classifiers, now);
         for (key, left) in expired {
             self.answer_left(&key, left, ErrorCode::QueueTimeout, now)
                 .await;
         }
-        for (key, requests) in tries {
+        for (key, turns) in tries {
             let mut overloaded = 0;
-            for (id, request, overlap) in requests {
-                match self.try_queued(&key, id, &request, overlap).await {
+            for turn in turns {
+                match self.try_queued(&key, turn).await {
                     Tried::Overloaded => {
                         overloaded += 1;
                         if overloaded >= MAX_OVERLOADED_IN_A_ROW {
@@ -325,20 +382,22 @@ impl Router {
 
     /// One queued request's turn: decide it as a new request would be; served or refused, it
     /// leaves the queue and its client gets the answer.
-    async fn try_queued(
-        &self,
-        key: &PartitionKey,
-        id: RequestId,
-        request: &SelectRequest,
-        overlap: Option<(SignalSnapshot, u64)>,
-    ) -> Tried {
+    async fn try_queued(&self, key: &PartitionKey, turn: Turn) -> Tried {
         let clock = super::selection::Clock::now();
         let now = clock.now_ms();
-        let overlap = overlap.filter(|(_, at)| now.saturating_sub(*at) <= OVERLAP_MAX_AGE_MS);
+        let id = turn.id;
+        let overlap = turn
+            .overlap
+            .filter(|(_, at)| now.saturating_sub(*at) <= OVERLAP_MAX_AGE_MS);
         let result = self
-            .decide_queued(request, id, overlap.map(|(o, _)| o), clock, |fresh| {
-                self.admission.remember_overlap(key, &id, fresh, now)
-            })
+            .decide_queued(
+                &turn.request,
+                id,
+                overlap.map(|(o, _)| o),
+                turn.target,
+                clock,
+                |fresh| self.admission.remember_overlap(key, &id, fresh, now),
+            )
             .await;
         let (response, decision) = match result {
             super::selection::Queued::Overloaded => return Tried::Overloaded,
@@ -364,13 +423,17 @@ impl Router {
         let labels = [key.0.as_str(), key.1.as_str(), class.as_str()];
         let waited = now.saturating_sub(left.ticket.arrived_ms) as f64 / 1000.0;
         match &response {
-            SelectResponse::Ok(_) => {
+            SelectResponse::Ok(reply) => {
                 m.queue_dispatched.with(&labels).inc();
                 m.queue_wait.with(&labels).observe(waited);
+                let rank = crate::worker::WorkerRank::new(reply.worker_id, reply.dp_rank);
+                self.classifiers.sent(id, rank, now);
             }
             SelectResponse::Error(e) => {
                 m.errors.inc(e.code.as_str());
                 m.queue_refused.with(&labels).inc();
+                self.classifiers
+                    .completed(id, crate::classify::Completion::Rejected, now);
             }
         }
         if let Some(d) = decision {
@@ -392,6 +455,8 @@ impl Router {
         let class = left.ticket.class.to_string();
         let labels = [key.0.as_str(), key.1.as_str(), class.as_str()];
         let waited = now.saturating_sub(left.ticket.arrived_ms);
+        self.classifiers
+            .completed(left.id, crate::classify::Completion::Expired, now);
         let message = match code {
             ErrorCode::QueueTimeout => {
                 m.queue_timeouts.with(&labels).inc();
@@ -459,7 +524,18 @@ impl Router {
             // Keep it: re-queue with its first arrival (forced: it was waiting already).
             let now = now_ms();
             let arrived = left.ticket.arrived_ms;
-            let _ = self.admission.join(&key, left.id, left.item, arrived, now);
+            let entry = if left.deferred {
+                Entry::Deferred
+            } else {
+                Entry::Classified(Classification {
+                    class: left.ticket.class,
+                    due_ms: left.ticket.due_ms,
+                    cost: left.ticket.cost,
+                })
+            };
+            let _ = self
+                .admission
+                .join(&key, left.id, left.item, entry, arrived, now);
         }
     }
 

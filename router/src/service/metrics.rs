@@ -67,6 +67,10 @@ pub struct RouterMetrics {
     /// error than busy workers, e.g. the pinned worker left), timed out in it, their wait
     /// when served, and requests handed to a partition's new owner.
     pub queue_depth: Arc<Family<Gauge>>,
+    /// Requests their classifier holds back, by `model`, `role`.
+    pub queue_deferred: Arc<Family<Gauge>>,
+    /// Requests the request classifier follows (admitted, not completed).
+    pub classifier_tracked: Arc<Gauge>,
     pub queue_joined: Arc<Family<Counter>>,
     pub queue_full: Arc<Family<Counter>>,
     pub queue_dispatched: Arc<Family<Counter>>,
@@ -202,6 +206,15 @@ impl RouterMetrics {
                 "kvroute_router_queue_depth",
                 "Admitted requests waiting in the admission queue, per partition and class.",
                 &["model", "role", "class"],
+            ),
+            queue_deferred: r.gauge_family(
+                "kvroute_router_queue_deferred",
+                "Requests in the admission queue that their classifier holds back, per partition.",
+                &["model", "role"],
+            ),
+            classifier_tracked: r.gauge(
+                "kvroute_router_classifier_tracked_requests",
+                "Requests the request classifier follows (classified, not yet completed).",
             ),
             queue_joined: r.counter_family(
                 "kvroute_router_queue_joined_total",

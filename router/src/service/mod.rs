@@ -6,6 +6,7 @@
 //! I/O: intake, reply, overlap, sessions_kv and feeds touch the network.
 
 mod admission;
+mod classifying;
 pub mod config;
 mod feeds;
 mod http;
@@ -129,6 +130,8 @@ pub struct Router {
     peers: Option<tokio::sync::watch::Receiver<peers::PeerSet>>,
     forward_timeout: Duration,
     admission: admission::Admission,
+    classifiers: classifying::Classifiers,
+    prediction_max_age_ms: u64,
 }
 
 impl std::fmt::Debug for Router {
@@ -224,6 +227,8 @@ pub async fn run(
         peers: (!config.no_partition_owner).then_some(peers_rx),
         forward_timeout: Duration::from_millis(config.forward_timeout_ms),
         admission: admission::Admission::new(config.queue()),
+        classifiers: classifying::Classifiers::new(plugins.classifier.clone()),
+        prediction_max_age_ms: config.prediction_max_age_secs.saturating_mul(1000),
     });
     let registration = Arc::new(peers::Registration::default());
     let mut etcd_for_shutdown = etcd.clone();

@@ -19,10 +19,12 @@ use std::time::Instant;
 use kvroute_common::messages::{Decision, ErrorCode, SelectRequest, SelectResponse, now_ms};
 use uuid::Uuid;
 
-use super::admission::{self, Joined, Waiting};
+use super::admission::{self, Entry, Joined, Waiting};
+use super::classifying::Classifiers;
 use super::intake::{self, Rejected};
 use super::reply;
 use super::{PolicySlot, Router};
+use crate::classify::{ClassifyRequest, Completion, Verdict};
 use crate::decide::candidates::Partition;
 use crate::decide::load_view::LoadView;
 use crate::decide::prompt::{Prompt, prompt};
@@ -32,6 +34,7 @@ use crate::pipeline::WorkerInputs;
 use crate::registry::ConfigError;
 use crate::select::SelectFailure;
 use crate::signals::SignalSnapshot;
+use crate::worker::{WorkerRank, WorkerTarget};
 
 /// The header of a request forwarded to its partition's owner: the forwarding replica's id.
 /// The owner decides such a request whatever it thinks of ownership (never a second hop).
@@ -76,7 +79,7 @@ pub(super) enum Queued {
 /// The request's clock: one wall-clock reading at intake, advanced by the monotonic clock.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Clock {
-    wall_ms: u64,
+    pub(super) wall_ms: u64,
     at: Instant,
 }
 
@@ -293,26 +296,78 @@ impl Router {
         let fail = |f: SelectFailure| SelectResponse::Error(f.to_select_error(Some(request_id)));
         let (partition, prompt, slot) = self.prepare(request, request_id)?;
         let key = (request.model.clone(), request.role);
-        // A retry of a queued request takes its place; a request joins a queue others wait in.
+        let now = clock.now_ms();
+        // A retry of a queued request takes its place (classified once, when it came first).
         if let Some((reply_to, arrived_ms, forwarded)) = &queue
-            && self.admission.must_join(&key, &request_id)
+            && self.admission.is_queued(&key, &request_id)
         {
             let waiting = Waiting {
                 request: request.clone(),
                 reply_to: reply_to.clone(),
                 overlap: None,
+                classify: None,
             };
             return self
-                .join_queue(&key, request_id, waiting, *arrived_ms, clock)
+                .join_queue(
+                    &key,
+                    request_id,
+                    waiting,
+                    Entry::Default,
+                    *arrived_ms,
+                    clock,
+                )
                 .map(|()| Outcome::Queued {
                     forwarded: *forwarded,
                 })
                 .map_err(|full| *full);
         }
+        // The classifier (when configured) admits, defers, or classifies for the queue.
+        let arrived_ms = queue.as_ref().map_or(clock.wall_ms, |q| q.1);
+        let mut classify = self
+            .classifiers
+            .enabled()
+            .then(|| Classifiers::request(request, request_id, prompt.tokens, arrived_ms));
+        let mut entry = Entry::Default;
+        if let Some(creq) = &mut classify {
+            match self.classifiers.classify(&key, &partition, creq, now) {
+                Some(Verdict::Admit(c)) => entry = Entry::Classified(c),
+                Some(Verdict::Defer) => entry = Entry::Deferred,
+                None => {}
+            }
+        }
+        let target = classify
+            .as_ref()
+            .and_then(ClassifyRequest::worker_selection_target);
+        let joins_now = matches!(entry, Entry::Deferred) || self.admission.others_wait(&key);
+        if joins_now {
+            let Some((reply_to, arrived_ms, forwarded)) = queue else {
+                // Deferred where nothing may queue (`--queue-max-len 0`).
+                self.classifiers
+                    .completed(request_id, Completion::Rejected, now);
+                return Err(wire::error(
+                    ErrorCode::QueueFull,
+                    format!(
+                        "the request classifier deferred the request and router {} has no admission queue (--queue-max-len 0)",
+                        self.router_id
+                    ),
+                    Some(request_id),
+                ));
+            };
+            let waiting = Waiting {
+                request: request.clone(),
+                reply_to,
+                overlap: None,
+                classify,
+            };
+            return self
+                .join_queue(&key, request_id, waiting, entry, arrived_ms, clock)
+                .map(|()| Outcome::Queued { forwarded })
+                .map_err(|full| *full);
+        }
         let overlap = self.overlap_signals(request, &prompt, &slot).await;
         let decided = self
             .decide_prepared(
-                request, request_id, &partition, &prompt, &slot, &overlap, clock,
+                request, request_id, &partition, &prompt, &slot, &overlap, target, clock,
             )
             .await;
         let decided = match (decided, queue) {
@@ -324,15 +379,26 @@ impl Router {
                     request: request.clone(),
                     reply_to,
                     overlap: Some((overlap, clock.now_ms())),
+                    classify,
                 };
                 return self
-                    .join_queue(&key, request_id, waiting, arrived_ms, clock)
+                    .join_queue(&key, request_id, waiting, entry, arrived_ms, clock)
                     .map(|()| Outcome::Queued { forwarded })
                     .map_err(|full| *full);
             }
-            (other, _) => other.map_err(fail)?,
+            (Err(f), _) => {
+                self.classifiers
+                    .completed(request_id, Completion::Rejected, now);
+                return Err(fail(f));
+            }
+            (Ok(decided), _) => decided,
         };
-        Ok(self.conclude(request, request_id, &prompt, decided, clock))
+        let outcome = self.conclude(request, request_id, &prompt, decided, clock);
+        if let Outcome::Answer(SelectResponse::Ok(reply), Some(_)) = &outcome {
+            let rank = WorkerRank::new(reply.worker_id, reply.dp_rank);
+            self.classifiers.sent(request_id, rank, clock.now_ms());
+        }
+        Ok(outcome)
     }
 
     /// [`super::admission::Admission::join`] with the metrics; `Err` is the `queue_full`
@@ -342,20 +408,23 @@ impl Router {
         key: &admission::PartitionKey,
         request_id: Uuid,
         waiting: Waiting,
+        entry: Entry,
         arrived_ms: u64,
         clock: Clock,
     ) -> Result<(), Box<SelectResponse>> {
         let labels = [key.0.as_str(), key.1.as_str()];
-        match self
-            .admission
-            .join(key, request_id, waiting, arrived_ms, clock.now_ms())
-        {
+        let joined =
+            self.admission
+                .join(key, request_id, waiting, entry, arrived_ms, clock.now_ms());
+        match joined {
             Joined::Queued => {
                 self.metrics.queue_joined.with(&labels).inc();
                 Ok(())
             }
             Joined::Full(e) => {
                 self.metrics.queue_full.with(&labels).inc();
+                self.classifiers
+                    .completed(request_id, Completion::Rejected, clock.now_ms());
                 Err(Box::new(wire::error(
                     ErrorCode::QueueFull,
                     format!(
@@ -375,6 +444,7 @@ impl Router {
         request: &SelectRequest,
         request_id: Uuid,
         overlap: Option<SignalSnapshot>,
+        target: Option<WorkerTarget>,
         clock: Clock,
         fresh: impl FnOnce(SignalSnapshot),
     ) -> Queued {
@@ -392,7 +462,7 @@ impl Router {
         };
         let decided = self
             .decide_prepared(
-                request, request_id, &partition, &prompt, &slot, &overlap, clock,
+                request, request_id, &partition, &prompt, &slot, &overlap, target, clock,
             )
             .await;
         match decided {
@@ -420,6 +490,7 @@ impl Router {
         prompt: &Prompt,
         slot: &PolicySlot,
         overlap: &SignalSnapshot,
+        selection_target: Option<WorkerTarget>,
         clock: Clock,
     ) -> Result<Decided, SelectFailure> {
         let input = DecideInput {
@@ -432,6 +503,7 @@ impl Router {
             settings: &self.settings,
             names: &self.names,
             router_id: &self.router_id,
+            selection_target,
         };
         let mut state = Locked {
             slot,
