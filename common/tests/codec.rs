@@ -90,6 +90,7 @@ fn select_request() -> SelectRequest {
         preferred_taints: vec!["zone=a".into()],
         expected_output_tokens: Some(256),
         priority: Some(-1),
+        priority_jump_ms: Some(-20),
         temperature: Some(0.5),
         policy: Some("round-robin".into()),
         deadline_ms: Some(1_700_000_000_250),

@@ -155,6 +155,10 @@ impl ApiError {
                     ErrorCode::AllOverloaded => {
                         Self::unavailable("all_workers_overloaded", message, retry_after)
                     }
+                    ErrorCode::QueueTimeout => {
+                        Self::unavailable("queue_timeout", message, retry_after)
+                    }
+                    ErrorCode::QueueFull => Self::unavailable("queue_full", message, retry_after),
                     ErrorCode::AllFiltered | ErrorCode::PinnedUnavailable => {
                         Self::unavailable("no_eligible_worker", message, retry_after)
                     }

@@ -12,7 +12,8 @@ use std::time::Instant;
 
 use kvroute_common::trace::read_trace;
 use kvroute_router::registry::{
-    PolicyOverrides, PolicyRegistry, ResolvedPolicies, WorkerSelectionConfig,
+    PolicyOverrides, ResolvedPolicies, RouterPluginRegistry, RouterPluginsConfig,
+    WorkerSelectionConfig,
 };
 
 pub use config::SimArgs;
@@ -24,10 +25,12 @@ use crate::replay::session_oracle;
 use crate::replay::{Plan, Progress, RunReport};
 
 /// The policies of `--policy-config` (the built-in ones without it), resolved against
-/// `registry` as a router resolves them; an error names the flag and the file.
+/// `registry` as a router resolves them; an error names the flag and the file. A file that
+/// configures a `request_classifier` is refused: the simulation has no admission queue to run
+/// its lifecycle.
 pub fn load_policies(
     args: &SimArgs,
-    registry: &PolicyRegistry,
+    registry: &RouterPluginRegistry,
 ) -> anyhow::Result<ResolvedPolicies> {
     let Some(path) = &args.policy_config else {
         return Ok(registry.resolve(
@@ -37,7 +40,10 @@ pub fn load_policies(
     };
     let in_file =
         |e: &dyn std::fmt::Display| anyhow::anyhow!("--policy-config {}: {e}", path.display());
-    let yaml = WorkerSelectionConfig::from_file(path).map_err(|e| in_file(&e))?;
+    let yaml = RouterPluginsConfig::from_file(path)
+        .map_err(|e| in_file(&e))?
+        .without_classifier("kvroute-sim")
+        .map_err(|e| in_file(&e))?;
     registry
         .resolve(&yaml, &PolicyOverrides::default())
         .map_err(|e| in_file(&e))
@@ -45,13 +51,13 @@ pub fn load_policies(
 
 /// [`run_with`] the built-in policies.
 pub fn run(args: &SimArgs) -> anyhow::Result<RunReport> {
-    run_with(args, &PolicyRegistry::with_builtins())
+    run_with(args, &RouterPluginRegistry::with_builtins())
 }
 
 /// Simulates every mode of `args`, with the policy types of `registry` (a deployment's own
 /// catalog, as `kvroute-router-custom` links it), and returns the report (prints nothing on
 /// stdout).
-pub fn run_with(args: &SimArgs, registry: &PolicyRegistry) -> anyhow::Result<RunReport> {
+pub fn run_with(args: &SimArgs, registry: &RouterPluginRegistry) -> anyhow::Result<RunReport> {
     args.validate()?;
     let started = Instant::now();
     let plan = Plan::new(read_trace(&args.trace)?, args.limit, args.time_scale, None);

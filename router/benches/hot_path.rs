@@ -213,6 +213,7 @@ impl Bench {
             settings: &self.settings,
             names: &self.names,
             router_id: "bench",
+            selection_target: None,
         };
         let decided = {
             let mut policy = self.policy.lock().unwrap();

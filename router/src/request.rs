@@ -14,6 +14,7 @@ pub struct RequestContext {
     affinity_target: Option<WorkerTarget>,
     expected_output_tokens: Option<u32>,
     priority: Option<i32>,
+    priority_jump_ms: u64,
     temperature_override: Option<f64>,
 }
 
@@ -27,7 +28,8 @@ impl RequestContext {
         }
     }
 
-    /// Takes the session, expected output, priority and temperature of a wire request.
+    /// Takes the session, expected output, priority, priority jump (negative as 0) and
+    /// temperature of a wire request.
     pub fn from_request(request: &SelectRequest, request_blocks: u32, block_size: u32) -> Self {
         Self {
             request_blocks,
@@ -36,6 +38,7 @@ impl RequestContext {
             affinity_target: None,
             expected_output_tokens: request.expected_output_tokens,
             priority: request.priority,
+            priority_jump_ms: jump_ms(request.priority_jump_ms),
             temperature_override: request.temperature,
         }
     }
@@ -57,6 +60,11 @@ impl RequestContext {
 
     pub fn with_priority(mut self, priority: i32) -> Self {
         self.priority = Some(priority);
+        self
+    }
+
+    pub fn with_priority_jump_ms(mut self, jump_ms: u64) -> Self {
+        self.priority_jump_ms = jump_ms;
         self
     }
 
@@ -95,8 +103,49 @@ impl RequestContext {
         self.priority
     }
 
+    /// The same as [`priority`](Self::priority), by the name classifiers use: the admission
+    /// queue serves larger values first.
+    pub fn strict_priority(&self) -> Option<i32> {
+        self.priority
+    }
+
+    /// Milliseconds the request moved forward in its first-come-first-served order; 0 when
+    /// absent or negative on the wire.
+    pub fn priority_jump_ms(&self) -> u64 {
+        self.priority_jump_ms
+    }
+
     /// Replaces the policy's temperature for this request (0 = deterministic).
     pub fn temperature_override(&self) -> Option<f64> {
         self.temperature_override
+    }
+}
+
+/// A wire `priority_jump_ms` as the router uses it: absent or negative is no jump.
+pub(crate) fn jump_ms(wire: Option<i64>) -> u64 {
+    wire.map_or(0, |ms| u64::try_from(ms).unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn from_request_takes_the_priorities_and_a_negative_jump_is_none() {
+        let mut wire = SelectRequest {
+            priority: Some(4),
+            priority_jump_ms: Some(120),
+            ..SelectRequest::default()
+        };
+        let context = RequestContext::from_request(&wire, 3, 16);
+        assert_eq!(context.priority(), Some(4));
+        assert_eq!(context.strict_priority(), Some(4));
+        assert_eq!(context.priority_jump_ms(), 120);
+        wire.priority_jump_ms = Some(-5);
+        assert_eq!(
+            RequestContext::from_request(&wire, 3, 16).priority_jump_ms(),
+            0
+        );
+        assert_eq!(RequestContext::new(1, 16).priority_jump_ms(), 0);
     }
 }

@@ -124,6 +124,26 @@ async fn bad_policy_configuration_stops_startup_with_a_clear_message() {
             "worker_selection:\n  agregated: random\n",
             "agregated",
         ),
+        // Request classifiers: an unknown type, a bad parameter of the example's, and of a
+        // built-in's.
+        (
+            "kvroute-router",
+            "classifier-type.yaml",
+            "request_classifier:\n  type: session-serial\n",
+            "session-serial",
+        ),
+        (
+            "kvroute-router-custom",
+            "classifier-param.yaml",
+            "request_classifier:\n  type: session-serial\n  parameters: {max_in_flight_per_session: 0}\n",
+            "max_in_flight_per_session",
+        ),
+        (
+            "kvroute-router",
+            "classifier-builtin.yaml",
+            "request_classifier:\n  type: max-in-flight\n  parameters: {per_model: -1}\n",
+            "per_model",
+        ),
     ];
     for (bin, file, text, expected) in cases {
         let path = yaml(&env, file, text);

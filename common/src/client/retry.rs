@@ -16,6 +16,9 @@ pub struct RetryPolicy {
     /// Pause before the next attempt when nobody is in the group (replicas restarting or
     /// stepping out); bounded by the remaining attempts' time.
     pub no_responders_backoff: Duration,
+    /// Added to every attempt's timeout: how long the service may hold the request before it
+    /// answers (a router's admission queue). Zero for services that answer at once.
+    pub queue_wait: Duration,
 }
 
 /// A setting of [`RetryPolicy`] that cannot work.
@@ -37,6 +40,7 @@ impl RetryPolicy {
         first_timeout: Duration::from_millis(250),
         max_timeout: Duration::from_millis(2000),
         no_responders_backoff: Duration::from_millis(100),
+        queue_wait: Duration::ZERO,
     };
 
     /// `attempts` attempts sharing `budget` equally (no growth): for a request whose total
@@ -49,6 +53,7 @@ impl RetryPolicy {
             first_timeout: each,
             max_timeout: each,
             no_responders_backoff: Duration::ZERO,
+            queue_wait: Duration::ZERO,
         }
     }
 
@@ -65,12 +70,13 @@ impl RetryPolicy {
         Ok(())
     }
 
-    /// The timeout of attempt `attempt` (0-based).
+    /// The timeout of attempt `attempt` (0-based): the doubling part plus `queue_wait`.
     pub fn timeout(&self, attempt: u32) -> Duration {
         let factor = 1u32.checked_shl(attempt.min(31)).unwrap_or(u32::MAX);
         self.first_timeout
             .saturating_mul(factor)
             .min(self.max_timeout)
+            .saturating_add(self.queue_wait)
     }
 
     /// The longest a request can wait in all (without no-responder pauses).
@@ -110,6 +116,12 @@ mod tests {
         assert_eq!(p.budget(), Duration::from_millis(3750));
         assert_eq!(p.timeout(u32::MAX), Duration::from_millis(2000));
         assert!(p.validate().is_ok());
+        let queued = RetryPolicy {
+            queue_wait: Duration::from_secs(10),
+            ..p
+        };
+        assert_eq!(queued.timeout(0), Duration::from_millis(10_250));
+        assert_eq!(queued.timeout(5), Duration::from_millis(12_000));
     }
 
     #[test]

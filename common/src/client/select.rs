@@ -30,6 +30,16 @@ pub struct SelectRetryArgs {
         default_value_t = RetryPolicy::SELECT.first_timeout.as_millis() as u64
     )]
     pub attempt_timeout_ms: u64,
+    /// How long a selection may wait in a router's admission queue when every eligible worker
+    /// is busy (sent as the request's `queue_timeout_ms`; each attempt waits this much longer).
+    /// 0: ask for no queueing (the router answers `queue_timeout` before the attempt's
+    /// deadline instead of `all_overloaded` at once).
+    #[arg(
+        long = "select-queue-timeout-ms",
+        env = "KVROUTE_SELECT_QUEUE_TIMEOUT_MS",
+        default_value_t = SelectRetryArgs::DEFAULT_QUEUE_TIMEOUT_MS
+    )]
+    pub queue_timeout_ms: u64,
 }
 
 impl Default for SelectRetryArgs {
@@ -37,11 +47,14 @@ impl Default for SelectRetryArgs {
         Self {
             attempts: RetryPolicy::SELECT.attempts,
             attempt_timeout_ms: RetryPolicy::SELECT.first_timeout.as_millis() as u64,
+            queue_timeout_ms: Self::DEFAULT_QUEUE_TIMEOUT_MS,
         }
     }
 }
 
 impl SelectRetryArgs {
+    pub const DEFAULT_QUEUE_TIMEOUT_MS: u64 = 10_000;
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.attempts == 0 {
             return Err(ConfigError::new("select-attempts", "must be at least 1"));
@@ -62,6 +75,7 @@ impl SelectRetryArgs {
             first_timeout: first,
             max_timeout: first.saturating_mul(8),
             no_responders_backoff: RetryPolicy::SELECT.no_responders_backoff,
+            queue_wait: Duration::from_millis(self.queue_timeout_ms),
         }
     }
 }
@@ -124,6 +138,12 @@ impl SelectClient {
     /// attempt names the same request and routers answer a retry with the same decision.
     pub async fn select(&self, mut request: SelectRequest) -> Result<Selected, SelectFailure> {
         request.request_id.get_or_insert_with(uuid::Uuid::new_v4);
+        let queue_wait = self.group.policy().queue_wait;
+        if !queue_wait.is_zero() {
+            request
+                .queue_timeout_ms
+                .get_or_insert(u64::try_from(queue_wait.as_millis()).unwrap_or(u64::MAX));
+        }
         let payload = |attempt: u32, deadline_ms: u64| {
             request.attempt = attempt;
             request.deadline_ms = Some(deadline_ms);

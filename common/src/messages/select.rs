@@ -56,8 +56,13 @@ pub struct SelectRequest {
     pub preferred_taints: Vec<String>,
     #[serde(default)]
     pub expected_output_tokens: Option<u32>,
+    /// Strict priority: larger is more urgent.
     #[serde(default)]
     pub priority: Option<i32>,
+    /// Milliseconds the request moves forward in its FCFS order in a router's admission
+    /// queue (negative treated as 0; capped by the router's `--queue-max-priority-jump-ms`).
+    #[serde(default)]
+    pub priority_jump_ms: Option<i64>,
     /// Overrides the policy's temperature for this request (0 = deterministic).
     #[serde(default)]
     pub temperature: Option<f64>,
@@ -75,6 +80,12 @@ pub struct SelectRequest {
     /// `request_id`, so routers answer a retry with the decision already made.
     #[serde(default)]
     pub attempt: u32,
+    /// How long the request may wait in the router's admission queue when every eligible
+    /// worker is busy (milliseconds from its first arrival; capped by the router's
+    /// `--queue-max-timeout-ms`). Absent: the router's `--queue-timeout-ms`. The wait never
+    /// outlasts `deadline_ms`.
+    #[serde(default)]
+    pub queue_timeout_ms: Option<u64>,
 }
 
 impl WireMessage for SelectRequest {
@@ -239,10 +250,15 @@ pub enum ErrorCode {
     PolicyError,
     /// The router is not ready or failed internally.
     Unavailable,
+    /// The request waited in the router's admission queue until its queue deadline and no
+    /// eligible worker had room.
+    QueueTimeout,
+    /// Every eligible worker is busy and the partition's admission queue is full.
+    QueueFull,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 9] = [
+    pub const ALL: [ErrorCode; 11] = [
         ErrorCode::BadRequest,
         ErrorCode::TooLarge,
         ErrorCode::UnsupportedVersion,
@@ -252,6 +268,8 @@ impl ErrorCode {
         ErrorCode::PinnedUnavailable,
         ErrorCode::PolicyError,
         ErrorCode::Unavailable,
+        ErrorCode::QueueTimeout,
+        ErrorCode::QueueFull,
     ];
 
     /// The code as on the wire (also the metrics label).
@@ -266,6 +284,8 @@ impl ErrorCode {
             ErrorCode::PinnedUnavailable => "pinned_unavailable",
             ErrorCode::PolicyError => "policy_error",
             ErrorCode::Unavailable => "unavailable",
+            ErrorCode::QueueTimeout => "queue_timeout",
+            ErrorCode::QueueFull => "queue_full",
         }
     }
 

@@ -88,6 +88,14 @@ impl Histogram {
         ])
     }
 
+    /// Waiting-time buckets from 1 ms to 5 min (queues).
+    pub fn waits() -> Self {
+        Self::with_bounds(vec![
+            0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+            120.0, 300.0,
+        ])
+    }
+
     pub fn with_bounds(bounds: Vec<f64>) -> Self {
         let buckets = bounds.iter().map(|_| AtomicU64::new(0)).collect();
         Self {
@@ -112,11 +120,68 @@ impl Histogram {
     }
 }
 
+/// Series keyed by several label values, in the order of the family's label names.
+#[derive(Debug)]
+pub struct Family<T> {
+    labels: &'static [&'static str],
+    make: fn() -> T,
+    series: Mutex<BTreeMap<Vec<String>, Arc<T>>>,
+}
+
+impl<T> Family<T> {
+    fn new(labels: &'static [&'static str], make: fn() -> T) -> Self {
+        Self {
+            labels,
+            make,
+            series: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// The series of these label values (created on first use); `values` has one value per
+    /// label name.
+    pub fn with(&self, values: &[&str]) -> Arc<T> {
+        debug_assert_eq!(values.len(), self.labels.len());
+        let mut series = self.series.lock().expect("metric family lock");
+        let key: Vec<String> = values.iter().map(|v| (*v).to_owned()).collect();
+        series
+            .entry(key)
+            .or_insert_with(|| Arc::new((self.make)()))
+            .clone()
+    }
+
+    /// Drops every series (e.g. before re-setting the gauges of what exists now).
+    pub fn clear(&self) {
+        self.series.lock().expect("metric family lock").clear();
+    }
+
+    fn snapshot(&self) -> Vec<(String, Arc<T>)> {
+        let series = self.series.lock().expect("metric family lock");
+        series
+            .iter()
+            .map(|(values, m)| {
+                let pairs: Vec<String> = self
+                    .labels
+                    .iter()
+                    .zip(values)
+                    .map(|(name, value)| {
+                        let value = value.replace('\\', "\\\\").replace('"', "\\\"");
+                        format!("{name}=\"{value}\"")
+                    })
+                    .collect();
+                (pairs.join(","), m.clone())
+            })
+            .collect()
+    }
+}
+
 enum Metric {
     Counter(Arc<Counter>),
     Gauge(Arc<Gauge>),
     CounterVec(&'static str, Arc<CounterVec>),
     Histogram(Arc<Histogram>),
+    Counters(Arc<Family<Counter>>),
+    Gauges(Arc<Family<Gauge>>),
+    Histograms(Arc<Family<Histogram>>),
 }
 
 /// The metrics of one process, in registration order.
@@ -164,14 +229,50 @@ impl Registry {
         h
     }
 
+    /// Counters with several labels.
+    pub fn counter_family(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        labels: &'static [&'static str],
+    ) -> Arc<Family<Counter>> {
+        let f = Arc::new(Family::new(labels, Counter::default));
+        self.add(name, help, Metric::Counters(f.clone()));
+        f
+    }
+
+    /// Gauges with several labels.
+    pub fn gauge_family(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        labels: &'static [&'static str],
+    ) -> Arc<Family<Gauge>> {
+        let f = Arc::new(Family::new(labels, Gauge::default));
+        self.add(name, help, Metric::Gauges(f.clone()));
+        f
+    }
+
+    /// Histograms with several labels and the bounds of [`Histogram::waits`] (1 ms to 5 min).
+    pub fn wait_histogram_family(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        labels: &'static [&'static str],
+    ) -> Arc<Family<Histogram>> {
+        let f = Arc::new(Family::new(labels, Histogram::waits));
+        self.add(name, help, Metric::Histograms(f.clone()));
+        f
+    }
+
     /// The Prometheus text exposition format (version 0.0.4).
     pub fn render(&self) -> String {
         let mut out = String::new();
         for (name, help, metric) in self.metrics.lock().expect("registry lock").iter() {
             let kind = match metric {
-                Metric::Counter(_) | Metric::CounterVec(..) => "counter",
-                Metric::Gauge(_) => "gauge",
-                Metric::Histogram(_) => "histogram",
+                Metric::Counter(_) | Metric::CounterVec(..) | Metric::Counters(_) => "counter",
+                Metric::Gauge(_) | Metric::Gauges(_) => "gauge",
+                Metric::Histogram(_) | Metric::Histograms(_) => "histogram",
             };
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
             match metric {
@@ -187,21 +288,44 @@ impl Registry {
                         let _ = writeln!(out, "{name}{{{label}=\"{value}\"}} {n}");
                     }
                 }
-                Metric::Histogram(h) => {
-                    let mut cumulative = 0;
-                    for (bound, bucket) in h.bounds.iter().zip(&h.buckets) {
-                        cumulative += bucket.load(Ordering::Relaxed);
-                        let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
+                Metric::Histogram(h) => render_histogram(&mut out, name, "", h),
+                Metric::Counters(f) => {
+                    for (labels, c) in f.snapshot() {
+                        let _ = writeln!(out, "{name}{{{labels}}} {}", c.get());
                     }
-                    let count = h.count();
-                    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-                    let sum = h.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
-                    let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
+                }
+                Metric::Gauges(f) => {
+                    for (labels, g) in f.snapshot() {
+                        let _ = writeln!(out, "{name}{{{labels}}} {}", g.get());
+                    }
+                }
+                Metric::Histograms(f) => {
+                    for (labels, h) in f.snapshot() {
+                        render_histogram(&mut out, name, &labels, &h);
+                    }
                 }
             }
         }
         out
     }
+}
+
+/// One histogram's lines; `labels` are the series' own (`a="x",b="y"`), or empty.
+fn render_histogram(out: &mut String, name: &str, labels: &str, h: &Histogram) {
+    let (with, alone) = if labels.is_empty() {
+        (String::new(), String::new())
+    } else {
+        (format!("{labels},"), format!("{{{labels}}}"))
+    };
+    let mut cumulative = 0;
+    for (bound, bucket) in h.bounds.iter().zip(&h.buckets) {
+        cumulative += bucket.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{{with}le=\"{bound}\"}} {cumulative}");
+    }
+    let count = h.count();
+    let _ = writeln!(out, "{name}_bucket{{{with}le=\"+Inf\"}} {count}");
+    let sum = h.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
+    let _ = writeln!(out, "{name}_sum{alone} {sum}\n{name}_count{alone} {count}");
 }
 
 #[cfg(test)]
@@ -229,5 +353,37 @@ mod tests {
         assert!(text.contains("latency_seconds_bucket{le=\"0.00025\"} 1\n"));
         assert!(text.contains("latency_seconds_bucket{le=\"+Inf\"} 2\n"));
         assert!(text.contains("latency_seconds_count 2\n"));
+    }
+
+    #[test]
+    fn renders_families_with_several_labels() {
+        let r = Registry::default();
+        let depth = r.gauge_family("depth", "Depth.", &["model", "class"]);
+        depth.with(&["m\"1", "0"]).set(4);
+        let done = r.counter_family("done_total", "Done.", &["model"]);
+        done.with(&["m"]).add(2);
+        done.with(&["m"]).inc();
+        let waits = r.wait_histogram_family("wait_seconds", "Waits.", &["model"]);
+        waits.with(&["m"]).observe(0.3);
+        let text = r.render();
+        assert!(
+            text.contains("depth{model=\"m\\\"1\",class=\"0\"} 4\n"),
+            "{text}"
+        );
+        assert!(text.contains("done_total{model=\"m\"} 3\n"), "{text}");
+        assert!(
+            text.contains("wait_seconds_bucket{model=\"m\",le=\"0.25\"} 0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("wait_seconds_bucket{model=\"m\",le=\"0.5\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("wait_seconds_count{model=\"m\"} 1\n"),
+            "{text}"
+        );
+        depth.clear();
+        assert!(!r.render().contains("depth{"));
     }
 }

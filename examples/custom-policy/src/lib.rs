@@ -1,8 +1,11 @@
-//! An example worker-selection policy built outside the router crate: `sticky-until-busy`
-//! keeps a session on its soft-affinity target until that worker runs more than
-//! `busy_threshold` requests, then moves it to the least-loaded worker. Register it with
+//! Example plugins built outside the router crate. The worker-selection policy
+//! `sticky-until-busy` keeps a session on its soft-affinity target until that worker runs more
+//! than `busy_threshold` requests, then moves it to the least-loaded worker; the request
+//! classifier `session-serial` admits at most `max_in_flight_per_session` requests of a session
+//! at once and steers each to the worker its session last used. Register both with
 //! [`register`]; see README.md for the walkthrough.
 
+mod classifier;
 mod components;
 #[cfg(test)]
 mod tests;
@@ -11,10 +14,13 @@ use std::sync::Arc;
 
 use kvroute_router::pipeline::{WorkerFilter, WorkerScorer, WorkerSelectionPolicy};
 use kvroute_router::registry::{
-    PolicyFactory, PolicyParameters, PolicyRegistry, ProviderError, RegistryError,
+    PolicyFactory, PolicyParameters, ProviderError, RegistryError, RouterPluginRegistry,
 };
 use serde::Deserialize;
 
+pub use classifier::{
+    CLASSIFIER_TYPE_NAME, SessionSerial, SessionSerialParameters, classifier_provider,
+};
 pub use components::{ActiveRequestsScorer, MaxActiveRequestsFilter, StickyUntilBusyPicker};
 
 /// The type name used in `instances[].type`.
@@ -56,7 +62,9 @@ pub fn provider(parameters: &PolicyParameters) -> Result<PolicyFactory, Provider
     }))
 }
 
-/// Adds `sticky-until-busy` to `registry`.
-pub fn register(registry: &mut PolicyRegistry) -> Result<(), RegistryError> {
-    registry.register(TYPE_NAME, Arc::new(provider))
+/// Adds the worker-selection policy `sticky-until-busy` and the request classifier
+/// `session-serial` to `registry`: the catalog's one registration function.
+pub fn register(registry: &mut RouterPluginRegistry) -> Result<(), RegistryError> {
+    registry.register_worker_selection(TYPE_NAME, Arc::new(provider))?;
+    registry.register_request_classifier(CLASSIFIER_TYPE_NAME, Arc::new(classifier_provider))
 }

@@ -1,12 +1,15 @@
-//! The example policy selected through YAML, against the built-in default.
+//! The example plugins selected through YAML: the policy against the built-in default, and the
+//! classifier's target followed by the policy.
 
 use futures::executor::block_on;
 use kvroute_common::messages::{
     BindingState, SelectRequest, SessionContext, WorkerCard, WorkerRole,
 };
+use kvroute_router::classify::{ClassifyEvent, ClassifyRequest, RequestClassifierContext, Verdict};
 use kvroute_router::pipeline::{WorkerInputs, WorkerSelectionPolicy};
 use kvroute_router::registry::{
-    ConfigError, PolicyOverrides, PolicyRegistry, RegistryError, WorkerSelectionConfig,
+    ConfigError, PluginKind, PolicyOverrides, RegistryError, RouterPluginRegistry,
+    RouterPluginsConfig, WorkerSelectionConfig,
 };
 use kvroute_router::select::{SelectInput, SelectionSettings, select, select_worker};
 use kvroute_router::session::{
@@ -20,8 +23,11 @@ use rand::rngs::StdRng;
 /// The walkthrough's configuration file, as the README runs it.
 const YAML: &str = include_str!("../sticky.yaml");
 
-fn registry() -> PolicyRegistry {
-    let mut registry = PolicyRegistry::with_builtins();
+/// Both plugins, as `sticky-serial.yaml` selects them.
+const BOTH_YAML: &str = include_str!("../sticky-serial.yaml");
+
+fn registry() -> RouterPluginRegistry {
+    let mut registry = RouterPluginRegistry::with_builtins();
     crate::register(&mut registry).unwrap();
     registry
 }
@@ -202,7 +208,137 @@ fn bad_parameters_and_duplicate_registration_stop_startup() {
     assert_eq!(
         crate::register(&mut registry),
         Err(RegistryError::Duplicate {
+            kind: PluginKind::WorkerSelection,
             type_name: crate::TYPE_NAME.into()
         })
+    );
+    let mut only_policy = RouterPluginRegistry::with_builtins();
+    only_policy
+        .register_worker_selection(crate::TYPE_NAME, std::sync::Arc::new(crate::provider))
+        .unwrap();
+    assert_eq!(
+        crate::register(&mut only_policy),
+        Err(RegistryError::Duplicate {
+            kind: PluginKind::WorkerSelection,
+            type_name: crate::TYPE_NAME.into()
+        }),
+        "a catalog registered twice is refused at its first type"
+    );
+}
+
+#[test]
+fn the_classifier_in_yaml_steers_a_session_and_the_policy_follows() {
+    let plugins = registry()
+        .resolve_plugins(
+            &RouterPluginsConfig::from_yaml(BOTH_YAML).unwrap(),
+            &PolicyOverrides::default(),
+        )
+        .unwrap();
+    let classifier = plugins.classifier.expect("configured");
+    assert_eq!(classifier.type_name(), crate::CLASSIFIER_TYPE_NAME);
+    let workers = [card(1), card(2)];
+    let mut admission = classifier.build(&RequestClassifierContext::from_cards(16, &workers));
+    let mut sticky = plugins.policies.build(WorkerRole::Aggregated, "m").unwrap();
+    let settings = SelectionSettings::default();
+    let wire = request(Some("agent-7"));
+    let mut rng = StdRng::seed_from_u64(0);
+    let id = |n: u128| kvroute_common::RequestId::from_u128(n);
+    let classify = |admission: &mut Box<dyn kvroute_router::classify::RequestClassifier>, n| {
+        let mut request = ClassifyRequest::from_request(&wire, id(n), 160, 0);
+        let verdict = admission.classify(&mut request, 0);
+        (verdict, request.worker_selection_target())
+    };
+
+    // The first request has no history: no target, the policy picks idle worker 2.
+    let (verdict, target) = classify(&mut admission, 1);
+    assert!(matches!(verdict, Verdict::Admit(_)));
+    assert_eq!(target, None);
+    let snapshot = signals([1, 0]);
+    let input = SelectInput {
+        request: &wire,
+        request_blocks: 10,
+        block_size: 16,
+        workers: &workers,
+        signals: &snapshot,
+        settings: &settings,
+    };
+    let open = SessionRoute::Open { affinity: target };
+    let first = select_worker(&input, &mut sticky, open, &mut rng).unwrap();
+    assert_eq!(first.worker.worker_id, 2);
+    admission.on_event(
+        &ClassifyEvent::Sent {
+            request_id: id(1),
+            worker: first.worker,
+        },
+        0,
+    );
+
+    // One request of the session at a time.
+    assert_eq!(classify(&mut admission, 2).0, Verdict::Defer);
+    admission.on_event(
+        &ClassifyEvent::Completed {
+            request_id: id(1),
+            worker: Some(first.worker),
+            outcome: kvroute_router::classify::Completion::Finished,
+        },
+        0,
+    );
+    // Released, with the session's worker as the target, which the policy keeps while it is
+    // not busy although worker 1 is idler.
+    let (verdict, target) = classify(&mut admission, 2);
+    assert!(matches!(verdict, Verdict::Admit(_)));
+    assert_eq!(target.map(|t| t.worker_id), Some(2));
+    let snapshot = signals([0, 2]);
+    let input = SelectInput {
+        signals: &snapshot,
+        ..input
+    };
+    let open = SessionRoute::Open { affinity: target };
+    let second = select_worker(&input, &mut sticky, open, &mut rng).unwrap();
+    assert_eq!(second.worker.worker_id, 2);
+
+    // The stock registry does not know the classifier type.
+    let err = RouterPluginRegistry::with_builtins()
+        .resolve_plugins(
+            &RouterPluginsConfig::from_yaml(BOTH_YAML).unwrap(),
+            &PolicyOverrides::default(),
+        )
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("unknown type \"sticky-until-busy\""),
+        "{err}"
+    );
+    let classifier_only = "request_classifier:\n  type: session-serial\n  parameters: {max_in_flight_per_session: 1}\n";
+    let err = RouterPluginRegistry::with_builtins()
+        .resolve_plugins(
+            &RouterPluginsConfig::from_yaml(classifier_only).unwrap(),
+            &PolicyOverrides::default(),
+        )
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("request_classifier.type \"session-serial\""),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_bad_classifier_parameter_stops_startup_naming_it() {
+    let yaml = "request_classifier:\n  type: session-serial\n  parameters: {max_in_flight_per_session: 0}\n";
+    let err = registry()
+        .resolve_plugins(
+            &RouterPluginsConfig::from_yaml(yaml).unwrap(),
+            &PolicyOverrides::default(),
+        )
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        ConfigError::InvalidClassifierParameters { .. }
+    ));
+    assert!(
+        err.to_string()
+            .contains("parameter `max_in_flight_per_session` must be at least 1"),
+        "{err}"
     );
 }

@@ -5,8 +5,8 @@
 
 use std::process::ExitCode;
 
-use kvroute_router::registry::PolicyRegistry;
+use kvroute_router::registry::RouterPluginRegistry;
 
 fn main() -> ExitCode {
-    kvroute_mocker::sim::main_with(PolicyRegistry::with_builtins(), "kvroute-sim")
+    kvroute_mocker::sim::main_with(RouterPluginRegistry::with_builtins(), "kvroute-sim")
 }

@@ -210,6 +210,7 @@ mod tests {
                         ttft: Duration::from_millis(100 + i * (4 - 2 * k.min(1) as u64)),
                         latency: Duration::from_millis(900 + i),
                         selection_latency: None,
+                        selection_wait: Duration::ZERO,
                     });
                 }
                 let mut m = r.finish(Duration::from_secs(10));

@@ -226,6 +226,7 @@ impl<S: Selector> RequestTask<S> {
                         ttft: Duration::from_secs_f64(r.ttft_ms.max(0.0) / 1e3),
                         latency,
                         selection_latency: Some(selection_latency),
+                        selection_wait: selection_latency.mul_f64(self.settings.speedup),
                     },
                     finished_at: sent_sim + latency,
                     retries: selected.attempts.saturating_sub(1),

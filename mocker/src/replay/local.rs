@@ -5,7 +5,9 @@
 //! view charged by its own decisions and relieved when a request finishes, and the router's
 //! session table (in memory; hard affinity by default). It knows only what it sent: the
 //! overlap it offers the policy is an approximate cache per worker (every prompt sent there,
-//! LRU-bounded by the card's capacity), and no load reports reach the view.
+//! LRU-bounded by the card's capacity), and no load reports reach the view. It reads no policy
+//! file and runs no request classifier: admission belongs to the router service (the simulator
+//! refuses a policy file configuring one).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -22,7 +24,7 @@ use kvroute_router::decide::load_view::{LoadView, LoadViewConfig};
 use kvroute_router::decide::prompt::prompt;
 use kvroute_router::decide::{DecideInput, Decided, Owned, PartitionPolicy, decide_request};
 use kvroute_router::pipeline::WorkerInputs;
-use kvroute_router::registry::{PolicyRegistry, ResolvedPolicies, WorkerSelectionConfig};
+use kvroute_router::registry::{ResolvedPolicies, RouterPluginRegistry, WorkerSelectionConfig};
 use kvroute_router::select::SelectionSettings;
 use kvroute_router::session::{MemSessionStore, SessionConfig, SessionTable};
 use kvroute_router::signals::{Overlap, SignalSnapshot};
@@ -71,7 +73,7 @@ struct LocalWorker {
 
 impl LocalSelector {
     pub fn new(mode: Mode, cards: &[WorkerCard], seed: u64) -> Self {
-        let policies = PolicyRegistry::with_builtins()
+        let policies = RouterPluginRegistry::with_builtins()
             .resolve(&WorkerSelectionConfig::default(), &Default::default())
             .expect("the built-in selection resolves");
         let selector = Self {
@@ -175,6 +177,7 @@ impl LocalSelector {
             settings: &self.settings,
             names: &self.names,
             router_id: "local",
+            selection_target: None,
         };
         let now = now_ms();
         let mut decision_state = Owned {

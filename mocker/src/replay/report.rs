@@ -101,6 +101,11 @@ pub struct ModeReport {
     /// `cached_prompt_tokens / prompt_tokens`.
     pub hit_rate: f64,
     pub ttft_ms: Summary,
+    /// Time to first token as the client sees it: the selection's wait in simulated time (the
+    /// real wait × the speedup — a router's admission queue counts here) plus the worker's
+    /// `ttft_ms`.
+    #[serde(default)]
+    pub client_ttft_ms: Summary,
     pub e2e_latency_ms: Summary,
     /// Time the router took to answer a selection (real time, not simulated), retries
     /// included.
@@ -137,6 +142,8 @@ pub struct RequestSample {
     pub latency: Duration,
     /// Real time the selection took, when the mode asked a router.
     pub selection_latency: Option<Duration>,
+    /// The selection's wait in simulated time (zero where selection takes no simulated time).
+    pub selection_wait: Duration,
 }
 
 /// Collects one mode's samples and errors, then [`ModeRecorder::finish`]es into a report.
@@ -144,6 +151,7 @@ pub struct RequestSample {
 pub struct ModeRecorder {
     mode: String,
     ttft_ms: Vec<f64>,
+    client_ttft_ms: Vec<f64>,
     e2e_ms: Vec<f64>,
     selection_us: Vec<f64>,
     prompt_tokens: u64,
@@ -162,6 +170,7 @@ impl ModeRecorder {
         Self {
             mode: mode.into(),
             ttft_ms: Vec::new(),
+            client_ttft_ms: Vec::new(),
             e2e_ms: Vec::new(),
             selection_us: Vec::new(),
             prompt_tokens: 0,
@@ -183,6 +192,8 @@ impl ModeRecorder {
 
     pub fn record(&mut self, s: RequestSample) {
         self.ttft_ms.push(s.ttft.as_secs_f64() * 1e3);
+        self.client_ttft_ms
+            .push((s.ttft + s.selection_wait).as_secs_f64() * 1e3);
         self.e2e_ms.push(s.latency.as_secs_f64() * 1e3);
         if let Some(sel) = s.selection_latency {
             self.selection_us.push(sel.as_secs_f64() * 1e6);
@@ -230,6 +241,7 @@ impl ModeRecorder {
             output_tokens: self.output_tokens,
             hit_rate: ratio(self.cached_tokens, self.prompt_tokens),
             ttft_ms: Summary::of(&self.ttft_ms),
+            client_ttft_ms: Summary::of(&self.client_ttft_ms),
             e2e_latency_ms: Summary::of(&self.e2e_ms),
             selection_latency_us: Summary::of(&self.selection_us),
             selection_retries: self.selection_retries,
@@ -257,6 +269,7 @@ mod tests {
             ttft: Duration::from_millis(ttft_ms),
             latency: Duration::from_millis(ttft_ms + 100),
             selection_latency: Some(Duration::from_micros(250)),
+            selection_wait: Duration::ZERO,
         }
     }
 

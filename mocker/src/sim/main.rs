@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::CommandFactory;
 use kvroute_common::ops::exit;
-use kvroute_router::registry::PolicyRegistry;
+use kvroute_router::registry::RouterPluginRegistry;
 
 use super::{SimArgs, load_policies, run_with};
 use crate::replay::emit;
@@ -13,7 +13,7 @@ use crate::replay::emit;
 /// Parses the command line, simulates with `registry`'s policy types and prints the report;
 /// `name` is the binary's, for `--help` and messages. A bad policy file is a bad
 /// configuration (exit 2).
-pub fn main_with(registry: PolicyRegistry, name: &str) -> ExitCode {
+pub fn main_with(registry: RouterPluginRegistry, name: &str) -> ExitCode {
     let types = registry.types().collect::<Vec<_>>().join(", ");
     let command = SimArgs::command()
         .bin_name(name.to_owned())

@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use kvroute_common::trace::TraceRequest;
-use kvroute_router::registry::{PolicyOverrides, PolicyRegistry, WorkerSelectionConfig};
+use kvroute_router::registry::{PolicyOverrides, RouterPluginRegistry, WorkerSelectionConfig};
 
 use super::*;
 use crate::engine::EngineConfig;
@@ -61,7 +61,7 @@ fn settings(mode: Mode, routers: u32, seed: u64) -> SimSettings {
 }
 
 fn builtins() -> kvroute_router::registry::ResolvedPolicies {
-    PolicyRegistry::with_builtins()
+    RouterPluginRegistry::with_builtins()
         .resolve(
             &WorkerSelectionConfig::default(),
             &PolicyOverrides::default(),
@@ -248,4 +248,49 @@ fn soft_affinity_leaves_the_choice_to_the_policy() {
     };
     let soft = simulate(&plan, &settings, &builtins(), |_| {}).unwrap();
     assert!(soft.sessions.unwrap().stickiness.unwrap() < 0.6);
+}
+
+#[test]
+fn a_policy_file_with_a_request_classifier_is_refused_naming_it() {
+    use clap::Parser;
+    let dir = std::env::temp_dir().join(format!("kvroute-sim-classifier-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let args = |file: &str, text: &str| {
+        let path = dir.join(file);
+        std::fs::write(&path, text).unwrap();
+        let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+        SimArgs::try_parse_from([
+            "kvroute-sim",
+            "--trace",
+            trace,
+            "--policy-config",
+            path.to_str().unwrap(),
+        ])
+        .unwrap()
+    };
+    let registry = RouterPluginRegistry::with_builtins();
+    let with_classifier = args(
+        "classifier.yaml",
+        "worker_selection: {aggregated: round-robin}\nrequest_classifier: {type: pass-through}\n",
+    );
+    let err = load_policies(&with_classifier, &registry)
+        .unwrap_err()
+        .to_string();
+    assert!(err.starts_with("--policy-config "), "{err}");
+    assert!(
+        err.contains("request_classifier is configured, but kvroute-sim cannot run"),
+        "{err}"
+    );
+    let without = args(
+        "selection.yaml",
+        "worker_selection: {aggregated: round-robin}\n",
+    );
+    let policies = load_policies(&without, &registry).unwrap();
+    assert_eq!(
+        policies
+            .selection(kvroute_common::messages::WorkerRole::Aggregated)
+            .instance,
+        "round-robin"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -416,6 +416,7 @@ impl World<'_> {
             settings: &self.selection_settings,
             names: &self.names,
             router_id: &router_id,
+            selection_target: None,
         };
         let replica = &mut self.replicas[r];
         let mut state = Owned {
@@ -545,6 +546,7 @@ impl World<'_> {
                     ttft,
                     latency,
                     selection_latency: Some(done.selection),
+                    selection_wait: Duration::ZERO,
                 });
             }
         }

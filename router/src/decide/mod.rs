@@ -35,7 +35,7 @@ use crate::select::{
 };
 use crate::session::{Chooser, SessionRoute, SessionStore, SessionTable};
 use crate::signals::{ObservedLoad, Overlap, SignalSnapshot, SignalSource};
-use crate::worker::WorkerRank;
+use crate::worker::{WorkerRank, WorkerTarget};
 
 /// A partition's policy and its random generator, used by one decision at a time.
 pub struct PartitionPolicy {
@@ -83,6 +83,9 @@ pub struct DecideInput<'a> {
     /// Where a decision's reply says to send the request when its worker's card is gone.
     pub names: &'a Names,
     pub router_id: &'a str,
+    /// A request classifier's soft preference: replaces the affinity target the policy sees
+    /// (a session's soft binding) unless the route is exact (a pin or a hard binding).
+    pub selection_target: Option<WorkerTarget>,
 }
 
 /// A new decision, charged to the load view; published once its binding (if any) is committed.
@@ -168,6 +171,12 @@ pub fn decide(
     if input.request.deadline_ms.is_some_and(|d| now_ms > d) {
         return Ok(Decided::Expired);
     }
+    let route = match (route, input.selection_target) {
+        (SessionRoute::Open { .. }, Some(target)) => SessionRoute::Open {
+            affinity: Some(target),
+        },
+        (route, _) => route,
+    };
     let reads_cache = policy.inputs.contains(WorkerInputs::CACHE);
     let prefixes = (reads_cache && view.predicted().is_enabled())
         .then(|| predicted::PromptPrefixes::of(&input.prompt.hashes));

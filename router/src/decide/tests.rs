@@ -88,6 +88,7 @@ impl Fixture {
             settings: &self.settings,
             names: &self.names,
             router_id: "r1",
+            selection_target: None,
         };
         let mut state = Owned {
             policy: &mut self.policy,
@@ -400,4 +401,75 @@ fn a_failed_commit_leaves_no_charge_and_no_decision() {
         .unwrap());
     assert_eq!(d.decision.binding, Some(BindingState::New));
     assert_eq!(f.view.predictions(), 1);
+}
+
+/// Picks the affinity target when it is a row, else the first row.
+struct TargetPicker;
+
+impl crate::pipeline::WorkerPicker for TargetPicker {
+    fn required_inputs(&self) -> WorkerInputs {
+        WorkerInputs::NONE
+    }
+
+    fn pick(
+        &mut self,
+        context: &crate::request::RequestContext,
+        rows: &[crate::pipeline::ScoredCandidate<'_>],
+        _rng: &mut dyn rand::RngCore,
+    ) -> Result<usize, crate::pipeline::ComponentError> {
+        Ok(context
+            .affinity_target()
+            .and_then(|t| rows.iter().position(|r| t.matches(r.worker())))
+            .unwrap_or(0))
+    }
+}
+
+#[test]
+fn a_selection_target_is_the_policys_affinity_target_but_never_beats_a_pin() {
+    let mut f = Fixture::new(4);
+    f.policy = PartitionPolicy::new(
+        WorkerSelectionPolicy::new(Vec::new(), Box::new(TargetPicker)),
+        StdRng::seed_from_u64(1),
+        &f.settings,
+    );
+    let prompt = Prompt {
+        hashes: (0..4).collect(),
+        tokens: 64,
+    };
+    let overlap = SignalSnapshot::new();
+    let mut decide =
+        |request: &SelectRequest, target: Option<WorkerTarget>, route: SessionRoute| {
+            let input = DecideInput {
+                request,
+                request_id: request.request_id.unwrap(),
+                decision_id: Uuid::from_u128(9),
+                prompt: &prompt,
+                partition: &f.partition,
+                overlap: &overlap,
+                settings: &f.settings,
+                names: &f.names,
+                router_id: "r1",
+                selection_target: target,
+            };
+            new(super::decide(&mut f.policy, &mut f.view, &input, route, 1_000).unwrap())
+                .decision
+                .worker_id
+        };
+    let open = SessionRoute::Open { affinity: None };
+    let target = |w| Some(WorkerTarget::exact(WorkerRank::new(w, 0)));
+    let first = decide(&request(1), None, open);
+    assert_eq!(decide(&request(2), target(3), open), 3);
+    // It replaces a soft session's hint...
+    let soft = SessionRoute::Open {
+        affinity: target(2),
+    };
+    assert_eq!(decide(&request(3), target(4), soft), 4);
+    // ...but an exact route (a pin or a hard binding) stays authoritative.
+    let exact = SessionRoute::Exact(WorkerTarget::exact(WorkerRank::new(2, 0)));
+    assert_eq!(decide(&request(4), target(4), exact), 2);
+    assert_eq!(
+        first,
+        cards(4)[0].worker_id,
+        "without a target: the first row"
+    );
 }

@@ -12,27 +12,30 @@ pub mod round_robin;
 use std::sync::Arc;
 
 pub use crate::registry::DEFAULT_TYPE;
-use crate::registry::{PolicyRegistry, RegistryError};
+use crate::registry::{RegistryError, RouterPluginRegistry};
 
-impl PolicyRegistry {
-    /// A registry holding the built-in types (`default`, `least-busy`, `round-robin`,
-    /// `random`, `power-of-two`, `device-aware-weighted`).
+impl RouterPluginRegistry {
+    /// A registry holding the built-in types: the worker-selection policies (`default`,
+    /// `least-busy`, `round-robin`, `random`, `power-of-two`, `device-aware-weighted`) and the
+    /// request classifiers (`pass-through`, `max-in-flight`, from `crate::classify`).
     pub fn with_builtins() -> Self {
         let mut registry = Self::new();
         register_builtins(&mut registry).expect("built-in policy type names are valid and unique");
+        crate::classify::register_builtins(&mut registry)
+            .expect("built-in classifier type names are valid and unique");
         registry
     }
 }
 
 /// Registers `default`, `least-busy`, `round-robin`, `random`, `power-of-two` and
 /// `device-aware-weighted`.
-pub fn register_builtins(registry: &mut PolicyRegistry) -> Result<(), RegistryError> {
-    registry.register(DEFAULT_TYPE, Arc::new(default::provider))?;
-    registry.register("least-busy", Arc::new(least_busy::provider))?;
-    registry.register("round-robin", Arc::new(round_robin::provider))?;
-    registry.register("random", Arc::new(random::provider))?;
-    registry.register("power-of-two", Arc::new(power_of_two::provider))?;
-    registry.register(device_aware::TYPE, Arc::new(device_aware::provider))?;
+pub fn register_builtins(registry: &mut RouterPluginRegistry) -> Result<(), RegistryError> {
+    registry.register_worker_selection(DEFAULT_TYPE, Arc::new(default::provider))?;
+    registry.register_worker_selection("least-busy", Arc::new(least_busy::provider))?;
+    registry.register_worker_selection("round-robin", Arc::new(round_robin::provider))?;
+    registry.register_worker_selection("random", Arc::new(random::provider))?;
+    registry.register_worker_selection("power-of-two", Arc::new(power_of_two::provider))?;
+    registry.register_worker_selection(device_aware::TYPE, Arc::new(device_aware::provider))?;
     Ok(())
 }
 

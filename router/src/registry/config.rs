@@ -1,4 +1,5 @@
-//! The worker-selection YAML: which configured instance serves each role, and the instances.
+//! The policy file (`--policy-config`): which configured instance serves each role, the
+//! instances, and the request classifier. Either section may be omitted, not both.
 //!
 //! ```yaml
 //! worker_selection:
@@ -8,6 +9,9 @@
 //!     - name: kv-tuned
 //!       type: default
 //!       parameters: { overlap_score_credit: 0.5 }
+//! request_classifier:           # absent: pass-through admission
+//!   type: max-in-flight
+//!   parameters: { per_worker: 8 }
 //! ```
 
 use kvroute_common::messages::WorkerRole;
@@ -16,11 +20,59 @@ use serde::Deserialize;
 use super::error::ConfigError;
 use super::parameters::PolicyParameters;
 
-/// The policy file; only `worker_selection` is understood, anything else is refused.
+/// The whole policy file; unknown keys are refused.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct PolicyFile {
-    worker_selection: WorkerSelectionConfig,
+pub struct RouterPluginsConfig {
+    /// Absent: every role uses the built-in policy (unless a flag selects one).
+    #[serde(default)]
+    pub worker_selection: WorkerSelectionConfig,
+    /// Absent: pass-through admission.
+    #[serde(default)]
+    pub request_classifier: Option<ClassifierConfig>,
+}
+
+/// `request_classifier:`, one classifier for every (decode or aggregated) partition.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassifierConfig {
+    /// A registered request classifier type.
+    #[serde(rename = "type")]
+    pub type_name: String,
+    #[serde(default)]
+    pub parameters: PolicyParameters,
+}
+
+impl RouterPluginsConfig {
+    /// Parses a policy file; an empty document is refused, not read as "no configuration".
+    pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        let file: Option<Self> = serde_norway::from_str(text).map_err(|e| ConfigError::Yaml {
+            message: e.to_string(),
+        })?;
+        file.ok_or_else(|| ConfigError::Yaml {
+            message: "the file is empty; expected a `worker_selection` mapping, a \
+                      `request_classifier` mapping or both"
+                .into(),
+        })
+    }
+
+    /// Reads and parses the policy file at `path`.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, PolicyFileError> {
+        let text = std::fs::read_to_string(path).map_err(PolicyFileError::Read)?;
+        Ok(Self::from_yaml(&text)?)
+    }
+
+    /// The worker selection alone, for a host that cannot run a classifier's lifecycle (the
+    /// offline tools, `host` in the message): a configured `request_classifier` is refused
+    /// rather than ignored.
+    pub fn without_classifier(self, host: &str) -> Result<WorkerSelectionConfig, ConfigError> {
+        match self.request_classifier {
+            Some(_) => Err(ConfigError::ClassifierUnsupported {
+                host: host.to_owned(),
+            }),
+            None => Ok(self.worker_selection),
+        }
+    }
 }
 
 /// A policy file that cannot be used.
@@ -61,25 +113,10 @@ pub struct PolicyInstance {
 }
 
 impl WorkerSelectionConfig {
-    /// Parses a policy file (a document with a top-level `worker_selection:` key); an empty
-    /// document is refused, not read as "no configuration".
+    /// Parses a policy file for worker selection only: as [`RouterPluginsConfig::from_yaml`],
+    /// and a `request_classifier` is refused ([`ConfigError::ClassifierUnsupported`]).
     pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
-        let file: Option<PolicyFile> =
-            serde_norway::from_str(text).map_err(|e| ConfigError::Yaml {
-                message: e.to_string(),
-            })?;
-        match file {
-            Some(file) => Ok(file.worker_selection),
-            None => Err(ConfigError::Yaml {
-                message: "the file is empty; expected a `worker_selection` mapping".into(),
-            }),
-        }
-    }
-
-    /// Reads and parses the policy file at `path`.
-    pub fn from_file(path: &std::path::Path) -> Result<Self, PolicyFileError> {
-        let text = std::fs::read_to_string(path).map_err(PolicyFileError::Read)?;
-        Ok(Self::from_yaml(&text)?)
+        RouterPluginsConfig::from_yaml(text)?.without_classifier("worker selection alone")
     }
 
     /// The YAML selection for `role`, if any.
@@ -112,7 +149,7 @@ mod tests {
     #[test]
     fn an_empty_file_is_refused() {
         for empty in ["", "\n", "# only a comment\n", "~\n"] {
-            let err = WorkerSelectionConfig::from_yaml(empty)
+            let err = RouterPluginsConfig::from_yaml(empty)
                 .unwrap_err()
                 .to_string();
             assert!(
@@ -120,14 +157,65 @@ mod tests {
                 "{empty:?}: {err}"
             );
         }
-        let err = WorkerSelectionConfig::from_yaml("{}\n")
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("worker_selection"), "{err}");
         assert_eq!(
             WorkerSelectionConfig::from_yaml("worker_selection: {}\n").unwrap(),
             Default::default()
         );
+        assert_eq!(
+            RouterPluginsConfig::from_yaml("{}\n").unwrap(),
+            Default::default(),
+            "an explicit empty mapping selects the built-ins"
+        );
+    }
+
+    #[test]
+    fn a_file_may_hold_only_a_classifier() {
+        let config = RouterPluginsConfig::from_yaml(
+            "request_classifier:\n  type: max-in-flight\n  parameters: {per_worker: 4}\n",
+        )
+        .unwrap();
+        assert_eq!(config.worker_selection, WorkerSelectionConfig::default());
+        let classifier = config.request_classifier.clone().unwrap();
+        assert_eq!(classifier.type_name, "max-in-flight");
+        assert!(!classifier.parameters.is_empty());
+        let bare =
+            RouterPluginsConfig::from_yaml("request_classifier: {type: pass-through}\n").unwrap();
+        assert!(bare.request_classifier.unwrap().parameters.is_empty());
+        // Hosts that select workers only refuse it instead of ignoring it.
+        let err = config.without_classifier("kvroute-sim").unwrap_err();
+        assert_eq!(
+            err,
+            ConfigError::ClassifierUnsupported {
+                host: "kvroute-sim".into()
+            }
+        );
+        assert!(
+            err.to_string()
+                .starts_with("request_classifier is configured, but kvroute-sim cannot run"),
+            "{err}"
+        );
+        let err = WorkerSelectionConfig::from_yaml(
+            "worker_selection: {}\nrequest_classifier: {type: pass-through}\n",
+        )
+        .unwrap_err();
+        assert!(matches!(err, ConfigError::ClassifierUnsupported { .. }));
+    }
+
+    #[test]
+    fn a_classifier_without_type_or_with_unknown_keys_is_refused_naming_them() {
+        let err = RouterPluginsConfig::from_yaml("request_classifier: {}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("request_classifier") && err.contains("type"),
+            "{err}"
+        );
+        let err = RouterPluginsConfig::from_yaml(
+            "request_classifier:\n  type: pass-through\n  params: {}\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("params"), "{err}");
     }
 
     #[test]
@@ -136,9 +224,9 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("agregated"), "{err}");
-        let err = WorkerSelectionConfig::from_yaml("request_classifier: {}\n")
+        let err = RouterPluginsConfig::from_yaml("request_clasifier: {type: pass-through}\n")
             .unwrap_err()
             .to_string();
-        assert!(err.contains("request_classifier"), "{err}");
+        assert!(err.contains("request_clasifier"), "{err}");
     }
 }

@@ -1,24 +1,60 @@
-//! Startup errors of the policy registry and configuration; each names what is wrong.
+//! Startup errors of the plugin registry and configuration; each names what is wrong.
+
+use std::fmt;
 
 use kvroute_common::messages::WorkerRole;
 
 use super::parameters::ProviderError;
 use super::resolve::SelectionSource;
 
+/// Which kind of plugin a type name belongs to (each kind is its own name space).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PluginKind {
+    WorkerSelection,
+    RequestClassifier,
+}
+
+impl fmt::Display for PluginKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::WorkerSelection => "worker-selection policy",
+            Self::RequestClassifier => "request classifier",
+        })
+    }
+}
+
 /// A registration the registry refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RegistryError {
-    #[error("worker-selection policy type {type_name:?} is already registered")]
-    Duplicate { type_name: String },
-    #[error("invalid worker-selection policy type name {type_name:?}: use [a-z0-9_-], not empty")]
-    InvalidTypeName { type_name: String },
+    #[error("{kind} type {type_name:?} is already registered")]
+    Duplicate { kind: PluginKind, type_name: String },
+    #[error("invalid {kind} type name {type_name:?}: use [a-z0-9_-], not empty")]
+    InvalidTypeName { kind: PluginKind, type_name: String },
 }
 
-/// A worker-selection configuration that cannot start.
+/// A plugin configuration that cannot start.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
-    #[error("invalid worker-selection YAML: {message}")]
+    #[error("invalid policy YAML: {message}")]
     Yaml { message: String },
+    #[error(
+        "request_classifier.type {type_name:?} is not a registered request classifier type (registered: {})",
+        known.join(", ")
+    )]
+    UnknownClassifierType {
+        type_name: String,
+        known: Vec<String>,
+    },
+    #[error("request_classifier.parameters of type {type_name:?} are invalid: {source}")]
+    InvalidClassifierParameters {
+        type_name: String,
+        source: ProviderError,
+    },
+    /// The file configures a classifier, and the host runs worker selection only.
+    #[error(
+        "request_classifier is configured, but {host} cannot run a request classifier (admission, deferral and lifecycle events belong to the router service); remove `request_classifier` from the file for {host}"
+    )]
+    ClassifierUnsupported { host: String },
     #[error("policy instance {instance:?} has unknown type {type_name:?} (registered: {})", known.join(", "))]
     UnknownType {
         instance: String,

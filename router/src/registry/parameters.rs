@@ -40,8 +40,11 @@ impl PolicyParameters {
     /// on it so misspelled fields stop startup instead of being ignored. Errors speak of
     /// parameters ("parameter `limit` is required"), not of serde's fields.
     pub fn deserialize<T: DeserializeOwned>(&self) -> Result<T, ProviderError> {
-        serde_norway::from_value(self.0.clone())
-            .map_err(|e| ProviderError::new(in_words(&e.to_string())))
+        // Through text, not `from_value`: only the text deserializer says which field a bad
+        // value belongs to ("per_model: invalid value ..."). Runs once per instance, at startup.
+        let text =
+            serde_norway::to_string(&self.0).map_err(|e| ProviderError::new(e.to_string()))?;
+        serde_norway::from_str(&text).map_err(|e| ProviderError::new(in_words(&e.to_string())))
     }
 
     /// Whether the mapping is empty (the instance was configured without parameters).
@@ -50,8 +53,21 @@ impl PolicyParameters {
     }
 }
 
-/// serde's "missing field `x`" / "unknown field `x`" as parameters.
+/// serde's "missing field `x`" / "unknown field `x`" / "x: invalid value" as parameters,
+/// without the position in the re-serialized text (it is not the user's file).
 fn in_words(message: &str) -> String {
+    let message = match message.rfind(" at line ") {
+        Some(at) if message[at..].contains(" column ") => &message[..at],
+        _ => message,
+    };
+    if let Some((path, rest)) = message.split_once(": ")
+        && !path.is_empty()
+        && path
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b'[' | b']'))
+    {
+        return format!("parameter `{path}`: {}", in_words(rest));
+    }
     if let Some(rest) = message.strip_prefix("missing field ") {
         let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
         let tail = if tail.is_empty() {
@@ -109,6 +125,12 @@ mod tests {
             .deserialize::<Params>()
             .unwrap_err();
         assert_eq!(err.message, "parameter `limit` is required");
+        let wrong = PolicyParameters::from_yaml("limit: -1").unwrap();
+        let err = wrong.deserialize::<Params>().unwrap_err();
+        assert_eq!(
+            err.message,
+            "parameter `limit`: invalid type: integer `-1`, expected u32"
+        );
         assert!(PolicyParameters::from_yaml("[1, 2]").is_err());
         assert!(PolicyParameters::from_yaml("~").unwrap().is_empty());
     }

@@ -11,7 +11,7 @@ use super::DEFAULT_TYPE;
 use super::config::WorkerSelectionConfig;
 use super::error::ConfigError;
 use super::parameters::{PolicyParameters, ProviderError};
-use super::{PolicyBuildContext, PolicyFactory, PolicyRegistry};
+use super::{PolicyBuildContext, PolicyFactory, RouterPluginRegistry};
 use crate::pipeline::WorkerSelectionPolicy;
 
 /// One selection given outside the YAML: the name, and where it came from, as errors name it
@@ -166,7 +166,7 @@ impl ResolvedPolicies {
     }
 }
 
-impl PolicyRegistry {
+impl RouterPluginRegistry {
     /// Validates `config` (every instance, used or not) and resolves each role's selection.
     pub fn resolve(
         &self,

@@ -13,7 +13,7 @@ fn resolve(yaml: &str, overrides: &PolicyOverrides) -> Result<ResolvedPolicies, 
         "" => WorkerSelectionConfig::default(),
         yaml => WorkerSelectionConfig::from_yaml(yaml)?,
     };
-    PolicyRegistry::with_builtins().resolve(&config, overrides)
+    RouterPluginRegistry::with_builtins().resolve(&config, overrides)
 }
 
 fn flag(name: &str, origin: &str) -> Option<Override> {
@@ -228,16 +228,16 @@ fn a_selection_naming_nothing_stops_startup_naming_where_it_came_from() {
 }
 
 /// A type whose `limit` parameter is required.
-fn registry_with_a_type_needing_parameters() -> PolicyRegistry {
+fn registry_with_a_type_needing_parameters() -> RouterPluginRegistry {
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Params {
         #[allow(dead_code)]
         limit: u32,
     }
-    let mut registry = PolicyRegistry::with_builtins();
+    let mut registry = RouterPluginRegistry::with_builtins();
     registry
-        .register(
+        .register_worker_selection(
             "needs-limit",
             Arc::new(|params: &PolicyParameters| {
                 params.deserialize::<Params>()?;
@@ -301,19 +301,24 @@ fn a_request_naming_a_type_that_needs_parameters_is_told_which() {
 
 #[test]
 fn duplicate_and_malformed_registrations_are_refused() {
-    let mut registry = PolicyRegistry::with_builtins();
+    let mut registry = RouterPluginRegistry::with_builtins();
     let provider: PolicyProvider = Arc::new(crate::policies::random::provider);
     assert_eq!(
-        registry.register("random", provider.clone()),
+        registry.register_worker_selection("random", provider.clone()),
         Err(RegistryError::Duplicate {
+            kind: PluginKind::WorkerSelection,
             type_name: "random".into()
         })
     );
     assert!(matches!(
-        registry.register("Bad Name", provider.clone()),
+        registry.register_worker_selection("Bad Name", provider.clone()),
         Err(RegistryError::InvalidTypeName { .. })
     ));
-    assert!(registry.register("my-random", provider).is_ok());
+    assert!(
+        registry
+            .register_worker_selection("my-random", provider)
+            .is_ok()
+    );
     assert!(registry.types().any(|t| t == "my-random"));
 }
 
@@ -321,9 +326,9 @@ fn duplicate_and_malformed_registrations_are_refused() {
 fn the_factory_runs_once_per_build_with_its_partition() {
     let builds = Arc::new(AtomicUsize::new(0));
     let seen = builds.clone();
-    let mut registry = PolicyRegistry::with_builtins();
+    let mut registry = RouterPluginRegistry::with_builtins();
     registry
-        .register(
+        .register_worker_selection(
             "counting",
             Arc::new(move |_params: &PolicyParameters| {
                 let seen = seen.clone();
@@ -356,4 +361,182 @@ fn the_factory_runs_once_per_build_with_its_partition() {
     assert_eq!(a.name(), "c");
     let err = resolved.build(WorkerRole::Encode, "model-a").unwrap_err();
     assert!(err.to_string().contains("encode is not supported"), "{err}");
+}
+
+fn plugins(yaml: &str) -> Result<RouterPlugins, ConfigError> {
+    RouterPluginRegistry::with_builtins().resolve_plugins(
+        &RouterPluginsConfig::from_yaml(yaml)?,
+        &PolicyOverrides::default(),
+    )
+}
+
+#[test]
+fn the_built_in_classifiers_are_registered_and_none_is_pass_through() {
+    let registry = RouterPluginRegistry::with_builtins();
+    assert_eq!(
+        registry.request_classifier_types().collect::<Vec<_>>(),
+        ["max-in-flight", "pass-through"]
+    );
+    let none = registry
+        .resolve_plugins(&RouterPluginsConfig::default(), &PolicyOverrides::default())
+        .unwrap();
+    assert!(none.classifier.is_none());
+    assert_eq!(
+        none.policies.selection(WorkerRole::Decode).instance,
+        "default"
+    );
+    let only_classifier =
+        plugins("request_classifier:\n  type: max-in-flight\n  parameters: {per_model: 4}\n")
+            .unwrap();
+    let classifier = only_classifier.classifier.unwrap();
+    assert_eq!(classifier.type_name(), "max-in-flight");
+    assert_eq!(
+        classifier
+            .build(&crate::classify::RequestClassifierContext::default())
+            .name(),
+        "max-in-flight"
+    );
+}
+
+#[test]
+fn classifier_and_policy_names_are_separate_and_registered_once() {
+    let mut registry = RouterPluginRegistry::with_builtins();
+    let provider: crate::classify::RequestClassifierProvider =
+        Arc::new(crate::classify::pass_through::provider);
+    let err = registry
+        .register_request_classifier("pass-through", provider.clone())
+        .unwrap_err();
+    assert_eq!(
+        err,
+        RegistryError::Duplicate {
+            kind: PluginKind::RequestClassifier,
+            type_name: "pass-through".into()
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "request classifier type \"pass-through\" is already registered"
+    );
+    assert!(matches!(
+        registry.register_request_classifier("", provider.clone()),
+        Err(RegistryError::InvalidTypeName {
+            kind: PluginKind::RequestClassifier,
+            ..
+        })
+    ));
+    // A classifier may share a name with a policy type: each kind is its own name space.
+    registry
+        .register_request_classifier("random", provider)
+        .unwrap();
+    assert!(registry.types().any(|t| t == "random"));
+    assert!(registry.request_classifier_types().any(|t| t == "random"));
+}
+
+#[test]
+fn classifier_errors_stop_startup_naming_the_field_or_parameter() {
+    let unknown = plugins("request_classifier:\n  type: max-in-flite\n").unwrap_err();
+    assert!(matches!(unknown, ConfigError::UnknownClassifierType { .. }));
+    assert!(unknown.in_file());
+    let text = unknown.to_string();
+    assert!(
+        text.starts_with("request_classifier.type \"max-in-flite\""),
+        "{text}"
+    );
+    assert!(
+        text.contains("registered: max-in-flight, pass-through"),
+        "{text}"
+    );
+    // A policy type name is not a classifier type.
+    assert!(matches!(
+        plugins("request_classifier: {type: round-robin}\n").unwrap_err(),
+        ConfigError::UnknownClassifierType { .. }
+    ));
+
+    let bad =
+        plugins("request_classifier:\n  type: max-in-flight\n  parameters: {per_worker: 0}\n")
+            .unwrap_err();
+    assert!(bad.in_file());
+    let text = bad.to_string();
+    assert!(
+        text.contains("request_classifier.parameters")
+            && text.contains("parameter `per_worker` must be at least 1"),
+        "{text}"
+    );
+    let typo =
+        plugins("request_classifier:\n  type: max-in-flight\n  parameters: {per_workers: 2}\n")
+            .unwrap_err();
+    assert!(
+        typo.to_string().contains("unknown parameter `per_workers`"),
+        "{typo}"
+    );
+    let missing = plugins("request_classifier: {type: max-in-flight}\n").unwrap_err();
+    assert!(
+        missing.to_string().contains("`per_worker`, `per_model`"),
+        "{missing}"
+    );
+    // Worker selection is still validated next to a classifier.
+    let both = plugins(
+        "worker_selection:\n  instances: [{name: x, type: nope}]\nrequest_classifier: {type: pass-through}\n",
+    )
+    .unwrap_err();
+    assert!(matches!(both, ConfigError::UnknownType { .. }), "{both:?}");
+}
+
+#[test]
+fn a_classifier_factory_runs_once_per_partition_never_per_request() {
+    use crate::classify::{
+        ClassifyRequest, PASS_THROUGH_TYPE, RequestClassifier, RequestClassifierContext,
+        RequestClassifierFactory, Verdict,
+    };
+    let providers = Arc::new(AtomicUsize::new(0));
+    let builds = Arc::new(AtomicUsize::new(0));
+    let (p, b) = (providers.clone(), builds.clone());
+    let mut registry = RouterPluginRegistry::with_builtins();
+    registry
+        .register_request_classifier(
+            "counting",
+            Arc::new(move |params: &crate::classify::ClassifierParameters| {
+                p.fetch_add(1, Ordering::SeqCst);
+                let _: std::collections::BTreeMap<String, u32> = params.deserialize()?;
+                let b = b.clone();
+                let factory: RequestClassifierFactory = Arc::new(move |_context| {
+                    b.fetch_add(1, Ordering::SeqCst);
+                    Box::new(crate::classify::pass_through::PassThrough)
+                        as Box<dyn RequestClassifier>
+                });
+                Ok(factory)
+            }),
+        )
+        .unwrap();
+    let resolved = registry
+        .resolve_plugins(
+            &RouterPluginsConfig::from_yaml("request_classifier: {type: counting}\n").unwrap(),
+            &PolicyOverrides::default(),
+        )
+        .unwrap();
+    assert_eq!(providers.load(Ordering::SeqCst), 1, "validated at startup");
+    assert_eq!(builds.load(Ordering::SeqCst), 0, "nothing built yet");
+    let classifier = resolved.classifier.expect("configured");
+    let mut partitions: Vec<Box<dyn RequestClassifier>> = ["model-a", "model-b"]
+        .iter()
+        .map(|_| classifier.build(&RequestClassifierContext::default()))
+        .collect();
+    for (n, partition) in partitions.iter_mut().enumerate() {
+        for i in 0..10u128 {
+            let mut request = ClassifyRequest::new(
+                uuid::Uuid::from_u128(i),
+                "m",
+                WorkerRole::Aggregated,
+                1,
+                n as u64,
+            );
+            assert!(matches!(
+                partition.classify(&mut request, 0),
+                Verdict::Admit(_)
+            ));
+        }
+        assert_eq!(partition.name(), PASS_THROUGH_TYPE);
+    }
+    assert_eq!(builds.load(Ordering::SeqCst), 2, "one per partition");
+    assert_eq!(providers.load(Ordering::SeqCst), 1);
 }

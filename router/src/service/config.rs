@@ -10,6 +10,7 @@ use kvroute_common::config::{ConfigError, EtcdArgs, NamespaceArgs, NatsArgs};
 use kvroute_common::telemetry::TelemetryArgs;
 
 use crate::eligibility::{BusyThresholds, PrefillLimit};
+use crate::queue::QueueConfig;
 use crate::registry::{Override, PolicyOverrides};
 use crate::select::SelectionSettings;
 use crate::session::{AffinityMode, SessionConfig};
@@ -214,6 +215,46 @@ pub struct RouterConfig {
         default_value_t = 0.8
     )]
     pub preferred_taint_multiplier: f64,
+    /// Admission queue: cost units (requests, unless a classifier says otherwise) that may
+    /// wait per (model, role) partition when every eligible worker is busy; a request that
+    /// does not fit is answered `queue_full`. 0: no queue (`all_overloaded` at once).
+    #[arg(
+        long = "queue-max-len",
+        env = "KVROUTE_QUEUE_MAX_LEN",
+        default_value_t = QueueConfig::default().max_len
+    )]
+    pub queue_max_len: u32,
+    /// How long a queued request without its own `queue_timeout_ms` waits before it is
+    /// answered `queue_timeout`, in milliseconds (never past its attempt's deadline).
+    #[arg(
+        long = "queue-timeout-ms",
+        env = "KVROUTE_QUEUE_TIMEOUT_MS",
+        default_value_t = QueueConfig::default().default_timeout_ms
+    )]
+    pub queue_timeout_ms: u64,
+    /// The longest `queue_timeout_ms` a request may ask for, in milliseconds.
+    #[arg(
+        long = "queue-max-timeout-ms",
+        env = "KVROUTE_QUEUE_MAX_TIMEOUT_MS",
+        default_value_t = QueueConfig::default().max_timeout_ms
+    )]
+    pub queue_max_timeout_ms: u64,
+    /// The largest `priority_jump_ms` honoured, in milliseconds: a request is overtaken within
+    /// its class and priority only by requests that arrived at most this much after it.
+    #[arg(
+        long = "queue-max-priority-jump-ms",
+        env = "KVROUTE_QUEUE_MAX_PRIORITY_JUMP_MS",
+        default_value_t = QueueConfig::default().max_priority_jump_ms
+    )]
+    pub queue_max_priority_jump_ms: u64,
+    /// The starvation bound, in milliseconds: a request queued this long goes ahead of every
+    /// class and priority (oldest first).
+    #[arg(
+        long = "queue-age-limit-ms",
+        env = "KVROUTE_QUEUE_AGE_LIMIT_MS",
+        default_value_t = QueueConfig::default().age_limit_ms
+    )]
+    pub queue_age_limit_ms: u64,
     /// Selections handled concurrently; more wait for a slot.
     #[arg(
         long = "max-in-flight",
@@ -267,6 +308,9 @@ impl RouterConfig {
             ("prediction-max-age-secs", self.prediction_max_age_secs),
             ("max-in-flight", self.max_in_flight as u64),
             ("forward-timeout-ms", self.forward_timeout_ms),
+            ("queue-timeout-ms", self.queue_timeout_ms),
+            ("queue-max-timeout-ms", self.queue_max_timeout_ms),
+            ("queue-age-limit-ms", self.queue_age_limit_ms),
         ];
         for (field, value) in positive {
             if value == 0 {
@@ -283,6 +327,15 @@ impl RouterConfig {
             return Err(ConfigError::new(
                 "router-lease-ttl-secs",
                 "must be at least 2 (etcd's shortest lease)",
+            ));
+        }
+        if self.queue_timeout_ms > self.queue_max_timeout_ms {
+            return Err(ConfigError::new(
+                "queue-timeout-ms",
+                format!(
+                    "must be at most --queue-max-timeout-ms ({})",
+                    self.queue_max_timeout_ms
+                ),
             ));
         }
         if self.busy_prefill_tokens == Some(0) {
@@ -319,6 +372,17 @@ impl RouterConfig {
     /// When this replica counts as falling behind (and leaves the select queue group).
     pub fn watchdog(&self) -> kvroute_common::ops::WatchdogConfig {
         kvroute_common::ops::WatchdogConfig::new(std::time::Duration::from_millis(self.max_lag_ms))
+    }
+
+    /// The admission queue's limits.
+    pub fn queue(&self) -> QueueConfig {
+        QueueConfig {
+            max_len: self.queue_max_len,
+            default_timeout_ms: self.queue_timeout_ms,
+            max_timeout_ms: self.queue_max_timeout_ms,
+            max_priority_jump_ms: self.queue_max_priority_jump_ms,
+            age_limit_ms: self.queue_age_limit_ms,
+        }
     }
 
     /// Eligibility thresholds and the preferred-taint multiplier.

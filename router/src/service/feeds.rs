@@ -51,7 +51,20 @@ pub async fn watch_workers(router: Arc<Router>, mut events: mpsc::Receiver<Worke
                 );
                 view.remove_worker(*worker_id);
             }
+            drop(view);
+            for worker_id in &change.departed {
+                router.classifiers.worker_departed(*worker_id, now_ms());
+            }
         }
+        if router.classifiers.enabled() {
+            let candidates = router.candidates.read().unwrap_or_else(|p| p.into_inner());
+            router.classifiers.workers_changed(|(model, role)| {
+                candidates.partition(model, *role).map(|p| (*p).clone())
+            });
+        }
+        // A worker that joined (or left, failing requests pinned to it) changes what queued
+        // requests can get.
+        router.admission.poke();
     }
 }
 
@@ -94,6 +107,12 @@ impl Router {
 
     /// `disconnected_at`: when the NATS connection was last lost (until it is back).
     fn on_feed(&self, feed: Feed, disconnected_at: &mut Option<u64>) {
+        self.apply_feed(feed, disconnected_at);
+        // Whatever changed the load view may have freed capacity for queued requests.
+        self.admission.poke();
+    }
+
+    fn apply_feed(&self, feed: Feed, disconnected_at: &mut Option<u64>) {
         let m = &self.metrics;
         match feed {
             Feed::Decision(msg) => match decode::<Decision>(&msg.payload) {
@@ -138,14 +157,19 @@ impl Router {
             },
             Feed::Lifecycle(msg) => match decode::<RequestLifecycle>(&msg.payload) {
                 Ok(event) => {
-                    self.lock_load().apply_lifecycle(&event, now_ms());
+                    let now = now_ms();
+                    self.lock_load().apply_lifecycle(&event, now);
+                    self.classifiers.lifecycle(&event, now);
                     m.lifecycle_events.inc();
                 }
                 Err(e) => self.bad("lifecycle", &e),
             },
             Feed::Tick => {
+                let now = now_ms();
+                self.classifiers.expire(now, self.prediction_max_age_ms);
+                m.classifier_tracked.set(self.classifiers.tracked() as i64);
                 let mut view = self.lock_load();
-                view.expire(now_ms());
+                view.expire(now);
                 m.predicted_requests.set(view.predictions() as i64);
                 drop(view);
                 if let super::overlap::OverlapSource::Local(replica) = &self.overlap {

@@ -2,7 +2,9 @@
 
 use std::sync::Arc;
 
-use kvroute_common::ops::{Counter, CounterVec, Gauge, Histogram, Registry, WatchdogMetrics};
+use kvroute_common::ops::{
+    Counter, CounterVec, Family, Gauge, Histogram, Registry, WatchdogMetrics,
+};
 
 /// Every series the router exports.
 #[derive(Debug)]
@@ -60,6 +62,22 @@ pub struct RouterMetrics {
     pub ready: Arc<Gauge>,
     /// Local mode: the embedded replica's applied log sequence.
     pub local_applied_seq: Arc<Gauge>,
+    /// Admission queue, by `model`, `role` (and `class`): requests waiting now, requests that
+    /// joined, refused because the queue was full, served from it, refused from it (another
+    /// error than busy workers, e.g. the pinned worker left), timed out in it, their wait
+    /// when served, and requests handed to a partition's new owner.
+    pub queue_depth: Arc<Family<Gauge>>,
+    /// Requests their classifier holds back, by `model`, `role`.
+    pub queue_deferred: Arc<Family<Gauge>>,
+    /// Requests the request classifier follows (admitted, not completed).
+    pub classifier_tracked: Arc<Gauge>,
+    pub queue_joined: Arc<Family<Counter>>,
+    pub queue_full: Arc<Family<Counter>>,
+    pub queue_dispatched: Arc<Family<Counter>>,
+    pub queue_refused: Arc<Family<Counter>>,
+    pub queue_timeouts: Arc<Family<Counter>>,
+    pub queue_wait: Arc<Family<Histogram>>,
+    pub queue_handed_over: Arc<Counter>,
 }
 
 impl RouterMetrics {
@@ -183,6 +201,54 @@ impl RouterMetrics {
             local_applied_seq: r.gauge(
                 "kvroute_router_local_applied_seq",
                 "Local overlap mode: the embedded replica's applied log sequence.",
+            ),
+            queue_depth: r.gauge_family(
+                "kvroute_router_queue_depth",
+                "Admitted requests waiting in the admission queue, per partition and class.",
+                &["model", "role", "class"],
+            ),
+            queue_deferred: r.gauge_family(
+                "kvroute_router_queue_deferred",
+                "Requests in the admission queue that their classifier holds back, per partition.",
+                &["model", "role"],
+            ),
+            classifier_tracked: r.gauge(
+                "kvroute_router_classifier_tracked_requests",
+                "Requests the request classifier follows (classified, not yet completed).",
+            ),
+            queue_joined: r.counter_family(
+                "kvroute_router_queue_joined_total",
+                "Requests that joined the admission queue (a retry of a queued request counts again).",
+                &["model", "role"],
+            ),
+            queue_full: r.counter_family(
+                "kvroute_router_queue_full_total",
+                "Requests refused with queue_full.",
+                &["model", "role"],
+            ),
+            queue_dispatched: r.counter_family(
+                "kvroute_router_queue_dispatched_total",
+                "Queued requests served (a worker chosen).",
+                &["model", "role", "class"],
+            ),
+            queue_refused: r.counter_family(
+                "kvroute_router_queue_refused_total",
+                "Queued requests answered with an error other than queue_timeout when their turn came.",
+                &["model", "role", "class"],
+            ),
+            queue_timeouts: r.counter_family(
+                "kvroute_router_queue_timeouts_total",
+                "Queued requests answered queue_timeout.",
+                &["model", "role", "class"],
+            ),
+            queue_wait: r.wait_histogram_family(
+                "kvroute_router_queue_wait_seconds",
+                "Time from a served request's first arrival to its dispatch from the admission queue.",
+                &["model", "role", "class"],
+            ),
+            queue_handed_over: r.counter(
+                "kvroute_router_queue_handed_over_total",
+                "Queued requests handed to their partition's new owner replica.",
             ),
             registry: r,
         }

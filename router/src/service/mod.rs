@@ -5,6 +5,8 @@
 //! [`sessions_kv`] → [`reply`] (answer, then the published decision). This module holds only
 //! I/O: intake, reply, overlap, sessions_kv and feeds touch the network.
 
+mod admission;
+mod classifying;
 pub mod config;
 mod feeds;
 mod http;
@@ -35,7 +37,8 @@ use self::sessions_kv::{BucketConfig, KvSessionStore};
 use crate::decide::candidates::Candidates;
 use crate::decide::load_view::{LoadView, LoadViewConfig};
 use crate::registry::{
-    ConfigError as PolicyConfigError, PolicyFileError, PolicyRegistry, WorkerSelectionConfig,
+    ConfigError as PolicyConfigError, PolicyFileError, RouterPluginRegistry, RouterPlugins,
+    RouterPluginsConfig,
 };
 use crate::select::SelectionSettings;
 use crate::session::SessionTable;
@@ -57,18 +60,21 @@ pub enum StartupError {
     Policy(Box<PolicyConfigError>),
 }
 
-/// The checked configuration with the policies resolved: everything that can fail before
+/// The checked configuration with the plugins resolved: everything that can fail before
 /// connecting to anything.
 #[derive(Debug)]
 pub struct Prepared {
     config: RouterConfig,
-    policies: crate::registry::ResolvedPolicies,
+    plugins: RouterPlugins,
 }
 
 impl Prepared {
-    /// Validates `config` and resolves every role's policy against `registry` (unknown
-    /// types, duplicate instances and bad parameters stop here).
-    pub fn new(config: RouterConfig, registry: &PolicyRegistry) -> Result<Self, StartupError> {
+    /// Validates `config` and resolves every role's policy and the request classifier against
+    /// `registry` (unknown types, duplicate instances and bad parameters stop here).
+    pub fn new(
+        config: RouterConfig,
+        registry: &RouterPluginRegistry,
+    ) -> Result<Self, StartupError> {
         config.validate().map_err(|e| config.origins.attribute(e))?;
         let file_error = |source: PolicyFileError| StartupError::PolicyFile {
             flag: config.origins.label("policy-config"),
@@ -80,11 +86,11 @@ impl Prepared {
             source: Box::new(source),
         };
         let yaml = match &config.policy_config {
-            Some(path) => WorkerSelectionConfig::from_file(path).map_err(file_error)?,
-            None => WorkerSelectionConfig::default(),
+            Some(path) => RouterPluginsConfig::from_file(path).map_err(file_error)?,
+            None => RouterPluginsConfig::default(),
         };
-        let policies = registry
-            .resolve(&yaml, &config.policy_overrides())
+        let plugins = registry
+            .resolve_plugins(&yaml, &config.policy_overrides())
             .map_err(|e| {
                 if e.in_file() && config.policy_config.is_some() {
                     file_error(PolicyFileError::Content(e))
@@ -92,7 +98,12 @@ impl Prepared {
                     StartupError::Policy(Box::new(e))
                 }
             })?;
-        Ok(Self { config, policies })
+        Ok(Self { config, plugins })
+    }
+
+    /// The resolved worker-selection policies and request classifier.
+    pub fn plugins(&self) -> &RouterPlugins {
+        &self.plugins
     }
 }
 
@@ -118,6 +129,9 @@ pub struct Router {
     /// itself (`--no-partition-owner`).
     peers: Option<tokio::sync::watch::Receiver<peers::PeerSet>>,
     forward_timeout: Duration,
+    admission: admission::Admission,
+    classifiers: classifying::Classifiers,
+    prediction_max_age_ms: u64,
 }
 
 impl std::fmt::Debug for Router {
@@ -150,7 +164,8 @@ pub async fn run(
     prepared: Prepared,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let Prepared { config, policies } = prepared;
+    let Prepared { config, plugins } = prepared;
+    let policies = plugins.policies.clone();
     let router_id = config.router_id();
     let names = Names::new(&config.namespace.namespace);
     let (nats, connection_events) = config.nats.connect_observed(&router_id).await?;
@@ -211,6 +226,9 @@ pub async fn run(
         max_in_flight: config.max_in_flight,
         peers: (!config.no_partition_owner).then_some(peers_rx),
         forward_timeout: Duration::from_millis(config.forward_timeout_ms),
+        admission: admission::Admission::new(config.queue()),
+        classifiers: classifying::Classifiers::new(plugins.classifier.clone()),
+        prediction_max_age_ms: config.prediction_max_age_secs.saturating_mul(1000),
     });
     let registration = Arc::new(peers::Registration::default());
     let mut etcd_for_shutdown = etcd.clone();
@@ -252,6 +270,7 @@ pub async fn run(
         watchdog_observer("select", router.metrics.watchdog()),
     );
     let intake_task = tokio::spawn(intake::serve(router.clone(), serve, in_flight));
+    let dispatch_task = tokio::spawn(admission::dispatch_loop(router.clone()));
     tracing::info!(router_id, subject = names.select(), overlap = ?config.overlap_mode, "router started; serving once ready");
 
     shutdown.await;
@@ -262,6 +281,9 @@ pub async fn run(
     }
     registration.revoke(&mut etcd_for_shutdown).await;
     intake_task.abort();
+    dispatch_task.abort();
+    // Queued requests get an answer they can retry elsewhere, not silence.
+    router.refuse_queued().await;
     watchdog_task.abort();
     watch_task.abort();
     feed_task.abort();
@@ -277,14 +299,19 @@ pub async fn run(
 /// `KVROUTE_*` env fallbacks), set up logging, prepare (a bad configuration exits with
 /// status 2 and one line naming it), run until SIGTERM or Ctrl-C; errors end it with one
 /// line and a status of kvroute's exit table (`kvroute_common::ops::exit`).
-pub fn main_with(registry: PolicyRegistry, name: &str) -> std::process::ExitCode {
+pub fn main_with(registry: RouterPluginRegistry, name: &str) -> std::process::ExitCode {
     use clap::CommandFactory as _;
     use kvroute_common::ops::exit;
     let types = registry.types().collect::<Vec<_>>().join(", ");
+    let classifiers = registry
+        .request_classifier_types()
+        .collect::<Vec<_>>()
+        .join(", ");
     let command = RouterConfig::command()
         .bin_name(name.to_owned())
         .after_help(format!(
-            "Policy types (for --policy-config, the selection flags and a request's `policy`): {types}"
+            "Policy types (for --policy-config, the selection flags and a request's `policy`): {types}\n\
+             Request classifier types (for request_classifier.type in --policy-config): {classifiers}"
         ));
     exit::run_command(name, command, |mut config: RouterConfig, origins| {
         config.origins = origins;

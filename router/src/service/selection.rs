@@ -9,15 +9,23 @@
 //!
 //! The wall clock is read once per request, at intake; later times (after waiting for the lock
 //! or for the session store) add the monotonic time elapsed since.
+//!
+//! When every eligible worker is busy, a request of a partition this replica queues waits in
+//! its admission queue ([`super::admission`]) instead of failing `all_overloaded`; so does a
+//! request whose partition already has requests waiting (they go first).
 
 use std::time::Instant;
 
 use kvroute_common::messages::{Decision, ErrorCode, SelectRequest, SelectResponse, now_ms};
 use uuid::Uuid;
 
+use super::admission::{self, Entry, Joined, Waiting};
+use super::classifying::Classifiers;
 use super::intake::{self, Rejected};
 use super::reply;
 use super::{PolicySlot, Router};
+use crate::classify::{ClassifyRequest, Completion, Verdict};
+use crate::decide::candidates::Partition;
 use crate::decide::load_view::LoadView;
 use crate::decide::prompt::{Prompt, prompt};
 use crate::decide::{DecideInput, Decided, DecisionState, PartitionPolicy, decide_request, wire};
@@ -26,10 +34,19 @@ use crate::pipeline::WorkerInputs;
 use crate::registry::ConfigError;
 use crate::select::SelectFailure;
 use crate::signals::SignalSnapshot;
+use crate::worker::{WorkerRank, WorkerTarget};
 
 /// The header of a request forwarded to its partition's owner: the forwarding replica's id.
 /// The owner decides such a request whatever it thinks of ownership (never a second hop).
 pub const FORWARDED_BY: &str = "Kvroute-Forwarded-By";
+
+/// The owner's answer to a forwarded request.
+enum Forwarded {
+    /// Its reply, to pass on to the client.
+    Answered(bytes::Bytes),
+    /// It queued the request and answers the client itself.
+    Queued,
+}
 
 /// What became of one request message (lives for one request: not worth a box).
 #[allow(clippy::large_enum_variant)]
@@ -41,17 +58,40 @@ enum Outcome {
     /// Past its deadline when picked up (`intake`), when its turn on the policy came
     /// (`queued`) or once its session binding was committed (`selected`): dropped unanswered.
     Expired(&'static str),
+    /// In this replica's admission queue: the answer goes to the client later (`forwarded`:
+    /// tell the forwarding replica so).
+    Queued { forwarded: bool },
+    /// The partition's owner queued it and answers the client itself.
+    QueuedByOwner,
+}
+
+/// What a queued request's turn came to.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Queued {
+    /// Every eligible worker is still busy: it keeps waiting.
+    Overloaded,
+    /// Served or refused: answer, and publish the decision if one was made.
+    Answer(SelectResponse, Option<Decision>),
+    /// Past its attempt's deadline.
+    Expired,
 }
 
 /// The request's clock: one wall-clock reading at intake, advanced by the monotonic clock.
 #[derive(Debug, Clone, Copy)]
-struct Clock {
-    wall_ms: u64,
+pub(super) struct Clock {
+    pub(super) wall_ms: u64,
     at: Instant,
 }
 
 impl Clock {
-    fn now_ms(&self) -> u64 {
+    pub(super) fn now() -> Self {
+        Self {
+            wall_ms: now_ms(),
+            at: Instant::now(),
+        }
+    }
+
+    pub(super) fn now_ms(&self) -> u64 {
         self.wall_ms + u64::try_from(self.at.elapsed().as_millis()).unwrap_or(u64::MAX / 2)
     }
 
@@ -80,10 +120,7 @@ impl Router {
     /// Answers one request message: every request gets a reply (ok or error with a code),
     /// except one past its deadline, which nobody waits for any more.
     pub(super) async fn handle(&self, msg: async_nats::Message) {
-        let clock = Clock {
-            wall_ms: now_ms(),
-            at: Instant::now(),
-        };
+        let clock = Clock::now();
         let Some(inbox) = msg.reply.clone() else {
             self.metrics.bad_messages.inc("select_no_reply_subject");
             return;
@@ -103,6 +140,21 @@ impl Router {
                 self.metrics.expired.inc(stage);
                 return;
             }
+            Outcome::Queued { forwarded } => {
+                if forwarded {
+                    let mut headers = async_nats::HeaderMap::new();
+                    headers.insert(admission::QUEUED, self.router_id.as_str());
+                    if let Err(e) = self
+                        .nats
+                        .publish_with_headers(inbox, headers, bytes::Bytes::new())
+                        .await
+                    {
+                        tracing::warn!(error = %e, "telling the forwarding replica a request is queued failed");
+                    }
+                }
+                return;
+            }
+            Outcome::QueuedByOwner => return,
         };
         if let SelectResponse::Error(e) = &response {
             self.metrics.errors.inc(e.code.as_str());
@@ -133,26 +185,54 @@ impl Router {
             tracing::debug!(request_id = ?request.request_id, attempt = request.attempt, "dropped a request past its deadline");
             return Outcome::Expired("intake");
         }
-        let forwarded = msg.headers.as_ref().and_then(|h| h.get(FORWARDED_BY));
-        if forwarded.is_none()
-            && let Some(owner) = self.owner_of(&request)
-            && let Some(reply) = self.forward(&owner, msg, &request, clock).await
-        {
-            return Outcome::Relayed(reply);
+        let headers = msg.headers.as_ref();
+        let forwarded = headers.and_then(|h| h.get(FORWARDED_BY)).is_some();
+        // A request whose owner did not answer is decided here, and may queue here.
+        let mut owner_failed = false;
+        if !forwarded && let Some(owner) = self.owner_of(&request) {
+            match self.forward(&owner, msg, &request, clock).await {
+                Some(Forwarded::Answered(reply)) => return Outcome::Relayed(reply),
+                Some(Forwarded::Queued) => return Outcome::QueuedByOwner,
+                None => owner_failed = true,
+            }
         }
+        // The client's inbox: a forwarded request names it (the owner may answer it later).
+        let client = headers
+            .and_then(|h| h.get(admission::REPLY_TO))
+            .map(|v| async_nats::Subject::from(v.as_str()))
+            .or_else(|| msg.reply.clone());
+        // A request handed over by a former owner keeps its first arrival.
+        let arrived_ms = headers
+            .and_then(|h| h.get(admission::ARRIVED_MS))
+            .and_then(|v| v.as_str().parse::<u64>().ok())
+            .unwrap_or(clock.wall_ms);
         let request_id = request.request_id.unwrap_or_else(Uuid::new_v4);
-        match self.choose(&request, request_id, clock).await {
+        let queue = self
+            .queues_here(&request, forwarded || owner_failed)
+            .then_some(client)
+            .flatten()
+            .map(|reply_to| (reply_to, arrived_ms, forwarded));
+        match self.choose(&request, request_id, clock, queue).await {
             Ok(outcome) => outcome,
             Err(response) => Outcome::Answer(response, None),
         }
     }
 
-    async fn choose(
+    /// The partition, prompt and policy slot of a request: what deciding it needs besides its
+    /// overlap. The error is the reply itself (sent once, on a cold path).
+    #[allow(clippy::result_large_err)]
+    fn prepare(
         &self,
         request: &SelectRequest,
         request_id: Uuid,
-        clock: Clock,
-    ) -> Result<Outcome, SelectResponse> {
+    ) -> Result<
+        (
+            std::sync::Arc<Partition>,
+            Prompt,
+            std::sync::Arc<PolicySlot>,
+        ),
+        SelectResponse,
+    > {
         let fail = |f: SelectFailure| SelectResponse::Error(f.to_select_error(Some(request_id)));
         if !self.is_ready() {
             return Err(wire::error(
@@ -201,42 +281,263 @@ impl Router {
                     Some(request_id),
                 )
             })?;
+        Ok((partition, prompt, slot))
+    }
+
+    /// Decides a request (see the module docs); `queue` — the client's inbox, the request's
+    /// first arrival and whether it was forwarded — when this replica may queue it.
+    async fn choose(
+        &self,
+        request: &SelectRequest,
+        request_id: Uuid,
+        clock: Clock,
+        queue: Option<(async_nats::Subject, u64, bool)>,
+    ) -> Result<Outcome, SelectResponse> {
+        let fail = |f: SelectFailure| SelectResponse::Error(f.to_select_error(Some(request_id)));
+        let (partition, prompt, slot) = self.prepare(request, request_id)?;
+        let key = (request.model.clone(), request.role);
+        let now = clock.now_ms();
+        // A retry of a queued request takes its place (classified once, when it came first).
+        if let Some((reply_to, arrived_ms, forwarded)) = &queue
+            && self.admission.is_queued(&key, &request_id)
+        {
+            let waiting = Waiting {
+                request: request.clone(),
+                reply_to: reply_to.clone(),
+                overlap: None,
+                classify: None,
+            };
+            return self
+                .join_queue(
+                    &key,
+                    request_id,
+                    waiting,
+                    Entry::Default,
+                    *arrived_ms,
+                    clock,
+                )
+                .map(|()| Outcome::Queued {
+                    forwarded: *forwarded,
+                })
+                .map_err(|full| *full);
+        }
+        // The classifier (when configured) admits, defers, or classifies for the queue.
+        let arrived_ms = queue.as_ref().map_or(clock.wall_ms, |q| q.1);
+        let mut classify = self
+            .classifiers
+            .enabled()
+            .then(|| Classifiers::request(request, request_id, prompt.tokens, arrived_ms));
+        let mut entry = Entry::Default;
+        if let Some(creq) = &mut classify {
+            match self.classifiers.classify(&key, &partition, creq, now) {
+                Some(Verdict::Admit(c)) => entry = Entry::Classified(c),
+                Some(Verdict::Defer) => entry = Entry::Deferred,
+                None => {}
+            }
+        }
+        let target = classify
+            .as_ref()
+            .and_then(ClassifyRequest::worker_selection_target);
+        let joins_now = matches!(entry, Entry::Deferred) || self.admission.others_wait(&key);
+        if joins_now {
+            let Some((reply_to, arrived_ms, forwarded)) = queue else {
+                // Deferred where nothing may queue (`--queue-max-len 0`).
+                self.classifiers
+                    .completed(request_id, Completion::Rejected, now);
+                return Err(wire::error(
+                    ErrorCode::QueueFull,
+                    format!(
+                        "the request classifier deferred the request and router {} has no admission queue (--queue-max-len 0)",
+                        self.router_id
+                    ),
+                    Some(request_id),
+                ));
+            };
+            let waiting = Waiting {
+                request: request.clone(),
+                reply_to,
+                overlap: None,
+                classify,
+            };
+            return self
+                .join_queue(&key, request_id, waiting, entry, arrived_ms, clock)
+                .map(|()| Outcome::Queued { forwarded })
+                .map_err(|full| *full);
+        }
         let overlap = self.overlap_signals(request, &prompt, &slot).await;
+        let decided = self
+            .decide_prepared(
+                request, request_id, &partition, &prompt, &slot, &overlap, target, clock,
+            )
+            .await;
+        let decided = match (decided, queue) {
+            (
+                Err(SelectFailure::Eligibility(EligibilityError::AllOverloaded { .. })),
+                Some((reply_to, arrived_ms, forwarded)),
+            ) => {
+                let waiting = Waiting {
+                    request: request.clone(),
+                    reply_to,
+                    overlap: Some((overlap, clock.now_ms())),
+                    classify,
+                };
+                return self
+                    .join_queue(&key, request_id, waiting, entry, arrived_ms, clock)
+                    .map(|()| Outcome::Queued { forwarded })
+                    .map_err(|full| *full);
+            }
+            (Err(f), _) => {
+                self.classifiers
+                    .completed(request_id, Completion::Rejected, now);
+                return Err(fail(f));
+            }
+            (Ok(decided), _) => decided,
+        };
+        let outcome = self.conclude(request, request_id, &prompt, decided, clock);
+        if let Outcome::Answer(SelectResponse::Ok(reply), Some(_)) = &outcome {
+            let rank = WorkerRank::new(reply.worker_id, reply.dp_rank);
+            self.classifiers.sent(request_id, rank, clock.now_ms());
+        }
+        Ok(outcome)
+    }
+
+    /// [`super::admission::Admission::join`] with the metrics; `Err` is the `queue_full`
+    /// answer.
+    fn join_queue(
+        &self,
+        key: &admission::PartitionKey,
+        request_id: Uuid,
+        waiting: Waiting,
+        entry: Entry,
+        arrived_ms: u64,
+        clock: Clock,
+    ) -> Result<(), Box<SelectResponse>> {
+        let labels = [key.0.as_str(), key.1.as_str()];
+        let joined =
+            self.admission
+                .join(key, request_id, waiting, entry, arrived_ms, clock.now_ms());
+        match joined {
+            Joined::Queued => {
+                self.metrics.queue_joined.with(&labels).inc();
+                Ok(())
+            }
+            Joined::Full(e) => {
+                self.metrics.queue_full.with(&labels).inc();
+                self.classifiers
+                    .completed(request_id, Completion::Rejected, clock.now_ms());
+                Err(Box::new(wire::error(
+                    ErrorCode::QueueFull,
+                    format!(
+                        "every eligible worker is busy and router {}'s queue for this model is full: {e}",
+                        self.router_id
+                    ),
+                    Some(request_id),
+                )))
+            }
+        }
+    }
+
+    /// A queued request's turn (the dispatcher's): decided with the overlap it had when not
+    /// too old (else fetched again, and handed to `fresh`).
+    pub(super) async fn decide_queued(
+        &self,
+        request: &SelectRequest,
+        request_id: Uuid,
+        overlap: Option<SignalSnapshot>,
+        target: Option<WorkerTarget>,
+        clock: Clock,
+        fresh: impl FnOnce(SignalSnapshot),
+    ) -> Queued {
+        let (partition, prompt, slot) = match self.prepare(request, request_id) {
+            Ok(p) => p,
+            Err(response) => return Queued::Answer(response, None),
+        };
+        let overlap = match overlap {
+            Some(o) => o,
+            None => {
+                let o = self.overlap_signals(request, &prompt, &slot).await;
+                fresh(o.clone());
+                o
+            }
+        };
+        let decided = self
+            .decide_prepared(
+                request, request_id, &partition, &prompt, &slot, &overlap, target, clock,
+            )
+            .await;
+        match decided {
+            Err(SelectFailure::Eligibility(EligibilityError::AllOverloaded { .. })) => {
+                Queued::Overloaded
+            }
+            Err(f) => Queued::Answer(
+                SelectResponse::Error(f.to_select_error(Some(request_id))),
+                None,
+            ),
+            Ok(decided) => match self.conclude(request, request_id, &prompt, decided, clock) {
+                Outcome::Answer(response, decision) => Queued::Answer(response, decision),
+                _ => Queued::Expired,
+            },
+        }
+    }
+
+    /// The core's decision for a prepared request.
+    #[allow(clippy::too_many_arguments)]
+    async fn decide_prepared(
+        &self,
+        request: &SelectRequest,
+        request_id: Uuid,
+        partition: &Partition,
+        prompt: &Prompt,
+        slot: &PolicySlot,
+        overlap: &SignalSnapshot,
+        selection_target: Option<WorkerTarget>,
+        clock: Clock,
+    ) -> Result<Decided, SelectFailure> {
         let input = DecideInput {
             request,
             request_id,
             decision_id: Uuid::new_v4(),
-            prompt: &prompt,
-            partition: &partition,
-            overlap: &overlap,
+            prompt,
+            partition,
+            overlap,
             settings: &self.settings,
             names: &self.names,
             router_id: &self.router_id,
+            selection_target,
         };
         let mut state = Locked {
-            slot: &slot,
+            slot,
             router: self,
             clock,
         };
         // Reading the load view, selecting and charging the decision to the view happen under
         // the partition's policy lock: concurrent selections (a burst of requests) each see
         // the ones before them, instead of all picking the same least-loaded worker.
-        let decided = decide_request(&mut state, &self.sessions, &input, clock.now_ms())
-            .await
-            .map_err(fail)?;
+        decide_request(&mut state, &self.sessions, &input, clock.now_ms()).await
+    }
+
+    /// What a decision comes to: the answer and the decision to publish, or nothing.
+    fn conclude(
+        &self,
+        request: &SelectRequest,
+        request_id: Uuid,
+        prompt: &Prompt,
+        decided: Decided,
+        clock: Clock,
+    ) -> Outcome {
         let new = match decided {
             Decided::Known(reply) => {
                 self.metrics.repeated.inc();
-                return Ok(Outcome::Answer(SelectResponse::Ok(*reply), None));
+                return Outcome::Answer(SelectResponse::Ok(*reply), None);
             }
-            Decided::Expired => return Ok(Outcome::Expired("queued")),
+            Decided::Expired => return Outcome::Expired("queued"),
             Decided::New(new) => new,
         };
         // The session round trips may have taken the rest of the deadline (or the process
         // was stopped mid-selection): nobody would use this decision.
         if request.session.is_some() && clock.expired(request) {
             self.lock_load().withdraw(&new.decision);
-            return Ok(Outcome::Expired("selected"));
+            return Outcome::Expired("selected");
         }
         let m = &self.metrics;
         m.decisions_applied.inc();
@@ -258,16 +559,13 @@ impl Router {
             "selected"
         );
         let reply = new.reply();
-        Ok(Outcome::Answer(
-            SelectResponse::Ok(reply),
-            Some(new.decision),
-        ))
+        Outcome::Answer(SelectResponse::Ok(reply), Some(new.decision))
     }
 
     /// The replica owning the request's partition, when it is another one (see
     /// `crate::decide::owner`); `None` when this replica owns it, forwarding is off, or no
     /// replica is registered yet.
-    fn owner_of(&self, request: &SelectRequest) -> Option<String> {
+    pub(super) fn owner_of(&self, request: &SelectRequest) -> Option<String> {
         let peers = self.peers.as_ref()?.borrow().clone();
         let owner = crate::decide::owner::owner(
             peers.iter().map(String::as_str),
@@ -277,15 +575,16 @@ impl Router {
         (owner != self.router_id).then(|| owner.to_owned())
     }
 
-    /// Forwards the request to `owner` and returns its encoded reply; `None` when the owner
-    /// cannot answer in time (gone, stalled, not serving), and this replica decides instead.
+    /// Forwards the request to `owner` with the client's inbox; its encoded reply, or word
+    /// that it queued the request; `None` when the owner cannot answer in time (gone,
+    /// stalled, not serving), and this replica decides instead.
     async fn forward(
         &self,
         owner: &str,
         msg: &async_nats::Message,
         request: &SelectRequest,
         clock: Clock,
-    ) -> Option<bytes::Bytes> {
+    ) -> Option<Forwarded> {
         let mut timeout = self.forward_timeout;
         if let Some(deadline) = request.deadline_ms {
             let left = deadline.saturating_sub(clock.now_ms());
@@ -293,6 +592,9 @@ impl Router {
         }
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(FORWARDED_BY, self.router_id.as_str());
+        if let Some(inbox) = &msg.reply {
+            headers.insert(admission::REPLY_TO, inbox.as_str());
+        }
         let forward = async_nats::Request::new()
             .payload(msg.payload.clone())
             .headers(headers)
@@ -303,9 +605,18 @@ impl Router {
             .await;
         let forwards = &self.metrics.forwards;
         match outcome {
+            Ok(reply)
+                if reply
+                    .headers
+                    .as_ref()
+                    .is_some_and(|h| h.get(admission::QUEUED).is_some()) =>
+            {
+                forwards.inc("queued");
+                Some(Forwarded::Queued)
+            }
             Ok(reply) => {
                 forwards.inc("answered");
-                Some(reply.payload)
+                Some(Forwarded::Answered(reply.payload))
             }
             Err(e) => {
                 use async_nats::client::RequestErrorKind;

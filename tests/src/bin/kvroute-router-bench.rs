@@ -286,7 +286,7 @@ async fn scenario(
         let r_config = kvroute_router::service::RouterConfig::parse_from(r_args);
         let prepared = kvroute_router::service::Prepared::new(
             r_config,
-            &kvroute_router::registry::PolicyRegistry::with_builtins(),
+            &kvroute_router::registry::RouterPluginRegistry::with_builtins(),
         )?;
         routers.push(spawn_service(id, stop.clone(), move |shutdown| {
             Box::pin(kvroute_router::service::run(prepared, shutdown))
