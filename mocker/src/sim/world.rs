@@ -206,6 +206,7 @@ pub fn simulate(
         confirm_window_ms: millis(settings.prediction_confirm),
         prediction_max_age_ms: millis(settings.prediction_max_age),
         predicted_overlap_ttl_ms: millis(settings.predicted_overlap_ttl),
+        models: Default::default(),
     };
     let replicas = (0..settings.routers.max(1))
         .map(|r| {
