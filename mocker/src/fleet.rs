@@ -61,6 +61,7 @@ impl Fleet {
             engine: config.engine.engine_config(),
             speedup: config.speedup,
             load_interval: config.load_interval(),
+            no_load_reports: config.no_load_reports,
         };
         let agent_config = WorkerAgentConfig {
             registration: RegistrationConfig {

@@ -294,3 +294,20 @@ fn requests_that_report_tokens_get_one_per_decode_step() {
         assert!(gap > ms(10) && gap < ms(11), "{at:?}");
     }
 }
+
+#[test]
+fn progress_comes_once_per_block_of_output_before_the_last_token() {
+    let mut e = engine(EngineConfig::default());
+    // Block size 64: blocks end at 64, 128 and 192 tokens; 192 is the last token (finished).
+    e.submit(request(1, 1, 100, 192), ms(0)).unwrap();
+    e.submit(request(2, 2, 100, 63), ms(0)).unwrap();
+    let mut progress = Vec::new();
+    while let Some(t) = e.next_wakeup() {
+        progress.extend(e.advance_to(t).progress);
+    }
+    let seen: Vec<(RequestId, u64)> = progress
+        .iter()
+        .map(|p| (p.request_id, p.generated))
+        .collect();
+    assert_eq!(seen, [(id(1), 64), (id(1), 128)]);
+}
