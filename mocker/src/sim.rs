@@ -87,6 +87,7 @@ pub fn run_with(args: &SimArgs, registry: &PolicyRegistry) -> anyhow::Result<Run
             seed: args.seed,
             send_sessions: !args.no_sessions,
             sessions: args.sessions(),
+            load_models: args.load_models()?,
         };
         let progress = Progress::new(mode.as_str(), plan.len() as u64, args.output.interactive());
         let report = simulate(&plan, &settings, &policies, |t| progress.update(t))?;

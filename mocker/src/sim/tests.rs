@@ -54,6 +54,7 @@ fn settings(mode: Mode, routers: u32, seed: u64) -> SimSettings {
         seed,
         send_sessions: true,
         sessions: Default::default(),
+        load_models: Default::default(),
     }
 }
 
@@ -119,6 +120,25 @@ fn a_run_is_a_pure_function_of_its_inputs_and_seed() {
     // Random routing differs with the seed.
     let c = simulated(run(&plan, Mode::Random, 2, 8));
     assert_ne!(simulated(run(&plan, Mode::Random, 2, 7)), c);
+}
+
+#[test]
+fn the_load_models_run_deterministically() {
+    use kvroute_router::decide::load_view::models::{LoadModels, PrefillLoadModel};
+    let plan = Plan::new(conversations(8, 4), 0, 1.0, None);
+    let with_models = |tokens_per_sec| SimSettings {
+        load_models: LoadModels {
+            track_output_blocks: true,
+            prefill: PrefillLoadModel::Decay { tokens_per_sec },
+        },
+        ..settings(Mode::Kv, 2, 7)
+    };
+    for rate in [None, Some(20_000)] {
+        let run = || simulated(simulate(&plan, &with_models(rate), &builtins(), |_| {}).unwrap());
+        let a = run();
+        assert_eq!((a.completed, a.errors), (32, 0), "{a:?}");
+        assert_eq!(a, run());
+    }
 }
 
 #[test]

@@ -7,8 +7,8 @@
 //!   instance, and decides through the router's decision core ([`decide_request`]: the
 //!   service's own code) with the index's overlap; arrivals go to the replicas in turn;
 //! - a replica applies its own decision at once and the others' after `signal_delay`;
-//!   lifecycle events and load reports (every `load_interval`) reach every replica after
-//!   `signal_delay`;
+//!   lifecycle events (`progress` ones only when the routers track output blocks) and load
+//!   reports (every `load_interval`) reach every replica after `signal_delay`;
 //! - the replicas share one session table (the router's, over its in-memory store), as they
 //!   share the sessions bucket, so a session's bindings follow the router's own rules (hard
 //!   or soft affinity, the idle TTL on simulated time).
@@ -23,12 +23,13 @@ use std::time::{Duration, Instant};
 use futures::FutureExt as _;
 use kvroute_common::hashing::BlockHashes;
 use kvroute_common::messages::{
-    Decision, KvEventData, RequestLifecycle, SchemaVersion, SelectRequest, WorkerCard, WorkerLoad,
-    WorkerRole,
+    Decision, KvEventData, LifecycleKind, RequestLifecycle, SchemaVersion, SelectRequest,
+    WorkerCard, WorkerLoad, WorkerRole,
 };
 use kvroute_common::{Names, Namespace, RequestId};
 use kvroute_indexer::index::{IndexConfig, RadixIndex};
 use kvroute_router::decide::candidates::Partition;
+use kvroute_router::decide::load_view::models::LoadModels;
 use kvroute_router::decide::load_view::{LoadView, LoadViewConfig};
 use kvroute_router::decide::prompt::Prompt;
 use kvroute_router::decide::{DecideInput, Decided, Owned, PartitionPolicy, decide_request};
@@ -75,6 +76,8 @@ pub struct SimSettings {
     pub send_sessions: bool,
     /// The routers' session settings (`--session-affinity`, `--session-idle-ttl-secs`).
     pub sessions: SessionConfig,
+    /// The routers' load models (`--track-output-blocks`, `--prefill-load-model`).
+    pub load_models: LoadModels,
 }
 
 /// The cards of a simulated fleet (worker ids 1..=n).
@@ -206,7 +209,7 @@ pub fn simulate(
         confirm_window_ms: millis(settings.prediction_confirm),
         prediction_max_age_ms: millis(settings.prediction_max_age),
         predicted_overlap_ttl_ms: millis(settings.predicted_overlap_ttl),
-        models: Default::default(),
+        models: settings.load_models,
     };
     let replicas = (0..settings.routers.max(1))
         .map(|r| {
@@ -451,6 +454,25 @@ impl World<'_> {
             );
         }
         let worker_id = self.workers[w].card.worker_id;
+        // Progress events only matter to routers that track output blocks.
+        if self.settings.load_models.track_output_blocks {
+            for token in ready.progress {
+                let lifecycle = RequestLifecycle {
+                    v: SchemaVersion::CURRENT,
+                    request_id: token.request_id,
+                    worker_id,
+                    dp_rank: 0,
+                    kind: LifecycleKind::Progress {
+                        output_tokens: token.generated,
+                    },
+                    ts: millis(token.at),
+                };
+                self.schedule(
+                    token.at + self.settings.signal_delay,
+                    Event::Lifecycle(lifecycle),
+                );
+            }
+        }
         let mut finished = false;
         for output in ready.outputs {
             let lifecycle = RequestLifecycle {
