@@ -80,6 +80,7 @@ pub fn run_with(args: &SimArgs, registry: &PolicyRegistry) -> anyhow::Result<Run
             event_delay: SimArgs::millis(args.event_delay_ms),
             signal_delay: SimArgs::millis(args.signal_delay_ms),
             load_interval: SimArgs::millis(args.load_interval_ms),
+            load_reports: !args.no_load_reports,
             report_covers: SimArgs::millis(args.report_covers_ms),
             prediction_confirm: SimArgs::millis(args.prediction_confirm_ms),
             prediction_max_age: SimArgs::millis(args.prediction_max_age_secs * 1e3),

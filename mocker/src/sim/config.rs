@@ -68,6 +68,10 @@ pub struct SimArgs {
     /// Simulated milliseconds between two load reports of a worker.
     #[arg(long, env = "KVROUTE_SIM_LOAD_INTERVAL_MS", default_value_t = 200.0)]
     pub load_interval_ms: f64,
+    /// Workers send no load reports (as `kvroute-mocker --no-load-reports`): the routers' load
+    /// views go by their predictions and the lifecycle events alone.
+    #[arg(long, env = "KVROUTE_SIM_NO_LOAD_REPORTS")]
+    pub no_load_reports: bool,
     /// The routers' `--load-report-interval-ms`: the report interval assumed until a worker's
     /// reports show it (simulated milliseconds).
     #[arg(long, env = "KVROUTE_SIM_REPORT_COVERS_MS", default_value_t = 1000.0)]

@@ -47,6 +47,7 @@ fn settings(mode: Mode, routers: u32, seed: u64) -> SimSettings {
         event_delay: Duration::from_millis(5),
         signal_delay: Duration::from_millis(5),
         load_interval: Duration::from_millis(200),
+        load_reports: true,
         report_covers: Duration::from_millis(1000),
         prediction_confirm: Duration::from_secs(2),
         prediction_max_age: Duration::from_secs(600),
@@ -131,6 +132,8 @@ fn the_load_models_run_deterministically() {
             track_output_blocks: true,
             prefill: PrefillLoadModel::Decay { tokens_per_sec },
         },
+        // Without reports, the predictions (and so the models) carry the load.
+        load_reports: false,
         ..settings(Mode::Kv, 2, 7)
     };
     for rate in [None, Some(20_000)] {

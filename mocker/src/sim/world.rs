@@ -8,7 +8,7 @@
 //!   service's own code) with the index's overlap; arrivals go to the replicas in turn;
 //! - a replica applies its own decision at once and the others' after `signal_delay`;
 //!   lifecycle events (`progress` ones only when the routers track output blocks) and load
-//!   reports (every `load_interval`) reach every replica after `signal_delay`;
+//!   reports (every `load_interval`, unless off) reach every replica after `signal_delay`;
 //! - the replicas share one session table (the router's, over its in-memory store), as they
 //!   share the sessions bucket, so a session's bindings follow the router's own rules (hard
 //!   or soft affinity, the idle TTL on simulated time).
@@ -63,6 +63,8 @@ pub struct SimSettings {
     pub signal_delay: Duration,
     /// Between two load reports of a worker.
     pub load_interval: Duration,
+    /// Whether workers send load reports at all.
+    pub load_reports: bool,
     /// The load view's report interval assumed until reports show it.
     pub report_covers: Duration,
     /// The load view's confirm window (reports here name their new requests).
@@ -253,7 +255,7 @@ pub fn simulate(
     for (i, &at) in plan.arrivals.iter().enumerate() {
         world.schedule(at, Event::Arrival(i));
     }
-    for w in 0..world.workers.len() {
+    for w in (0..world.workers.len()).filter(|_| settings.load_reports) {
         // Staggered like real workers' timers.
         let offset = settings
             .load_interval
