@@ -320,6 +320,7 @@ impl Supervisor {
             serving: Serving {
                 model: card.model.clone(),
                 ranks: self.ranks.clone(),
+                block_size: card.block_size,
             },
             reporter: self.reporter.clone(),
             metrics: self.conn.metrics.clone(),

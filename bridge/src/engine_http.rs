@@ -359,12 +359,14 @@ impl EngineClient {
     }
 
     /// Runs a streamed completion. Times count from `arrived`; `first_token` is told the TTFT
-    /// as soon as the first output chunk is read.
+    /// as soon as the first output chunk is read, and `on_output` the output chunks read so
+    /// far after each one.
     pub async fn complete(
         &self,
         req: &CompletionRequest,
         arrived: Instant,
         mut first_token: Option<oneshot::Sender<Duration>>,
+        mut on_output: impl FnMut(u64) + Send,
     ) -> Result<Completion, EngineError> {
         let url = self.url("/v1/completions");
         let mut request = self
@@ -412,12 +414,15 @@ impl EngineClient {
             .map_err(|e| stream_error(None, e.to_string()))?;
             for event in events {
                 match tally.on_event(&event) {
-                    Ok(Chunk::Output) if ttft.is_none() => {
-                        let t = arrived.elapsed();
-                        ttft = Some(t);
-                        if let Some(tx) = first_token.take() {
-                            let _ = tx.send(t);
+                    Ok(Chunk::Output) => {
+                        if ttft.is_none() {
+                            let t = arrived.elapsed();
+                            ttft = Some(t);
+                            if let Some(tx) = first_token.take() {
+                                let _ = tx.send(t);
+                            }
                         }
+                        on_output(tally.output_chunks);
                     }
                     Ok(Chunk::Done) => break,
                     Ok(_) => {}

@@ -144,6 +144,7 @@ fn decision() -> Decision {
         overlap_blocks: 4,
         prefill_tokens: 384,
         expected_output_tokens: Some(100),
+        block_size: 64,
         cost: CostBreakdown::default(),
         policy: "default".into(),
         binding: Some(BindingState::New),
@@ -281,6 +282,7 @@ fn every_message_round_trips() {
     round_trip(select_error());
     round_trip(decision());
     round_trip(lifecycle(LifecycleKind::PrefillDone { cached_tokens: 64 }));
+    round_trip(lifecycle(LifecycleKind::Progress { output_tokens: 128 }));
     round_trip(lifecycle(LifecycleKind::Finished { output_tokens: 12 }));
     round_trip(index_query());
     round_trip(index_reply());

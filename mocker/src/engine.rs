@@ -339,12 +339,18 @@ impl Engine {
             let scheduled = std::mem::take(&mut r.scheduled);
             if r.decoding() {
                 r.generated += scheduled;
-                if r.req.report_tokens && scheduled > 0 && r.generated < r.output_target() {
-                    ready.tokens.push(TokenOutput {
-                        request_id: r.req.request_id,
-                        at: end,
-                        generated: u64::from(r.generated),
-                    });
+                let token = TokenOutput {
+                    request_id: r.req.request_id,
+                    at: end,
+                    generated: u64::from(r.generated),
+                };
+                if scheduled > 0 && r.generated < r.output_target() {
+                    if r.req.report_tokens {
+                        ready.tokens.push(token);
+                    }
+                    if r.generated.is_multiple_of(self.config.block_size) {
+                        ready.progress.push(token);
+                    }
                 }
             } else if scheduled > 0 {
                 r.prefilled += scheduled;

@@ -68,6 +68,7 @@ impl Fleet {
                     config.shared_cache_blocks as usize,
                 )))
             }),
+            no_load_reports: config.no_load_reports,
         };
         let agent_config = WorkerAgentConfig {
             registration: RegistrationConfig {

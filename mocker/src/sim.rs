@@ -86,6 +86,7 @@ pub fn run_with(args: &SimArgs, registry: &RouterPluginRegistry) -> anyhow::Resu
             event_delay: SimArgs::millis(args.event_delay_ms),
             signal_delay: SimArgs::millis(args.signal_delay_ms),
             load_interval: SimArgs::millis(args.load_interval_ms),
+            load_reports: !args.no_load_reports,
             report_covers: SimArgs::millis(args.report_covers_ms),
             prediction_confirm: SimArgs::millis(args.prediction_confirm_ms),
             prediction_max_age: SimArgs::millis(args.prediction_max_age_secs * 1e3),
@@ -96,6 +97,7 @@ pub fn run_with(args: &SimArgs, registry: &RouterPluginRegistry) -> anyhow::Resu
             cpu_workers: args.cpu_workers,
             cpu_slowdown: args.cpu_slowdown,
             shared_cache_blocks: args.shared_cache_blocks,
+            load_models: args.load_models()?,
         };
         let progress = Progress::new(mode.as_str(), plan.len() as u64, args.output.interactive());
         let report = simulate(&plan, &settings, &policies, |t| progress.update(t))?;

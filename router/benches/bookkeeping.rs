@@ -29,6 +29,7 @@ fn decision(i: u64) -> Decision {
         overlap_blocks: 100,
         prefill_tokens: 1792,
         expected_output_tokens: Some(200),
+        block_size: 16,
         cost: CostBreakdown {
             total: 1.0,
             terms: [("default".to_owned(), 1.0)].into(),
@@ -47,6 +48,7 @@ fn view() -> LoadView {
         confirm_window_ms: 2000,
         prediction_max_age_ms: 600_000,
         predicted_overlap_ttl_ms: 2_000,
+        models: Default::default(),
     })
 }
 

@@ -175,6 +175,7 @@ impl Bench {
                 confirm_window_ms: 2000,
                 prediction_max_age_ms: 600_000,
                 predicted_overlap_ttl_ms: 2_000,
+                models: Default::default(),
             })),
             sessions: SessionTable::new(MemSessionStore::new(), SessionConfig::default()),
             policy: std::sync::Mutex::new(PartitionPolicy::new(

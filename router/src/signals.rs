@@ -63,13 +63,23 @@ impl Overlap {
 }
 
 /// What the load view last saw of one rank (reports plus the router's own predictions).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct ObservedLoad {
     /// Prompt tokens admitted but not yet prefilled.
     pub active_prefill_tokens: u64,
     /// KV blocks held by running requests.
     pub active_decode_blocks: u64,
     pub active_requests: u64,
+    /// Placeholder blocks of predicted requests' output, weighted by the output still expected
+    /// (0 unless the load view tracks output blocks).
+    pub output_blocks: f64,
+}
+
+impl ObservedLoad {
+    /// Decode blocks: the active ones plus the output placeholders.
+    pub fn decode_blocks(&self) -> f64 {
+        self.active_decode_blocks as f64 + self.output_blocks
+    }
 }
 
 impl From<&WorkerLoad> for ObservedLoad {
@@ -78,6 +88,7 @@ impl From<&WorkerLoad> for ObservedLoad {
             active_prefill_tokens: load.active_prefill_tokens,
             active_decode_blocks: load.active_decode_blocks,
             active_requests: load.active_requests,
+            output_blocks: 0.0,
         }
     }
 }

@@ -207,6 +207,7 @@ async fn own_decisions_echoed_back_are_not_duplicates() {
         overlap_blocks: 0,
         prefill_tokens: 64,
         expected_output_tokens: None,
+        block_size: 16,
         cost: Default::default(),
         policy: "default".into(),
         binding: None,

@@ -1,6 +1,8 @@
 //! Serving `GenerateRequest`s: the card's request subject → the engine's streamed
-//! `/v1/completions` → a `GenerateResponse`, with `prefill_done` (at the first output chunk)
-//! and `finished` lifecycle events as kvroute-mocker publishes them.
+//! `/v1/completions` → a `GenerateResponse`, with `prefill_done` (at the first output chunk),
+//! `progress` (each time the output chunks reach a multiple of the card's block size; a chunk
+//! carries one token unless the engine batches its stream, so this counts a lower bound) and
+//! `finished` lifecycle events as kvroute-mocker publishes them.
 //!
 //! While the engine is deregistered the subscription is dropped, but requests already running
 //! finish (a slow `/health` is no reason to kill them); at shutdown they are answered
@@ -45,6 +47,8 @@ pub struct Serving {
     pub model: String,
     /// The card's ranks, first the default.
     pub ranks: Vec<DpRank>,
+    /// The card's block size (`progress` events come per block of output).
+    pub block_size: u32,
 }
 
 /// Checks `req` and turns it into the engine's completion; returns the rank it runs on.
@@ -257,17 +261,30 @@ impl RequestTask {
     ) -> RequestId {
         let id = completion.request_id;
         let (first_token, first_token_rx) = oneshot::channel();
-        let prefill_done = async {
+        let (blocks_tx, mut blocks_rx) = tokio::sync::mpsc::unbounded_channel();
+        let block_size = u64::from(self.serving.block_size.max(1));
+        let on_output = move |chunks: u64| {
+            if chunks.is_multiple_of(block_size) {
+                let _ = blocks_tx.send(chunks);
+            }
+        };
+        // In order: `prefill_done`, then a `progress` per block of output (ends with the
+        // stream, which drops the sender).
+        let events = async {
             if first_token_rx.await.is_ok() {
                 // The engines report cached tokens only with the final usage.
                 self.lifecycle(id, rank, LifecycleKind::PrefillDone { cached_tokens: 0 })
                     .await;
             }
+            while let Some(output_tokens) = blocks_rx.recv().await {
+                self.lifecycle(id, rank, LifecycleKind::Progress { output_tokens })
+                    .await;
+            }
         };
         let (result, ()) = tokio::join!(
             self.client
-                .complete(&completion, arrived, Some(first_token)),
-            prefill_done
+                .complete(&completion, arrived, Some(first_token), on_output),
+            events
         );
         let (response, output_tokens) = match result {
             Ok(c) => {
@@ -341,6 +358,7 @@ mod tests {
         Serving {
             model: "base".into(),
             ranks: ranks.to_vec(),
+            block_size: 16,
         }
     }
 

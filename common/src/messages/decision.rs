@@ -31,6 +31,10 @@ pub struct Decision {
     pub prefill_tokens: u64,
     #[serde(default)]
     pub expected_output_tokens: Option<u32>,
+    /// Tokens per KV block of the chosen rank's partition (0 from a router that predates it):
+    /// what a load view counts output blocks in.
+    #[serde(default)]
+    pub block_size: u32,
     #[serde(default)]
     pub cost: CostBreakdown,
     #[serde(default)]
@@ -82,6 +86,10 @@ pub enum LifecycleKind {
         #[serde(default)]
         cached_tokens: u64,
     },
+    /// The request has generated `output_tokens` tokens so far (the first included). Sent as
+    /// generation crosses a block boundary, at most once per block of output; lets a load
+    /// view count the KV blocks the output takes (`--track-output-blocks`).
+    Progress { output_tokens: u64 },
     /// The request left the worker (completed, cancelled or failed).
     Finished {
         #[serde(default)]

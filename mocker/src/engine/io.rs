@@ -95,7 +95,8 @@ impl EngineOutput {
 }
 
 /// What [`super::Engine::advance_to`] produced: lifecycle outputs in time order, the KV
-/// events to publish, in order, and the decoded tokens of requests that report them.
+/// events to publish, in order, the decoded tokens of requests that report them, and output
+/// blocks crossed.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Ready {
     pub outputs: Vec<EngineOutput>,
@@ -106,6 +107,10 @@ pub struct Ready {
     /// With [`super::Engine::with_shared_writes`]: the block hashes of every prompt whose
     /// prefill completed, for the caller to write through to its shared tier.
     pub prefilled: Vec<BlockHashes>,
+    /// In time order: a request's generated tokens reached a multiple of the block size (a
+    /// new output block), before its last token — at most one per block of output, for the
+    /// `progress` lifecycle event.
+    pub progress: Vec<TokenOutput>,
 }
 
 /// A decode step produced one more token of a request, at simulated time `at`.

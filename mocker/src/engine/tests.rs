@@ -332,3 +332,20 @@ fn shared_tier_blocks_beyond_the_device_prefix_are_loaded_not_prefilled() {
     let saved = cold - warm;
     assert_eq!(saved, Duration::from_micros(3072 * 30));
 }
+
+#[test]
+fn progress_comes_once_per_block_of_output_before_the_last_token() {
+    let mut e = engine(EngineConfig::default());
+    // Block size 64: blocks end at 64, 128 and 192 tokens; 192 is the last token (finished).
+    e.submit(request(1, 1, 100, 192), ms(0)).unwrap();
+    e.submit(request(2, 2, 100, 63), ms(0)).unwrap();
+    let mut progress = Vec::new();
+    while let Some(t) = e.next_wakeup() {
+        progress.extend(e.advance_to(t).progress);
+    }
+    let seen: Vec<(RequestId, u64)> = progress
+        .iter()
+        .map(|p| (p.request_id, p.generated))
+        .collect();
+    assert_eq!(seen, [(id(1), 64), (id(1), 128)]);
+}

@@ -163,6 +163,11 @@ pub struct FleetConfig {
     /// when a worker's request counts change).
     #[arg(long, env = "KVROUTE_MOCKER_LOAD_INTERVAL_MS", default_value_t = 200)]
     pub load_interval_ms: u64,
+    /// Publish no load reports, like an engine that reports nothing (behind kvroute-gateway):
+    /// routers then go by their own predictions and the lifecycle events (to try the load
+    /// view's models, `--track-output-blocks` and `--prefill-load-model decay`).
+    #[arg(long, env = "KVROUTE_MOCKER_NO_LOAD_REPORTS")]
+    pub no_load_reports: bool,
     /// Address for /metrics, /healthz and /readyz (e.g. 127.0.0.1:9300; the indexer's default
     /// is 9100 and the router's 9200); off when absent: no HTTP endpoint at all.
     #[arg(long, env = "KVROUTE_MOCKER_HTTP_ADDR")]
@@ -187,6 +192,7 @@ impl Default for FleetConfig {
             shared_cache_blocks: 0,
             lease_ttl_secs: 10,
             load_interval_ms: 200,
+            no_load_reports: false,
             http_addr: None,
             no_create_stream: false,
             face: EngineFaceArgs::default(),

@@ -3,8 +3,9 @@
 //! The task submits each `GenerateRequest` at its arrival (simulated now), advances the engine
 //! whenever a step is due, publishes the KV events of every advance *under the engine's lock*
 //! (the same lock the resync snapshot takes, so a resync is a consistent point of the event
-//! stream), and replies when a request finishes. Lifecycle events and load reports go out as
-//! the engine produces them.
+//! stream), and replies when a request finishes. Lifecycle events (`prefill_done`, a
+//! `progress` per block of output, `finished`) and load reports go out as the engine produces
+//! them.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,7 +16,7 @@ use futures::StreamExt;
 use kvroute_common::codec::{decode, encode};
 use kvroute_common::messages::{
     GenerateErrorCode, GenerateReply, GenerateRequest, GenerateResponse, KvEventData,
-    RequestLifecycle, SchemaVersion, now_ms,
+    LifecycleKind, RequestLifecycle, SchemaVersion, now_ms,
 };
 use kvroute_common::worker::{EventPublisher, ResyncSource, WorkerAgent};
 use kvroute_common::{DpRank, Names, RequestId, WorkerId};
@@ -25,7 +26,7 @@ use tokio::task::JoinHandle;
 use super::clock::SimClock;
 use super::metrics::FleetMetrics;
 use super::request::{self, decode_error, submit_error};
-use crate::engine::{Engine, EngineConfig, EngineOutput};
+use crate::engine::{Engine, EngineConfig, EngineOutput, TokenOutput};
 use crate::shared_store::SharedStore;
 
 /// The data-parallel rank every simulated worker serves (one rank per worker).
@@ -84,6 +85,8 @@ pub(crate) struct WorkerSettings {
     /// The process's shared tier, if it has one (locked inside the engine's lock, never the
     /// other way round).
     pub shared: Option<Arc<std::sync::Mutex<SharedStore>>>,
+    /// Publish no load reports (`--no-load-reports`).
+    pub no_load_reports: bool,
 }
 
 impl WorkerSettings {
@@ -319,14 +322,34 @@ impl Worker {
                 self.publisher.publish(DP_RANK, events);
             }
             let mut out = Vec::new();
+            // Each block of output a request crosses, in time order with the other outputs
+            // (at most one event per block; a request's progress never follows its finish).
+            let mut progress = ready.progress.into_iter().peekable();
             for output in ready.outputs {
+                while let Some(p) = progress.next_if(|p| p.at <= output.at()) {
+                    out.push(self.progress(p));
+                }
                 self.on_output(&mut core, output, &mut out);
             }
+            out.extend(progress.map(|p| self.progress(p)));
             out
         };
         for o in outgoing {
             self.send(o).await;
         }
+    }
+
+    fn progress(&self, token: TokenOutput) -> Outgoing {
+        Outgoing::Lifecycle(RequestLifecycle {
+            v: SchemaVersion::CURRENT,
+            request_id: token.request_id,
+            worker_id: self.worker_id,
+            dp_rank: DP_RANK,
+            kind: LifecycleKind::Progress {
+                output_tokens: token.generated,
+            },
+            ts: now_ms(),
+        })
     }
 
     fn on_output(&self, core: &mut Core, output: EngineOutput, out: &mut Vec<Outgoing>) {
@@ -410,6 +433,9 @@ impl Worker {
 
     /// Publishes a load report when forced (periodic) or when the request counts changed.
     async fn report_load(&mut self, force: bool) {
+        if self.settings.no_load_reports {
+            return;
+        }
         let load = {
             let core = self.core.lock();
             let counts = core.engine.request_counts();

@@ -20,6 +20,7 @@ use kvroute_common::messages::{
 };
 use kvroute_common::{Names, Namespace, WorkerId};
 use kvroute_router::decide::candidates::Partition;
+use kvroute_router::decide::load_view::models::LoadModels;
 use kvroute_router::decide::load_view::{LoadView, LoadViewConfig};
 use kvroute_router::decide::prompt::prompt;
 use kvroute_router::decide::{DecideInput, Decided, Owned, PartitionPolicy, decide_request};
@@ -43,6 +44,7 @@ const VIEW: LoadViewConfig = LoadViewConfig {
     prediction_max_age_ms: 600_000,
     // The overlap offered is already what was sent, at once: nothing to predict.
     predicted_overlap_ttl_ms: 0,
+    models: LoadModels::OFF,
 };
 
 /// The in-process selector of one mode.

@@ -7,7 +7,9 @@ use std::time::Duration;
 use clap::Command;
 use kvroute_common::config::ConfigError;
 use kvroute_common::telemetry::TelemetryArgs;
+use kvroute_router::decide::load_view::models::LoadModels;
 use kvroute_router::service::config::AffinityArg;
+use kvroute_router::service::load_models::{LoadModelArgs, PrefillModelArg};
 use kvroute_router::session::SessionConfig;
 
 use crate::fleet::{EngineArgs, MAX_WORKERS};
@@ -79,6 +81,10 @@ pub struct SimArgs {
     /// Simulated milliseconds between two load reports of a worker.
     #[arg(long, env = "KVROUTE_SIM_LOAD_INTERVAL_MS", default_value_t = 200.0)]
     pub load_interval_ms: f64,
+    /// Workers send no load reports (as `kvroute-mocker --no-load-reports`): the routers' load
+    /// views go by their predictions and the lifecycle events alone.
+    #[arg(long, env = "KVROUTE_SIM_NO_LOAD_REPORTS")]
+    pub no_load_reports: bool,
     /// The routers' `--load-report-interval-ms`: the report interval assumed until a worker's
     /// reports show it (simulated milliseconds).
     #[arg(long, env = "KVROUTE_SIM_REPORT_COVERS_MS", default_value_t = 1000.0)]
@@ -105,6 +111,25 @@ pub struct SimArgs {
         default_value_t = 2000.0
     )]
     pub predicted_overlap_ttl_ms: f64,
+    /// The routers' `--track-output-blocks`: count predicted requests' output blocks from the
+    /// simulated workers' `progress` events.
+    #[arg(long = "track-output-blocks", env = "KVROUTE_SIM_TRACK_OUTPUT_BLOCKS")]
+    pub track_output_blocks: bool,
+    /// The routers' `--prefill-load-model`: `full`, or `decay` (each rank's oldest predicted
+    /// prefill decays over its predicted duration).
+    #[arg(
+        long = "prefill-load-model",
+        env = "KVROUTE_SIM_PREFILL_LOAD_MODEL",
+        value_enum,
+        default_value_t = PrefillModelArg::Full
+    )]
+    pub prefill_load_model: PrefillModelArg,
+    /// The routers' `--prefill-tokens-per-sec` (per simulated second; by default fitted).
+    #[arg(
+        long = "prefill-tokens-per-sec",
+        env = "KVROUTE_SIM_PREFILL_TOKENS_PER_SEC"
+    )]
+    pub prefill_tokens_per_sec: Option<u64>,
     /// Do not send a trace row's `session_id` as the request's session (to compare routing
     /// with and without session affinity; the report still measures stickiness).
     #[arg(long, env = "KVROUTE_SIM_NO_SESSIONS")]
@@ -209,6 +234,7 @@ impl SimArgs {
                 true,
             ),
         ];
+        self.load_models()?;
         if self.session_idle_ttl_secs == 0 {
             return Err(ConfigError::new("session-idle-ttl-secs", "must be above 0"));
         }
@@ -223,6 +249,16 @@ impl SimArgs {
             }
         }
         self.output.validate()
+    }
+
+    /// The routers' load models (validated as the router validates its flags).
+    pub fn load_models(&self) -> Result<LoadModels, ConfigError> {
+        LoadModelArgs {
+            track_output_blocks: self.track_output_blocks,
+            prefill_load_model: self.prefill_load_model,
+            prefill_tokens_per_sec: self.prefill_tokens_per_sec,
+        }
+        .models()
     }
 
     /// The routers' session settings.
@@ -323,6 +359,10 @@ mod tests {
         assert_eq!(field(&["--num-blocks", "0"]), "num-blocks");
         assert_eq!(field(&["--load-interval-ms", "0"]), "load-interval-ms");
         assert_eq!(field(&["--event-delay-ms=-1"]), "event-delay-ms");
+        assert_eq!(
+            field(&["--prefill-tokens-per-sec", "1000"]),
+            "prefill-tokens-per-sec"
+        );
         assert_eq!(
             field(&["--session-idle-ttl-secs", "0"]),
             "session-idle-ttl-secs"

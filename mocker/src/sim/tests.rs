@@ -47,6 +47,7 @@ fn settings(mode: Mode, routers: u32, seed: u64) -> SimSettings {
         event_delay: Duration::from_millis(5),
         signal_delay: Duration::from_millis(5),
         load_interval: Duration::from_millis(200),
+        load_reports: true,
         report_covers: Duration::from_millis(1000),
         prediction_confirm: Duration::from_secs(2),
         prediction_max_age: Duration::from_secs(600),
@@ -57,6 +58,7 @@ fn settings(mode: Mode, routers: u32, seed: u64) -> SimSettings {
         cpu_workers: 0,
         cpu_slowdown: 1.0,
         shared_cache_blocks: 0,
+        load_models: Default::default(),
     }
 }
 
@@ -122,6 +124,27 @@ fn a_run_is_a_pure_function_of_its_inputs_and_seed() {
     // Random routing differs with the seed.
     let c = simulated(run(&plan, Mode::Random, 2, 8));
     assert_ne!(simulated(run(&plan, Mode::Random, 2, 7)), c);
+}
+
+#[test]
+fn the_load_models_run_deterministically() {
+    use kvroute_router::decide::load_view::models::{LoadModels, PrefillLoadModel};
+    let plan = Plan::new(conversations(8, 4), 0, 1.0, None);
+    let with_models = |tokens_per_sec| SimSettings {
+        load_models: LoadModels {
+            track_output_blocks: true,
+            prefill: PrefillLoadModel::Decay { tokens_per_sec },
+        },
+        // Without reports, the predictions (and so the models) carry the load.
+        load_reports: false,
+        ..settings(Mode::Kv, 2, 7)
+    };
+    for rate in [None, Some(20_000)] {
+        let run = || simulated(simulate(&plan, &with_models(rate), &builtins(), |_| {}).unwrap());
+        let a = run();
+        assert_eq!((a.completed, a.errors), (32, 0), "{a:?}");
+        assert_eq!(a, run());
+    }
 }
 
 #[test]

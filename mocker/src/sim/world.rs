@@ -7,8 +7,8 @@
 //!   instance, and decides through the router's decision core ([`decide_request`]: the
 //!   service's own code) with the index's overlap; arrivals go to the replicas in turn;
 //! - a replica applies its own decision at once and the others' after `signal_delay`;
-//!   lifecycle events and load reports (every `load_interval`) reach every replica after
-//!   `signal_delay`;
+//!   lifecycle events (`progress` ones only when the routers track output blocks) and load
+//!   reports (every `load_interval`, unless off) reach every replica after `signal_delay`;
 //! - the replicas share one session table (the router's, over its in-memory store), as they
 //!   share the sessions bucket, so a session's bindings follow the router's own rules (hard
 //!   or soft affinity, the idle TTL on simulated time).
@@ -23,12 +23,13 @@ use std::time::{Duration, Instant};
 use futures::FutureExt as _;
 use kvroute_common::hashing::BlockHashes;
 use kvroute_common::messages::{
-    Decision, KvEventData, RequestLifecycle, SchemaVersion, SelectRequest, WorkerCard, WorkerLoad,
-    WorkerRole,
+    Decision, KvEventData, LifecycleKind, RequestLifecycle, SchemaVersion, SelectRequest,
+    WorkerCard, WorkerLoad, WorkerRole,
 };
 use kvroute_common::{Names, Namespace, RequestId};
 use kvroute_indexer::index::{IndexConfig, RadixIndex};
 use kvroute_router::decide::candidates::Partition;
+use kvroute_router::decide::load_view::models::LoadModels;
 use kvroute_router::decide::load_view::{LoadView, LoadViewConfig};
 use kvroute_router::decide::prompt::Prompt;
 use kvroute_router::decide::{DecideInput, Decided, Owned, PartitionPolicy, decide_request};
@@ -63,6 +64,8 @@ pub struct SimSettings {
     pub signal_delay: Duration,
     /// Between two load reports of a worker.
     pub load_interval: Duration,
+    /// Whether workers send load reports at all.
+    pub load_reports: bool,
     /// The load view's report interval assumed until reports show it.
     pub report_covers: Duration,
     /// The load view's confirm window (reports here name their new requests).
@@ -82,6 +85,8 @@ pub struct SimSettings {
     pub cpu_slowdown: f64,
     /// Blocks of the shared tier per worker (0: no shared tier).
     pub shared_cache_blocks: u64,
+    /// The routers' load models (`--track-output-blocks`, `--prefill-load-model`).
+    pub load_models: LoadModels,
 }
 
 impl SimSettings {
@@ -249,6 +254,7 @@ pub fn simulate(
         confirm_window_ms: millis(settings.prediction_confirm),
         prediction_max_age_ms: millis(settings.prediction_max_age),
         predicted_overlap_ttl_ms: millis(settings.predicted_overlap_ttl),
+        models: settings.load_models,
     };
     let replicas = (0..settings.routers.max(1))
         .map(|r| {
@@ -293,7 +299,7 @@ pub fn simulate(
     for (i, &at) in plan.arrivals.iter().enumerate() {
         world.schedule(at, Event::Arrival(i));
     }
-    for w in 0..world.workers.len() {
+    for w in (0..world.workers.len()).filter(|_| settings.load_reports) {
         // Staggered like real workers' timers.
         let offset = settings
             .load_interval
@@ -496,6 +502,25 @@ impl World<'_> {
                 .collect();
             if !events.is_empty() {
                 self.schedule(now + self.settings.event_delay, Event::KvEvents(w, events));
+            }
+        }
+        // Progress events only matter to routers that track output blocks.
+        if self.settings.load_models.track_output_blocks {
+            for token in ready.progress {
+                let lifecycle = RequestLifecycle {
+                    v: SchemaVersion::CURRENT,
+                    request_id: token.request_id,
+                    worker_id,
+                    dp_rank: 0,
+                    kind: LifecycleKind::Progress {
+                        output_tokens: token.generated,
+                    },
+                    ts: millis(token.at),
+                };
+                self.schedule(
+                    token.at + self.settings.signal_delay,
+                    Event::Lifecycle(lifecycle),
+                );
             }
         }
         let mut finished = false;

@@ -16,6 +16,10 @@
 //! charged one moves the charge to where the request actually runs, and a `finished` or a
 //! report naming the request that arrives before its decision (they come from different
 //! publishers, which NATS does not order) keeps that decision from being charged.
+//!
+//! Two optional models refine what a prediction counts ([`models`], `LoadViewConfig::models`):
+//! output blocks from `progress` events, and the decay of each rank's oldest prefill over its
+//! predicted duration (which makes a rank's load depend on the time it is read at).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -23,11 +27,15 @@ use std::sync::Arc;
 use kvroute_common::messages::{Decision, LifecycleKind, RequestLifecycle, WorkerLoad};
 use kvroute_common::{RequestId, WorkerId};
 
+use self::models::{
+    DEFAULT_PREFILL_TOKENS_PER_SEC, LoadModels, MILLIBLOCKS, PrefillLoadModel, PrefillRate,
+};
 use self::predictions::Predictions;
 use super::predicted::PredictedOverlap;
 use crate::signals::ObservedLoad;
 use crate::worker::WorkerRank;
 
+pub mod models;
 mod predictions;
 
 /// Decisions remembered per request id (de-duplication, retries).
@@ -58,6 +66,18 @@ pub struct LoadViewConfig {
     /// How long a decision's prompt counts as held by its rank ([`PredictedOverlap`]); 0: no
     /// predicted overlap.
     pub predicted_overlap_ttl_ms: u64,
+    /// Output blocks and prefill decay (both off by default).
+    pub models: LoadModels,
+}
+
+/// One rank as the view sees it ([`LoadView::ranks`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RankView {
+    pub rank: WorkerRank,
+    pub load: Option<ObservedLoad>,
+    /// The prefill decay's rate for the rank (configured, fitted or the default); `None`
+    /// without the decay.
+    pub prefill_tokens_per_sec: Option<f64>,
 }
 
 /// What applying a decision did.
@@ -82,6 +102,10 @@ struct Prediction {
     blocks: u64,
     added_ms: u64,
     prefilled: bool,
+    /// Tokens generated, as the last `progress` event said (output blocks only).
+    output_tokens: u64,
+    /// What they count ([`models::output_milliblocks`]).
+    output_milliblocks: u64,
 }
 
 impl Prediction {
@@ -91,11 +115,13 @@ impl Prediction {
             blocks: u64::from(d.request_blocks),
             added_ms,
             prefilled: false,
+            output_tokens: 0,
+            output_milliblocks: 0,
         }
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct RankLoad {
     report: Option<(u64, ObservedLoad)>,
     /// `ts` of the last report (the worker's clock; 0 when it sends none).
@@ -105,18 +131,59 @@ struct RankLoad {
     predictions: Predictions,
     /// Insertion order, for the per-rank cap (entries may already be gone).
     order: VecDeque<RequestId>,
+    /// The rank's prefill rate as observed (prefill decay without a configured rate).
+    prefill_rate: PrefillRate,
 }
 
 impl RankLoad {
-    fn observed(&self) -> Option<ObservedLoad> {
+    fn new(models: LoadModels) -> Self {
+        Self {
+            report: None,
+            report_ts: 0,
+            interval_ms: None,
+            predictions: Predictions::new(matches!(models.prefill, PrefillLoadModel::Decay { .. })),
+            order: VecDeque::new(),
+            prefill_rate: PrefillRate::default(),
+        }
+    }
+
+    /// The rate the oldest prefill decays at: configured, or fitted (the default before the
+    /// first observation); `None` without the decay.
+    fn decay_rate(&self, models: LoadModels) -> Option<f64> {
+        match models.prefill {
+            PrefillLoadModel::Full => None,
+            PrefillLoadModel::Decay {
+                tokens_per_sec: Some(rate),
+            } => Some(rate as f64),
+            PrefillLoadModel::Decay {
+                tokens_per_sec: None,
+            } => Some(
+                self.prefill_rate
+                    .tokens_per_sec(DEFAULT_PREFILL_TOKENS_PER_SEC),
+            ),
+        }
+    }
+
+    /// The load at `now_ms`; under the prefill decay the oldest prefill counts what is left of
+    /// it then.
+    fn observed(&self, models: LoadModels, now_ms: u64) -> Option<ObservedLoad> {
         if self.report.is_none() && self.predictions.is_empty() {
             return None;
         }
         let mut load = self.report.map(|(_, l)| l).unwrap_or_default();
         let predicted = self.predictions.totals();
-        load.active_prefill_tokens += predicted.prefill_tokens;
+        let mut prefill_tokens = predicted.prefill_tokens;
+        if let Some(rate) = self.decay_rate(models)
+            && let Some(oldest) = self.predictions.oldest()
+        {
+            let elapsed = now_ms.saturating_sub(oldest.added_ms);
+            prefill_tokens -= oldest.prefill_tokens
+                - models::remaining_prefill(oldest.prefill_tokens, elapsed, rate);
+        }
+        load.active_prefill_tokens += prefill_tokens;
         load.active_decode_blocks += predicted.blocks;
         load.active_requests += predicted.requests;
+        load.output_blocks += predicted.output_milliblocks as f64 / MILLIBLOCKS as f64;
         Some(load)
     }
 
@@ -165,6 +232,8 @@ struct Decided {
     /// The rank holding its prediction (the decision's, unless a lifecycle event moved it).
     rank: WorkerRank,
     added_ms: u64,
+    /// Its `prefill_done` has been seen (the prefill rate learns from the first only).
+    prefill_seen: bool,
 }
 
 /// `d` as remembered for answering retries: without its prefix hashes, which only the
@@ -211,9 +280,36 @@ impl LoadView {
         }
     }
 
-    /// The rank's load; `None` when nothing is known of it.
-    pub fn load(&self, rank: WorkerRank) -> Option<ObservedLoad> {
-        self.ranks.get(&rank).and_then(RankLoad::observed)
+    /// The rank's load at `now_ms` (which only the prefill decay reads); `None` when nothing
+    /// is known of it.
+    pub fn load(&self, rank: WorkerRank, now_ms: u64) -> Option<ObservedLoad> {
+        self.ranks
+            .get(&rank)
+            .and_then(|r| r.observed(self.config.models, now_ms))
+    }
+
+    /// Every rank the view holds anything of, in rank order: its load at `now_ms` (when known)
+    /// and, under the prefill decay, the rate its oldest prefill decays at.
+    pub fn ranks(&self, now_ms: u64) -> Vec<RankView> {
+        let models = self.config.models;
+        let mut out: Vec<RankView> = self
+            .ranks
+            .iter()
+            .map(|(rank, r)| RankView {
+                rank: *rank,
+                load: r.observed(models, now_ms),
+                prefill_tokens_per_sec: r.decay_rate(models),
+            })
+            .collect();
+        out.sort_by_key(|r| r.rank);
+        out
+    }
+
+    fn rank_mut(&mut self, rank: WorkerRank) -> &mut RankLoad {
+        let models = self.config.models;
+        self.ranks
+            .entry(rank)
+            .or_insert_with(|| RankLoad::new(models))
     }
 
     /// Requests predicted and not yet finished, over all ranks.
@@ -253,6 +349,7 @@ impl LoadView {
                     decision: remembered(d),
                     rank,
                     added_ms: now_ms,
+                    prefill_seen: false,
                 },
             );
             self.decided_order.push_back(d.request_id);
@@ -260,9 +357,7 @@ impl LoadView {
             if self.settled_early.remove(&d.request_id).is_some() {
                 return Applied::AlreadyCounted;
             }
-            self.ranks
-                .entry(rank)
-                .or_default()
+            self.rank_mut(rank)
                 .insert(d.request_id, Prediction::of(d, now_ms));
             return Applied::Added;
         };
@@ -280,13 +375,12 @@ impl LoadView {
             .and_then(|r| r.predictions.remove(&d.request_id));
         if let Some(old) = moved {
             let prediction = Prediction {
-                prefilled: old.prefilled,
-                ..Prediction::of(d, old.added_ms)
+                prefill_tokens: d.prefill_tokens,
+                blocks: u64::from(d.request_blocks),
+                output_milliblocks: self.output_milliblocks(d, old.output_tokens),
+                ..old
             };
-            self.ranks
-                .entry(rank)
-                .or_default()
-                .insert(d.request_id, prediction);
+            self.rank_mut(rank).insert(d.request_id, prediction);
         }
         let known = self
             .decided
@@ -333,37 +427,92 @@ impl LoadView {
         }
     }
 
-    /// Prefill done: the prompt no longer counts as prefill. Finished: the request is gone.
-    /// From another rank than the one charged, the event moves the charge there first; for a
-    /// request with no decision yet, `finished` is remembered so its decision is not charged.
+    /// What `d`'s request counts for `output_tokens` generated (0 unless output blocks are
+    /// tracked).
+    fn output_milliblocks(&self, d: &Decision, output_tokens: u64) -> u64 {
+        if !self.config.models.track_output_blocks {
+            return 0;
+        }
+        models::output_milliblocks(output_tokens, d.block_size, d.expected_output_tokens)
+    }
+
+    /// Prefill done: the prompt no longer counts as prefill (and its time since the decision
+    /// teaches the rank's prefill rate). Progress: the output blocks generated so far count
+    /// (when tracked; otherwise ignored). Finished: the request is gone. From another rank
+    /// than the one charged, the event moves the charge there first; for a request with no
+    /// decision yet, `finished` is remembered so its decision is not charged.
     pub fn apply_lifecycle(&mut self, event: &RequestLifecycle, now_ms: u64) {
+        if matches!(event.kind, LifecycleKind::Progress { .. })
+            && !self.config.models.track_output_blocks
+        {
+            return;
+        }
         let at = WorkerRank::new(event.worker_id, event.dp_rank);
         let known = self.decided.get_mut(&event.request_id);
         if known.is_none() && matches!(event.kind, LifecycleKind::Finished { .. }) {
             self.settle_early(event.request_id, now_ms);
             return;
         }
-        if let Some(known) = known
-            && known.rank != at
-        {
-            let from = std::mem::replace(&mut known.rank, at);
-            let moved = self
-                .ranks
-                .get_mut(&from)
-                .and_then(|r| r.predictions.remove(&event.request_id));
-            if let Some(p) = moved {
-                self.ranks
-                    .entry(at)
-                    .or_default()
-                    .insert(event.request_id, p);
+        // What the rank's prefill rate learns from a first `prefill_done`: (tokens, ms).
+        let mut prefill_observed = None;
+        if let Some(known) = known {
+            if known.rank != at {
+                let from = std::mem::replace(&mut known.rank, at);
+                let moved = self
+                    .ranks
+                    .get_mut(&from)
+                    .and_then(|r| r.predictions.remove(&event.request_id));
+                if let Some(p) = moved {
+                    let models = self.config.models;
+                    self.ranks
+                        .entry(at)
+                        .or_insert_with(|| RankLoad::new(models))
+                        .insert(event.request_id, p);
+                }
+            }
+            if matches!(event.kind, LifecycleKind::PrefillDone { .. }) && !known.prefill_seen {
+                known.prefill_seen = true;
+                prefill_observed = Some((
+                    known.decision.prefill_tokens,
+                    now_ms.saturating_sub(known.added_ms),
+                ));
             }
         }
+        let fits_rate = matches!(
+            self.config.models.prefill,
+            PrefillLoadModel::Decay {
+                tokens_per_sec: None
+            }
+        );
+        if let (true, Some((tokens, elapsed_ms))) = (fits_rate, prefill_observed) {
+            self.rank_mut(at).prefill_rate.observe(tokens, elapsed_ms);
+        }
+        let output = match event.kind {
+            LifecycleKind::Progress { output_tokens } => {
+                let d = &self.decided.get(&event.request_id);
+                d.map(|d| {
+                    (
+                        output_tokens,
+                        self.output_milliblocks(&d.decision, output_tokens),
+                    )
+                })
+            }
+            _ => None,
+        };
         let Some(rank) = self.ranks.get_mut(&at) else {
             return;
         };
         match event.kind {
             LifecycleKind::PrefillDone { .. } => {
                 rank.predictions.mark_prefilled(&event.request_id);
+            }
+            LifecycleKind::Progress { .. } => {
+                // Generating output: past its prefill, whether or not that event came.
+                rank.predictions.mark_prefilled(&event.request_id);
+                if let Some((tokens, milliblocks)) = output {
+                    rank.predictions
+                        .progress(&event.request_id, tokens, milliblocks);
+                }
             }
             LifecycleKind::Finished { .. } => {
                 rank.predictions.remove(&event.request_id);
@@ -375,7 +524,11 @@ impl LoadView {
     /// predictions it counts (see the module docs). Returns whether the report was newer.
     pub fn apply_report(&mut self, report: &WorkerLoad, now_ms: u64) -> bool {
         let at = WorkerRank::new(report.worker_id, report.dp_rank);
-        let rank = self.ranks.entry(at).or_default();
+        let models = self.config.models;
+        let rank = self
+            .ranks
+            .entry(at)
+            .or_insert_with(|| RankLoad::new(models));
         if let Some((seq, _)) = rank.report
             && report.seq != 0
             && report.seq <= seq
@@ -451,8 +604,10 @@ impl LoadView {
         for rank in self.ranks.values_mut() {
             rank.retain(|p| p.added_ms > cutoff);
         }
-        self.ranks
-            .retain(|_, r| r.report.is_some() || !r.predictions.is_empty());
+        // A rank's fitted prefill rate is kept while its worker is registered.
+        self.ranks.retain(|_, r| {
+            r.report.is_some() || !r.predictions.is_empty() || r.prefill_rate.is_fitted()
+        });
         while let Some(id) = self.decided_order.front() {
             match self.decided.get(id) {
                 Some(d) if d.added_ms > cutoff => break,

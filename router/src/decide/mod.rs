@@ -135,12 +135,13 @@ pub trait DecisionState {
     fn with<R>(&mut self, f: impl FnOnce(&mut PartitionPolicy, &mut LoadView, u64) -> R) -> R;
 }
 
-/// The overlap the caller fetched grown by the predicted overlap, and the view's load when
-/// the policy reads it.
+/// The overlap the caller fetched grown by the predicted overlap, and the view's load at the
+/// decision's time when the policy reads it.
 struct Signals<'a> {
     overlap: &'a SignalSnapshot,
     predicted: Vec<(WorkerRank, u32)>,
     view: Option<&'a LoadView>,
+    now_ms: u64,
 }
 
 impl SignalSource for Signals<'_> {
@@ -153,7 +154,7 @@ impl SignalSource for Signals<'_> {
     }
 
     fn load(&self, worker: WorkerRank) -> Option<ObservedLoad> {
-        self.view.and_then(|v| v.load(worker))
+        self.view.and_then(|v| v.load(worker, self.now_ms))
     }
 }
 
@@ -187,6 +188,7 @@ pub fn decide(
             .map(|p| view.predicted().matches(p, now_ms))
             .unwrap_or_default(),
         view: policy.inputs.contains(WorkerInputs::LOAD).then_some(&*view),
+        now_ms,
     };
     let select_input = SelectInput {
         request: input.request,

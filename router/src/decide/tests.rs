@@ -45,6 +45,7 @@ impl Fixture {
                 confirm_window_ms: 1_000,
                 prediction_max_age_ms: 60_000,
                 predicted_overlap_ttl_ms,
+                models: Default::default(),
             }),
             partition: Partition {
                 cards: cards(workers),
@@ -347,7 +348,7 @@ fn a_commit_that_lost_a_race_withdraws_its_charge_and_adopts_the_winner() {
         );
         assert!(
             f.view
-                .load(WorkerRank::new(1, 0))
+                .load(WorkerRank::new(1, 0), 0)
                 .is_none_or(|l| l.active_requests == 0)
         );
         let bound = block_on(sessions.store().get("s")).unwrap().unwrap();

@@ -41,6 +41,7 @@ pub fn decision(input: &DecideInput<'_>, selection: &Selection, now_ms: u64) -> 
         overlap_blocks: overlap,
         prefill_tokens: prompt.tokens.saturating_sub(cached_tokens),
         expected_output_tokens: request.expected_output_tokens,
+        block_size: input.partition.block_size,
         cost: selection.cost.clone(),
         policy: selection.policy.clone(),
         binding: selection.binding,

@@ -90,9 +90,9 @@ impl BusyThresholds {
             && card.total_kv_blocks > 0
         {
             let limit = fraction * card.total_kv_blocks as f64;
-            if load.active_decode_blocks as f64 > limit {
+            if load.decode_blocks() > limit {
                 return Err(Busy::DecodeBlocks {
-                    active: load.active_decode_blocks,
+                    active: load.decode_blocks().ceil() as u64,
                     limit,
                 });
             }
@@ -124,6 +124,7 @@ mod tests {
             active_prefill_tokens: prefill,
             active_decode_blocks: decode,
             active_requests: 1,
+            output_blocks: 0.0,
         })
     }
 

@@ -11,8 +11,8 @@ use crate::worker::WorkerRank;
 pub struct LoadSignals {
     /// Prompt tokens currently active in the rank's prefill stage.
     pub active_prefill_tokens: u64,
-    /// Active decode footprint including this request's blocks: active decode blocks plus the
-    /// request's blocks.
+    /// Active decode footprint including this request's blocks: active decode blocks (with
+    /// output placeholders when the load view tracks them) plus the request's blocks.
     pub decode_cost_blocks: f64,
     /// Requests currently active on the rank.
     pub active_requests: u64,
@@ -24,7 +24,7 @@ impl LoadSignals {
         let observed = observed.unwrap_or_default();
         Self {
             active_prefill_tokens: observed.active_prefill_tokens,
-            decode_cost_blocks: observed.active_decode_blocks as f64 + f64::from(request_blocks),
+            decode_cost_blocks: observed.decode_blocks() + f64::from(request_blocks),
             active_requests: observed.active_requests,
         }
     }

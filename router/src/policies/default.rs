@@ -218,6 +218,7 @@ mod tests {
                 active_prefill_tokens: prefill_tokens,
                 active_decode_blocks: decode,
                 active_requests: 0,
+                output_blocks: 0.0,
             }),
             0,
         );

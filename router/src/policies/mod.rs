@@ -82,6 +82,7 @@ pub(crate) mod tests {
                     active_requests: *requests,
                     active_decode_blocks: *decode,
                     active_prefill_tokens: 0,
+                    output_blocks: 0.0,
                 };
                 WorkerCandidate::new(WorkerRank::new(c.worker_id, 0), c)
                     .with_load(LoadSignals::project(Some(load), 1))

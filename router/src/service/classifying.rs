@@ -175,6 +175,11 @@ impl Classifiers {
             LifecycleKind::PrefillDone { .. } => {
                 tracked.progress.observe(tracked.input_tokens);
             }
+            LifecycleKind::Progress { output_tokens } => {
+                tracked
+                    .progress
+                    .observe(tracked.input_tokens.saturating_add(output_tokens));
+            }
         }
     }
 

@@ -9,6 +9,7 @@ use kvroute_common::cli::Origins;
 use kvroute_common::config::{ConfigError, EtcdArgs, NamespaceArgs, NatsArgs};
 use kvroute_common::telemetry::TelemetryArgs;
 
+use super::load_models::LoadModelArgs;
 use crate::eligibility::{BusyThresholds, PrefillLimit};
 use crate::queue::QueueConfig;
 use crate::registry::{Override, PolicyOverrides};
@@ -175,6 +176,9 @@ pub struct RouterConfig {
         default_value_t = 2000
     )]
     pub predicted_overlap_ttl_ms: u64,
+    /// The load view's optional models (output blocks, prefill decay).
+    #[command(flatten)]
+    pub load_models: LoadModelArgs,
     /// Decide every request here instead of forwarding it to its partition's owner (by
     /// default each (model, role) partition has one owning replica among the serving ones,
     /// registered in etcd, and the others forward its requests there).
@@ -338,6 +342,7 @@ impl RouterConfig {
                 ),
             ));
         }
+        self.load_models.models()?;
         if self.busy_prefill_tokens == Some(0) {
             return Err(ConfigError::new("busy-prefill-tokens", "must be above 0"));
         }

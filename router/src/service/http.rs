@@ -1,10 +1,11 @@
 //! `/metrics`, `/healthz`, `/readyz` (200 while in the select queue group: ready and keeping
-//! up) and `/status` (JSON: id, readiness, membership, workers, policies).
+//! up) and `/status` (JSON: id, readiness, membership, workers, policies, and each rank's load
+//! as the load view sees it now).
 
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
-use kvroute_common::messages::WorkerRole;
+use kvroute_common::messages::{WorkerRole, now_ms};
 use kvroute_common::ops::{HttpHandler, HttpResponse};
 
 use super::Router;
@@ -49,11 +50,33 @@ fn status(router: &Router) -> serde_json::Value {
             )
         })
         .collect();
+    let load: Vec<serde_json::Value> = router
+        .lock_load()
+        .ranks(now_ms())
+        .into_iter()
+        .map(|r| {
+            let mut entry = serde_json::json!({
+                "worker_id": r.rank.worker_id,
+                "dp_rank": r.rank.dp_rank,
+            });
+            if let Some(l) = r.load {
+                entry["active_prefill_tokens"] = l.active_prefill_tokens.into();
+                entry["active_decode_blocks"] = l.active_decode_blocks.into();
+                entry["output_blocks"] = l.output_blocks.into();
+                entry["active_requests"] = l.active_requests.into();
+            }
+            if let Some(rate) = r.prefill_tokens_per_sec {
+                entry["prefill_tokens_per_sec"] = rate.into();
+            }
+            entry
+        })
+        .collect();
     serde_json::json!({
         "router_id": router.router_id,
         "ready": router.is_ready(),
         "serving": router.is_serving(),
         "workers": workers,
         "policies": policies,
+        "load": load,
     })
 }

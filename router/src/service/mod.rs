@@ -11,6 +11,7 @@ pub mod config;
 mod feeds;
 mod http;
 pub mod intake;
+pub mod load_models;
 pub mod metrics;
 pub mod overlap;
 mod peers;
@@ -217,6 +218,7 @@ pub async fn run(
             confirm_window_ms: config.prediction_confirm_ms,
             prediction_max_age_ms: config.prediction_max_age_secs.saturating_mul(1000),
             predicted_overlap_ttl_ms: config.predicted_overlap_ttl_ms,
+            models: config.load_models.models()?,
         })),
         overlap,
         sessions: SessionTable::new(store, sessions_config),

@@ -11,6 +11,7 @@ fn view() -> LoadView {
         confirm_window_ms: 2000,
         prediction_max_age_ms: 60_000,
         predicted_overlap_ttl_ms: 0,
+        models: Default::default(),
     })
 }
 
@@ -29,6 +30,7 @@ fn decision(worker_id: u64, request_id: Uuid, blocks: u32, prefill: u64) -> Deci
         overlap_blocks: 0,
         prefill_tokens: prefill,
         expected_output_tokens: None,
+        block_size: 16,
         cost: Default::default(),
         policy: "default".into(),
         binding: None,
@@ -83,12 +85,12 @@ const W: WorkerRank = WorkerRank {
 #[test]
 fn decisions_add_and_lifecycle_events_remove_predicted_load() {
     let mut v = view();
-    assert_eq!(v.load(W), None);
+    assert_eq!(v.load(W, 0), None);
     let r = Uuid::new_v4();
     let d = decision(1, r, 10, 160);
     assert_eq!(v.apply_decision(&d, 0), Applied::Added);
     assert_eq!(v.apply_decision(&d, 0), Applied::Duplicate);
-    let l = v.load(W).unwrap();
+    let l = v.load(W, 0).unwrap();
     assert_eq!(
         (
             l.active_prefill_tokens,
@@ -101,14 +103,14 @@ fn decisions_add_and_lifecycle_events_remove_predicted_load() {
         &lifecycle(1, r, LifecycleKind::PrefillDone { cached_tokens: 0 }),
         0,
     );
-    let l = v.load(W).unwrap();
+    let l = v.load(W, 0).unwrap();
     assert_eq!((l.active_prefill_tokens, l.active_decode_blocks), (0, 10));
     v.apply_lifecycle(
         &lifecycle(1, r, LifecycleKind::Finished { output_tokens: 5 }),
         0,
     );
     // Nothing predicted and no report: nothing known.
-    assert_eq!(v.load(W), None);
+    assert_eq!(v.load(W, 0), None);
 }
 
 #[test]
@@ -118,14 +120,14 @@ fn a_newer_report_drops_predictions_older_than_one_interval() {
     v.apply_decision(&decision(1, Uuid::new_v4(), 4, 64), 2_500);
     assert!(v.apply_report(&report(1, 5, 3), 3_000));
     // The first prediction (2 s old) is in the report now; the second (0.5 s) is not yet.
-    let l = v.load(W).unwrap();
+    let l = v.load(W, 0).unwrap();
     assert_eq!((l.active_requests, l.active_decode_blocks), (4, 4));
     // A stale report changes nothing.
     assert!(!v.apply_report(&report(1, 4, 0), 9_000));
-    assert_eq!(v.load(W).unwrap().active_requests, 4);
+    assert_eq!(v.load(W, 0).unwrap().active_requests, 4);
     // A lost `finished`: gone with the next report after one interval.
     assert!(v.apply_report(&report(1, 6, 0), 3_600));
-    assert_eq!(v.load(W).unwrap().active_requests, 0);
+    assert_eq!(v.load(W, 0).unwrap().active_requests, 0);
 }
 
 #[test]
@@ -220,7 +222,7 @@ fn report_at(worker_id: u64, seq: u64, requests: u64, ts: u64) -> WorkerLoad {
 }
 
 fn requests(v: &LoadView, worker_id: u64) -> Option<u64> {
-    v.load(WorkerRank::new(worker_id, 0))
+    v.load(WorkerRank::new(worker_id, 0), 0)
         .map(|l| l.active_requests)
 }
 
@@ -296,7 +298,7 @@ fn a_lifecycle_event_from_another_rank_moves_the_charge_there() {
         0,
     );
     assert_eq!(requests(&v, 1), None);
-    let l = v.load(WorkerRank::new(2, 0)).unwrap();
+    let l = v.load(WorkerRank::new(2, 0), 0).unwrap();
     assert_eq!((l.active_requests, l.active_prefill_tokens), (1, 0));
     v.apply_lifecycle(
         &lifecycle(2, r, LifecycleKind::Finished { output_tokens: 1 }),
@@ -359,10 +361,12 @@ fn departed_workers_and_old_predictions_are_forgotten() {
     v.apply_decision(&decision(1, Uuid::new_v4(), 4, 64), 0);
     v.apply_decision(&decision(2, Uuid::new_v4(), 4, 64), 50_000);
     v.remove_worker(1);
-    assert_eq!(v.load(W), None);
+    assert_eq!(v.load(W, 0), None);
     v.expire(70_000);
     assert_eq!(v.predictions(), 1);
     v.expire(120_000);
     assert_eq!(v.predictions(), 0);
-    assert_eq!(v.load(WorkerRank::new(2, 0)), None);
+    assert_eq!(v.load(WorkerRank::new(2, 0), 0), None);
 }
+
+mod models;
