@@ -33,8 +33,9 @@ pub use played_engine::{Play, PlayedEngine, Received, play};
 pub use ports::free_port;
 pub use process::{ChildGuard, Exited, Supervised, run_to_exit};
 pub use router::{
-    PromptWorker, RouterProcess, prompt_workers, request, router_exit, router_exit_with, select,
-    select_raw, select_until_overlap, worker_card,
+    PromptWorker, RouterProcess, expect_worker, fleet_worker, prompt_workers, request, router_exit,
+    router_exit_with, select, select_raw, select_until_overlap, send_select,
+    wait_routers_registered, worker_card,
 };
 pub use servers::{EtcdServer, NatsServer, TestEnv, find_binary, workspace_root};
 pub use sim_worker::{SimWorker, expected_index, sim_card, stored};

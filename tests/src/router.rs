@@ -10,13 +10,13 @@ use anyhow::{Context, bail};
 use kvroute_common::codec::{decode, encode};
 use kvroute_common::hashing::{local_block_hashes, seed_for_lora, sequence_hashes};
 use kvroute_common::messages::{
-    KvEventData, SchemaVersion, SelectRequest, SelectResponse, StorageTier, StoredBlock,
-    WorkerCard, WorkerLoad, WorkerRole,
+    KvEventData, LifecycleKind, RequestLifecycle, SchemaVersion, SelectReply, SelectRequest,
+    SelectResponse, StorageTier, StoredBlock, WorkerCard, WorkerLoad, WorkerRole,
 };
 use kvroute_common::worker::{
     EventPublisher, RegistrationConfig, ResyncSource, WorkerAgent, WorkerAgentConfig,
 };
-use kvroute_common::{Names, WorkerId};
+use kvroute_common::{Names, RequestId, WorkerId};
 
 use crate::bins::kvroute_bin;
 use crate::http::http_get;
@@ -387,4 +387,78 @@ pub fn request(model: &str, tokens: Vec<u32>) -> SelectRequest {
         token_ids: Some(tokens),
         ..SelectRequest::default()
     }
+}
+
+/// Sends `request` to `subject` in a task that waits up to 30 s for the answer (for requests
+/// that may wait in a router's admission queue).
+pub fn send_select(
+    nats: &async_nats::Client,
+    subject: String,
+    request: &SelectRequest,
+) -> tokio::task::JoinHandle<SelectResponse> {
+    let nats = nats.clone();
+    let payload = encode(request).expect("a select request encodes");
+    tokio::spawn(async move {
+        let reply = tokio::time::timeout(Duration::from_secs(30), nats.request(subject, payload))
+            .await
+            .expect("answered within 30 s")
+            .expect("a responder");
+        decode::<SelectResponse>(&reply.payload).expect("a select response")
+    })
+}
+
+/// The reply of a successful selection; panics on an error answer.
+pub fn expect_worker(response: SelectResponse) -> SelectReply {
+    match response {
+        SelectResponse::Ok(r) => r,
+        SelectResponse::Error(e) => panic!("expected a worker, got {e:?}"),
+    }
+}
+
+impl PromptWorker {
+    /// Publishes that `request_id` finished here (its load leaves every router's view).
+    pub async fn finish(&self, request_id: RequestId, output_tokens: u64) {
+        let event = RequestLifecycle {
+            v: SchemaVersion::CURRENT,
+            request_id,
+            worker_id: self.id(),
+            dp_rank: 0,
+            kind: LifecycleKind::Finished { output_tokens },
+            ts: 0,
+        };
+        self.agent
+            .publish_lifecycle(&event)
+            .await
+            .expect("a lifecycle event");
+    }
+}
+
+/// The worker of `fleet` with id `id`.
+pub fn fleet_worker(fleet: &[PromptWorker], id: WorkerId) -> &PromptWorker {
+    fleet
+        .iter()
+        .find(|w| w.id() == id)
+        .expect("a worker of the fleet")
+}
+
+/// Waits until `expected` router replicas are registered in etcd (and gives their watchers a
+/// moment to see the last one), so each knows the partitions' owners.
+pub async fn wait_routers_registered(env: &TestEnv, names: &Names, expected: usize) {
+    let mut etcd = env.etcd.connect().await.expect("etcd");
+    let prefix = names.routers_prefix();
+    for _ in 0..200 {
+        let resp = etcd
+            .get(
+                prefix.as_str(),
+                Some(etcd_client::GetOptions::new().with_prefix()),
+            )
+            .await
+            .expect("etcd get");
+        if resp.kvs().len() == expected {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{expected} routers never registered");
 }

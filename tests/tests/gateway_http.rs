@@ -515,7 +515,18 @@ async fn every_worker_overloaded_is_503_with_retry_after() {
     )
     .await
     .unwrap();
-    let gateway = stack.gateway("g", &["--retry-after-secs", "3"]).unwrap();
+    // The request may wait 300 ms in the router's admission queue, then gets its 503.
+    let gateway = stack
+        .gateway(
+            "g",
+            &[
+                "--retry-after-secs",
+                "3",
+                "--select-queue-timeout-ms",
+                "300",
+            ],
+        )
+        .unwrap();
     let http = reqwest::Client::new();
     let r = http
         .post(gateway.url("/v1/select_and_reserve"))
@@ -526,9 +537,15 @@ async fn every_worker_overloaded_is_503_with_retry_after() {
     assert_eq!(r.status(), 200);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let body = json!({"model": "busy", "prompt": prompt(8, 40), "max_tokens": 1});
+    let started = std::time::Instant::now();
     let (status, h, text) = complete(&http, &gateway, body, &[]).await;
     assert_eq!(status, 503, "{text}");
     assert_eq!(h["retry-after"], "3");
     let v: Value = serde_json::from_str(&text).unwrap();
-    assert_eq!(v["error"]["code"], "all_workers_overloaded", "{v}");
+    assert_eq!(v["error"]["code"], "queue_timeout", "{v}");
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(300) && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
 }

@@ -9,56 +9,15 @@
 use std::time::Duration;
 
 use kvroute_common::Names;
-use kvroute_common::codec::{decode, encode};
-use kvroute_common::messages::{
-    LifecycleKind, Pin, RequestLifecycle, SchemaVersion, SelectReply, SelectRequest,
-    SelectResponse, SessionContext,
-};
-use kvroute_common::{RequestId, WorkerId};
+use kvroute_common::messages::{Pin, SelectRequest, SessionContext};
 use kvroute_tests::{
-    IndexerProcess, PromptWorker, RouterProcess, TestEnv, prompt_workers, request, workspace_root,
+    IndexerProcess, RouterProcess, TestEnv, expect_worker, fleet_worker, prompt_workers, request,
+    send_select, workspace_root,
 };
-use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 fn prompt(i: u32) -> Vec<u32> {
     (0..64).map(|t| i * 1_000 + t).collect()
-}
-
-fn send(nats: &async_nats::Client, names: &Names, r: &SelectRequest) -> JoinHandle<SelectResponse> {
-    let nats = nats.clone();
-    let subject = names.select();
-    let payload = encode(r).unwrap();
-    tokio::spawn(async move {
-        let reply = tokio::time::timeout(Duration::from_secs(20), nats.request(subject, payload))
-            .await
-            .expect("answered within 20 s")
-            .expect("a responder");
-        decode::<SelectResponse>(&reply.payload).unwrap()
-    })
-}
-
-fn ok(response: SelectResponse) -> SelectReply {
-    match response {
-        SelectResponse::Ok(r) => r,
-        SelectResponse::Error(e) => panic!("expected a worker, got {e:?}"),
-    }
-}
-
-async fn finish(worker: &PromptWorker, request_id: RequestId) {
-    let event = RequestLifecycle {
-        v: SchemaVersion::CURRENT,
-        request_id,
-        worker_id: worker.id(),
-        dp_rank: 0,
-        kind: LifecycleKind::Finished { output_tokens: 8 },
-        ts: 0,
-    };
-    worker.agent().publish_lifecycle(&event).await.unwrap();
-}
-
-fn worker(fleet: &[PromptWorker], id: WorkerId) -> &PromptWorker {
-    fleet.iter().find(|w| w.id() == id).unwrap()
 }
 
 fn in_session(i: u32, session: &str) -> SelectRequest {
@@ -98,11 +57,15 @@ async fn session_serial_defers_a_sessions_second_request_and_steers_it_to_its_wo
     let nats = env.nats.connect().await.unwrap();
 
     // The session's first request runs on some worker W.
-    let first = ok(send(&nats, &names, &in_session(1, "chat-1")).await.unwrap());
+    let first = expect_worker(
+        send_select(&nats, names.select(), &in_session(1, "chat-1"))
+            .await
+            .unwrap(),
+    );
     let w = first.worker_id;
 
     // Its second, sent while the first runs, is deferred: no answer.
-    let second = send(&nats, &names, &in_session(2, "chat-1"));
+    let second = send_select(&nats, names.select(), &in_session(2, "chat-1"));
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     assert!(
         !second.is_finished(),
@@ -121,20 +84,27 @@ async fn session_serial_defers_a_sessions_second_request_and_steers_it_to_its_wo
             worker_id: w,
             dp_rank: None,
         });
-        assert_eq!(ok(send(&nats, &names, &r).await.unwrap()).worker_id, w);
+        assert_eq!(
+            expect_worker(send_select(&nats, names.select(), &r).await.unwrap()).worker_id,
+            w
+        );
     }
     // An unrelated request goes elsewhere (W is the busiest).
-    let other = ok(send(&nats, &names, &request("m", prompt(20)))
-        .await
-        .unwrap());
+    let other = expect_worker(
+        send_select(&nats, names.select(), &request("m", prompt(20)))
+            .await
+            .unwrap(),
+    );
     assert_ne!(other.worker_id, w);
 
     // The first finishes: the second is admitted and sent where its session ran.
-    finish(worker(&fleet, w), first.request_id).await;
-    let second = ok(tokio::time::timeout(Duration::from_secs(10), second)
-        .await
-        .expect("admitted after the first finished")
-        .unwrap());
+    fleet_worker(&fleet, w).finish(first.request_id, 8).await;
+    let second = expect_worker(
+        tokio::time::timeout(Duration::from_secs(10), second)
+            .await
+            .expect("admitted after the first finished")
+            .unwrap(),
+    );
     assert_eq!(
         second.worker_id, w,
         "the classifier's target (learned from Sent) was honoured"
@@ -146,7 +116,11 @@ async fn session_serial_defers_a_sessions_second_request_and_steers_it_to_its_wo
         1.0
     );
     // Another session is not held back by this one.
-    let third = ok(send(&nats, &names, &in_session(3, "chat-2")).await.unwrap());
+    let third = expect_worker(
+        send_select(&nats, names.select(), &in_session(3, "chat-2"))
+            .await
+            .unwrap(),
+    );
     assert!((1..=4).contains(&third.worker_id));
 }
 
@@ -169,15 +143,25 @@ async fn max_in_flight_holds_a_model_at_its_limit() {
     )
     .unwrap();
     let nats = env.nats.connect().await.unwrap();
-    let a = ok(send(&nats, &names, &in_session(1, "a")).await.unwrap());
-    let _b = ok(send(&nats, &names, &in_session(2, "b")).await.unwrap());
-    let c = send(&nats, &names, &in_session(3, "c"));
+    let a = expect_worker(
+        send_select(&nats, names.select(), &in_session(1, "a"))
+            .await
+            .unwrap(),
+    );
+    let _b = expect_worker(
+        send_select(&nats, names.select(), &in_session(2, "b"))
+            .await
+            .unwrap(),
+    );
+    let c = send_select(&nats, names.select(), &in_session(3, "c"));
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!c.is_finished(), "a third request waits at the limit of 2");
-    finish(worker(&fleet, a.worker_id), a.request_id).await;
+    fleet_worker(&fleet, a.worker_id)
+        .finish(a.request_id, 8)
+        .await;
     let c = tokio::time::timeout(Duration::from_secs(10), c)
         .await
         .expect("admitted once one finished")
         .unwrap();
-    ok(c);
+    expect_worker(c);
 }

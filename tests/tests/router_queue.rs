@@ -9,15 +9,12 @@ use std::time::Duration;
 
 use kvroute_common::Names;
 use kvroute_common::client::{RetryPolicy, SelectClient, SelectFailure};
-use kvroute_common::codec::{decode, encode};
-use kvroute_common::messages::{
-    ErrorCode, LifecycleKind, RequestLifecycle, SchemaVersion, SelectReply, SelectRequest,
-    SelectResponse, WorkerRole,
-};
+use kvroute_common::messages::{ErrorCode, SelectRequest, SelectResponse, WorkerRole};
 use kvroute_common::{RequestId, WorkerId};
 use kvroute_router::decide::owner::owner;
 use kvroute_tests::{
-    IndexerProcess, PromptWorker, RouterProcess, TestEnv, prompt_workers, request,
+    IndexerProcess, RouterProcess, TestEnv, expect_worker, fleet_worker, prompt_workers, request,
+    send_select, wait_routers_registered,
 };
 use tokio::task::JoinHandle;
 use uuid::Uuid;
@@ -38,52 +35,11 @@ fn queued_request(i: u32, priority: i32, queue_timeout_ms: u64) -> SelectRequest
     r
 }
 
-/// Sends `r` to `subject` and waits up to 30 s for the answer.
-fn send(
-    nats: &async_nats::Client,
-    subject: String,
-    r: &SelectRequest,
-) -> JoinHandle<SelectResponse> {
-    let nats = nats.clone();
-    let payload = encode(r).unwrap();
-    tokio::spawn(async move {
-        let reply = tokio::time::timeout(Duration::from_secs(30), nats.request(subject, payload))
-            .await
-            .expect("answered within 30 s")
-            .expect("a responder");
-        decode::<SelectResponse>(&reply.payload).unwrap()
-    })
-}
-
-fn ok(response: SelectResponse) -> SelectReply {
-    match response {
-        SelectResponse::Ok(r) => r,
-        SelectResponse::Error(e) => panic!("expected a worker, got {e:?}"),
-    }
-}
-
 fn code(response: &SelectResponse) -> Option<ErrorCode> {
     match response {
         SelectResponse::Ok(_) => None,
         SelectResponse::Error(e) => Some(e.code),
     }
-}
-
-/// The worker says `request_id` finished: its slot is free.
-async fn finish(worker: &PromptWorker, request_id: RequestId) {
-    let event = RequestLifecycle {
-        v: SchemaVersion::CURRENT,
-        request_id,
-        worker_id: worker.id(),
-        dp_rank: 0,
-        kind: LifecycleKind::Finished { output_tokens: 1 },
-        ts: 0,
-    };
-    worker.agent().publish_lifecycle(&event).await.unwrap();
-}
-
-fn worker(fleet: &[PromptWorker], id: WorkerId) -> &PromptWorker {
-    fleet.iter().find(|w| w.id() == id).unwrap()
 }
 
 /// Takes every answered request out of `pending`.
@@ -121,33 +77,13 @@ async fn one_answer(
     take(pending, expected).await
 }
 
-async fn wait_registered(env: &TestEnv, names: &Names, expected: usize) {
-    let mut etcd = env.etcd.connect().await.unwrap();
-    let prefix = names.routers_prefix();
-    for _ in 0..200 {
-        let resp = etcd
-            .get(
-                prefix.as_str(),
-                Some(etcd_client::GetOptions::new().with_prefix()),
-            )
-            .await
-            .unwrap();
-        if resp.kvs().len() == expected {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{expected} routers never registered");
-}
-
 /// Occupies the four workers with one request each (answered at once, each on its own
 /// worker); returns request id → worker.
 async fn saturate(nats: &async_nats::Client, names: &Names) -> Vec<(RequestId, WorkerId)> {
     let mut held = Vec::new();
     for i in 0..4 {
         let r = queued_request(1_000 + i, 0, 10_000);
-        let reply = ok(send(nats, names.select(), &r).await.unwrap());
+        let reply = expect_worker(send_select(nats, names.select(), &r).await.unwrap());
         held.push((r.request_id.unwrap(), reply.worker_id));
     }
     let mut workers: Vec<WorkerId> = held.iter().map(|h| h.1).collect();
@@ -164,7 +100,7 @@ async fn queued_requests_run_in_priority_order_one_per_freed_slot() {
     let fleet = prompt_workers(&env, &[1, 2, 3, 4]).await;
     let _indexer = IndexerProcess::start(&env, "ix-1", &[]).unwrap();
     let router = RouterProcess::start(&env, "solo", BUSY).unwrap();
-    wait_registered(&env, &names, 1).await;
+    wait_routers_registered(&env, &names, 1).await;
     let nats = env.nats.connect().await.unwrap();
     let held = saturate(&nats, &names).await;
 
@@ -175,7 +111,7 @@ async fn queued_requests_run_in_priority_order_one_per_freed_slot() {
         let i = i as u32;
         pending.push((
             i,
-            send(&nats, names.select(), &queued_request(i, *p, 20_000)),
+            send_select(&nats, names.select(), &queued_request(i, *p, 20_000)),
         ));
         tokio::time::sleep(Duration::from_millis(30)).await;
     }
@@ -192,8 +128,8 @@ async fn queued_requests_run_in_priority_order_one_per_freed_slot() {
     let mut running = held.clone();
     for expected in [1, 3, 5, 2, 0, 4] {
         let (request_id, worker_id) = running.remove(0);
-        finish(worker(&fleet, worker_id), request_id).await;
-        let reply = ok(one_answer(&mut pending, expected).await);
+        fleet_worker(&fleet, worker_id).finish(request_id, 1).await;
+        let reply = expect_worker(one_answer(&mut pending, expected).await);
         assert_eq!(reply.worker_id, worker_id, "served on the freed worker");
         running.push((reply.request_id, reply.worker_id));
     }
@@ -215,16 +151,16 @@ async fn deadlines_expire_a_full_queue_refuses_and_a_stopped_router_answers_its_
     let mut args = BUSY.to_vec();
     args.extend(["--queue-max-len", "2"]);
     let mut router = RouterProcess::start(&env, "solo", &args).unwrap();
-    wait_registered(&env, &names, 1).await;
+    wait_routers_registered(&env, &names, 1).await;
     let nats = env.nats.connect().await.unwrap();
     saturate(&nats, &names).await;
 
     // Two wait 600 ms and time out; a third finds the queue full at once.
     let started = std::time::Instant::now();
-    let a = send(&nats, names.select(), &queued_request(1, 0, 600));
-    let b = send(&nats, names.select(), &queued_request(2, 0, 600));
+    let a = send_select(&nats, names.select(), &queued_request(1, 0, 600));
+    let b = send_select(&nats, names.select(), &queued_request(2, 0, 600));
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let full = send(&nats, names.select(), &queued_request(3, 0, 600))
+    let full = send_select(&nats, names.select(), &queued_request(3, 0, 600))
         .await
         .unwrap();
     assert_eq!(code(&full), Some(ErrorCode::QueueFull), "{full:?}");
@@ -253,7 +189,7 @@ async fn deadlines_expire_a_full_queue_refuses_and_a_stopped_router_answers_its_
     // An attempt's own deadline bounds its wait too, and its answer comes before it.
     let mut short = queued_request(4, 0, 20_000);
     short.deadline_ms = Some(kvroute_common::messages::now_ms() + 400);
-    let response = send(&nats, names.select(), &short).await.unwrap();
+    let response = send_select(&nats, names.select(), &short).await.unwrap();
     assert_eq!(
         code(&response),
         Some(ErrorCode::QueueTimeout),
@@ -261,8 +197,8 @@ async fn deadlines_expire_a_full_queue_refuses_and_a_stopped_router_answers_its_
     );
 
     // Stopped with requests queued: they are answered `unavailable` (clients retry elsewhere).
-    let c = send(&nats, names.select(), &queued_request(5, 0, 20_000));
-    let d = send(&nats, names.select(), &queued_request(6, 0, 20_000));
+    let c = send_select(&nats, names.select(), &queued_request(5, 0, 20_000));
+    let d = send_select(&nats, names.select(), &queued_request(6, 0, 20_000));
     tokio::time::sleep(Duration::from_millis(300)).await;
     router.stop().unwrap();
     for h in [c, d] {
@@ -275,21 +211,51 @@ async fn deadlines_expire_a_full_queue_refuses_and_a_stopped_router_answers_its_
     }
 }
 
-/// Two replicas: requests reaching either wait in the owner's queue (the other forwards them
-/// and the owner answers their clients), and each freed slot serves exactly one.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_replicas_never_dispatch_two_queued_requests_onto_one_freed_slot() {
+/// Four workers, an indexer and two router replicas (busy above one request), registered.
+struct Replicas {
+    env: TestEnv,
+    names: Names,
+    fleet: Vec<kvroute_tests::PromptWorker>,
+    _indexer: IndexerProcess,
+    routers: Vec<RouterProcess>,
+    /// The replica owning model `m`'s aggregated partition.
+    owner_id: &'static str,
+}
+
+async fn two_replicas() -> Replicas {
     let env = TestEnv::start().unwrap();
     let names = Names::new(&env.namespace);
     let fleet = prompt_workers(&env, &[1, 2, 3, 4]).await;
-    let _indexer = IndexerProcess::start(&env, "ix-1", &[]).unwrap();
+    let indexer = IndexerProcess::start(&env, "ix-1", &[]).unwrap();
     let ids = ["r-a", "r-b"];
     let routers: Vec<RouterProcess> = ids
         .iter()
         .map(|id| RouterProcess::start(&env, id, BUSY).unwrap())
         .collect();
-    wait_registered(&env, &names, 2).await;
+    wait_routers_registered(&env, &names, 2).await;
     let owner_id = owner(ids, "m", WorkerRole::Aggregated).unwrap();
+    Replicas {
+        env,
+        names,
+        fleet,
+        _indexer: indexer,
+        routers,
+        owner_id,
+    }
+}
+
+/// Two replicas: requests reaching either wait in the owner's queue (the other forwards them
+/// and the owner answers their clients), and each freed slot serves exactly one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_never_dispatch_two_queued_requests_onto_one_freed_slot() {
+    let Replicas {
+        env,
+        names,
+        fleet,
+        _indexer,
+        routers,
+        owner_id,
+    } = two_replicas().await;
     let other = routers.iter().find(|r| r.router_id != owner_id).unwrap();
     let nats = env.nats.connect().await.unwrap();
     let held = saturate(&nats, &names).await;
@@ -297,8 +263,11 @@ async fn two_replicas_never_dispatch_two_queued_requests_onto_one_freed_slot() {
     // Six queued, alternately on each replica's own subject.
     let mut pending = Vec::new();
     for i in 0..6u32 {
-        let subject = names.router_select(ids[i as usize % 2]);
-        pending.push((i, send(&nats, subject, &queued_request(i, 0, 20_000))));
+        let subject = names.router_select(["r-a", "r-b"][i as usize % 2]);
+        pending.push((
+            i,
+            send_select(&nats, subject, &queued_request(i, 0, 20_000)),
+        ));
         tokio::time::sleep(Duration::from_millis(30)).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -312,8 +281,8 @@ async fn two_replicas_never_dispatch_two_queued_requests_onto_one_freed_slot() {
     let mut running = held.clone();
     for expected in 0..6u32 {
         let (request_id, worker_id) = running.remove(0);
-        finish(worker(&fleet, worker_id), request_id).await;
-        let reply = ok(one_answer(&mut pending, expected).await);
+        fleet_worker(&fleet, worker_id).finish(request_id, 1).await;
+        let reply = expect_worker(one_answer(&mut pending, expected).await);
         assert_eq!(reply.worker_id, worker_id);
         assert_eq!(
             reply.router_id, owner_id,
@@ -327,17 +296,14 @@ async fn two_replicas_never_dispatch_two_queued_requests_onto_one_freed_slot() {
 /// surviving replica, which owns the partition once the dead one's registration expires).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_owner_leaves_its_queued_clients_a_retry_not_silence() {
-    let env = TestEnv::start().unwrap();
-    let names = Names::new(&env.namespace);
-    let fleet = prompt_workers(&env, &[1, 2, 3, 4]).await;
-    let _indexer = IndexerProcess::start(&env, "ix-1", &[]).unwrap();
-    let ids = ["r-a", "r-b"];
-    let routers: Vec<RouterProcess> = ids
-        .iter()
-        .map(|id| RouterProcess::start(&env, id, BUSY).unwrap())
-        .collect();
-    wait_registered(&env, &names, 2).await;
-    let owner_id = owner(ids, "m", WorkerRole::Aggregated).unwrap();
+    let Replicas {
+        env,
+        names,
+        fleet,
+        _indexer,
+        routers,
+        owner_id,
+    } = two_replicas().await;
     let nats = env.nats.connect().await.unwrap();
     let held = saturate(&nats, &names).await;
 
@@ -361,7 +327,9 @@ async fn a_killed_owner_leaves_its_queued_clients_a_retry_not_silence() {
     // Capacity frees while the clients retry: the survivor serves them.
     tokio::time::sleep(Duration::from_millis(500)).await;
     for (request_id, worker_id) in &held {
-        finish(worker(&fleet, *worker_id), *request_id).await;
+        fleet_worker(&fleet, *worker_id)
+            .finish(*request_id, 1)
+            .await;
     }
     let mut served = 0;
     let mut timed_out = 0;

@@ -15,7 +15,9 @@ use kvroute_common::messages::{
     SelectReply, SelectRequest, SelectResponse, StorageTier, WorkerRole,
 };
 use kvroute_router::decide::owner::owner;
-use kvroute_tests::{IndexerProcess, RouterProcess, TestEnv, prompt_workers, request};
+use kvroute_tests::{
+    IndexerProcess, RouterProcess, TestEnv, prompt_workers, request, wait_routers_registered,
+};
 
 const BURST: usize = 64;
 /// Blocks every prompt of the burst shares, then one of its own.
@@ -85,29 +87,6 @@ async fn burst(
     futures::future::join_all(sends).await
 }
 
-/// Waits until every router counts `expected` serving replicas in etcd (registrations are
-/// watched, so each replica knows the owner).
-async fn wait_registered(env: &TestEnv, names: &Names, expected: usize) {
-    let mut etcd = env.etcd.connect().await.unwrap();
-    let prefix = names.routers_prefix();
-    for _ in 0..200 {
-        let resp = etcd
-            .get(
-                prefix.as_str(),
-                Some(etcd_client::GetOptions::new().with_prefix()),
-            )
-            .await
-            .unwrap();
-        if resp.kvs().len() == expected {
-            // The watchers see the last put within a moment.
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{expected} routers never registered");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_over_four_replicas_lands_as_on_one_and_survives_its_owner() {
     // One replica.
@@ -117,7 +96,7 @@ async fn a_burst_over_four_replicas_lands_as_on_one_and_survives_its_owner() {
         let _fleet = prompt_workers(&env, &[1, 2, 3, 4]).await;
         let _indexer = IndexerProcess::start(&env, "ix-1", &[]).unwrap();
         let _router = RouterProcess::start(&env, "solo", &[]).unwrap();
-        wait_registered(&env, &names, 1).await;
+        wait_routers_registered(&env, &names, 1).await;
         let nats = env.nats.connect().await.unwrap();
         outcome(&burst(&nats, &names, &["solo"], 1).await)
     };
@@ -132,7 +111,7 @@ async fn a_burst_over_four_replicas_lands_as_on_one_and_survives_its_owner() {
         .iter()
         .map(|id| RouterProcess::start(&env, id, &[]).unwrap())
         .collect();
-    wait_registered(&env, &names, 4).await;
+    wait_routers_registered(&env, &names, 4).await;
     let nats = env.nats.connect().await.unwrap();
     let four = outcome(&burst(&nats, &names, &ids, 1).await);
     eprintln!("one replica: {single:?}; four replicas: {four:?}");
@@ -191,7 +170,7 @@ async fn a_burst_over_four_replicas_lands_as_on_one_and_survives_its_owner() {
     // And afterwards the partition has a new owner among the survivors, which the others
     // forward to.
     let survivors: Vec<&str> = ids.iter().copied().filter(|id| *id != owner_id).collect();
-    wait_registered(&env, &names, 3).await;
+    wait_routers_registered(&env, &names, 3).await;
     let next = owner(survivors.iter().copied(), "m", WorkerRole::Aggregated).unwrap();
     let before: f64 = routers
         .iter()
