@@ -32,8 +32,10 @@ pub struct SelectRetryArgs {
     pub attempt_timeout_ms: u64,
     /// How long a selection may wait in a router's admission queue when every eligible worker
     /// is busy (sent as the request's `queue_timeout_ms`; each attempt waits this much longer).
-    /// 0: ask for no queueing (the router answers `queue_timeout` before the attempt's
-    /// deadline instead of `all_overloaded` at once).
+    /// 0 (the default): the request waits at most its attempt's timeout (the router answers
+    /// `queue_timeout` just before the attempt's deadline). A longer wait lengthens every
+    /// attempt, so a router that dies or stalls with the request costs that much more before
+    /// the retry: raise it where a served request is worth that.
     #[arg(
         long = "select-queue-timeout-ms",
         env = "KVROUTE_SELECT_QUEUE_TIMEOUT_MS",
@@ -53,7 +55,7 @@ impl Default for SelectRetryArgs {
 }
 
 impl SelectRetryArgs {
-    pub const DEFAULT_QUEUE_TIMEOUT_MS: u64 = 10_000;
+    pub const DEFAULT_QUEUE_TIMEOUT_MS: u64 = 0;
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.attempts == 0 {
