@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvroute_common::config::{ConfigError, EtcdArgs, NamespaceArgs, NatsArgs, check_file};
+use kvroute_common::events_stream::StreamArgs;
 use kvroute_common::messages::WorkerRole;
 use kvroute_common::telemetry::TelemetryArgs;
 use kvroute_common::{DpRank, WorkerId};
@@ -300,6 +301,9 @@ pub struct BridgeArgs {
     /// Do not create the events stream when it is missing (leave that to the indexers).
     #[arg(long, env = "KVROUTE_BRIDGE_NO_CREATE_STREAM")]
     pub no_create_stream: bool,
+    /// The events stream's settings, used when this process creates it (the indexers' flags).
+    #[command(flatten)]
+    pub stream: StreamArgs,
     /// Ignore (and count, `ignored{reason="external"|"remote"}`) the engines' external media
     /// and remote-locality blocks instead of publishing them in the shared tier: for an event
     /// log whose indexers (or local-mode routers) predate the shared tier, which refuse a
@@ -313,6 +317,7 @@ impl BridgeArgs {
     pub fn engines(&self) -> Result<Vec<EngineSpec>, ConfigError> {
         self.nats.validate()?;
         self.etcd.validate()?;
+        self.stream.validate()?;
         if self.load_interval_ms == 0 {
             return Err(ConfigError::new("load-interval-ms", "must be positive"));
         }

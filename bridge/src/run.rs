@@ -31,7 +31,7 @@ pub async fn run(
     kvroute_common::jetstream::require_jetstream(&nats, &args.nats.urls.join(",")).await?;
     let etcd = args.etcd.connect().await?;
     if !args.no_create_stream {
-        ensure_events_stream(&jetstream::new(nats.clone()), &names).await?;
+        ensure_events_stream(&jetstream::new(nats.clone()), &names, &args.stream).await?;
     }
     let metrics = Arc::new(BridgeMetrics::default());
     let slots: Vec<Slot> = engines
@@ -184,9 +184,13 @@ async fn discover_dp_size(client: &EngineClient, label: &str, retry: Duration) -
     }
 }
 
-/// Creates the events stream with the default settings if nobody has yet.
-async fn ensure_events_stream(js: &jetstream::Context, names: &Names) -> anyhow::Result<()> {
-    kvroute_common::events_stream::ensure_default_events_stream(js, names, "kvroute-bridge")
+/// Creates the events stream with the bridge's `--stream-*` settings if nobody has yet.
+async fn ensure_events_stream(
+    js: &jetstream::Context,
+    names: &Names,
+    stream: &kvroute_common::events_stream::StreamArgs,
+) -> anyhow::Result<()> {
+    kvroute_common::events_stream::ensure_worker_events_stream(js, names, stream, "kvroute-bridge")
         .await?;
     Ok(())
 }

@@ -4,7 +4,8 @@
 
 use std::time::Duration;
 
-use crate::jetstream::JetStreamError;
+use crate::config::ConfigError;
+use crate::jetstream::{JetStreamError, validate_replicas};
 use crate::names::Names;
 use crate::ops::exit::describe;
 use async_nats::jetstream::{self, stream};
@@ -166,6 +167,30 @@ pub async fn ensure_events_stream(
 }
 
 impl StreamArgs {
+    /// Checks the settings; the error names the flag.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        validate_replicas("stream-replicas", self.replicas)?;
+        if self.max_bytes == 0 || self.max_bytes < -1 {
+            return Err(ConfigError::new(
+                "stream-max-bytes",
+                "must be positive or -1",
+            ));
+        }
+        if self.duplicate_window_secs == 0 {
+            return Err(ConfigError::new(
+                "stream-duplicate-window-secs",
+                "must be positive",
+            ));
+        }
+        if self.max_age_secs != 0 && self.max_age_secs < self.duplicate_window_secs {
+            return Err(ConfigError::new(
+                "stream-max-age-secs",
+                "must be 0 or at least --stream-duplicate-window-secs",
+            ));
+        }
+        Ok(())
+    }
+
     /// The settings a refused creation may be about, as flags.
     pub fn flags(&self) -> String {
         format!(
@@ -179,21 +204,23 @@ impl StreamArgs {
         )
     }
 }
-/// For processes without `--stream-*` flags (workers, the bridge): creates the events stream
-/// with the default settings if nobody has yet — they may start before any indexer — and
-/// leaves an existing one as it is, warning about settings that differ. A refusal names `bin`'s
-/// defaults and the way out.
-pub async fn ensure_default_events_stream(
+/// For worker-side processes (the mocker's fleets, the bridge): creates the events stream with
+/// `args` (their `--stream-*` flags) if nobody has yet — they may start before any indexer —
+/// and leaves an existing one as it is, warning about settings that differ. A refusal names
+/// `bin`'s settings and the ways out.
+pub async fn ensure_worker_events_stream(
     js: &jetstream::Context,
     names: &Names,
+    args: &StreamArgs,
     bin: &str,
 ) -> Result<(), JetStreamError> {
-    let (_, mismatched) = ensure_events_stream(js, names, &StreamArgs::default())
+    let (_, mismatched) = ensure_events_stream(js, names, args)
         .await
         .map_err(|e| match e {
             JetStreamError::Refused { what, cause, .. } => JetStreamError::Refused {
                 setting: format!(
-                    "{bin}'s default stream settings (1 replica; start an indexer with --stream-* first, or pass --no-create-stream)"
+                    "{bin}'s {} (set --stream-*, start an indexer first, or pass --no-create-stream)",
+                    args.flags()
                 ),
                 what,
                 cause,
@@ -203,8 +230,40 @@ pub async fn ensure_default_events_stream(
     for m in mismatched {
         tracing::warn!(
             stream = names.events_stream(),
-            "events stream setting differs from the defaults: {m}"
+            "events stream setting differs from {bin}'s --stream-* flags: {m}"
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_names_the_flag() {
+        assert!(StreamArgs::default().validate().is_ok());
+        let bad = |f: fn(&mut StreamArgs)| {
+            let mut a = StreamArgs::default();
+            f(&mut a);
+            a.validate().unwrap_err().field
+        };
+        assert_eq!(bad(|a| a.replicas = 0), "stream-replicas");
+        assert_eq!(bad(|a| a.replicas = 6), "stream-replicas");
+        assert_eq!(bad(|a| a.max_bytes = 0), "stream-max-bytes");
+        assert_eq!(bad(|a| a.max_bytes = -2), "stream-max-bytes");
+        assert_eq!(
+            bad(|a| a.duplicate_window_secs = 0),
+            "stream-duplicate-window-secs"
+        );
+        assert_eq!(bad(|a| a.max_age_secs = 60), "stream-max-age-secs");
+        let mut unlimited = StreamArgs {
+            max_bytes: -1,
+            max_age_secs: 0,
+            ..StreamArgs::default()
+        };
+        assert!(unlimited.validate().is_ok());
+        unlimited.storage = StreamStorage::Memory;
+        assert!(unlimited.validate().is_ok());
+    }
 }

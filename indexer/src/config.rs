@@ -104,27 +104,7 @@ impl IndexerConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.nats.validate()?;
         self.etcd.validate()?;
-        kvroute_common::jetstream::validate_replicas("stream-replicas", self.stream.replicas)?;
-        if self.stream.max_bytes == 0 || self.stream.max_bytes < -1 {
-            return Err(ConfigError::new(
-                "stream-max-bytes",
-                "must be positive or -1",
-            ));
-        }
-        if self.stream.duplicate_window_secs == 0 {
-            return Err(ConfigError::new(
-                "stream-duplicate-window-secs",
-                "must be positive",
-            ));
-        }
-        if self.stream.max_age_secs != 0
-            && self.stream.max_age_secs < self.stream.duplicate_window_secs
-        {
-            return Err(ConfigError::new(
-                "stream-max-age-secs",
-                "must be 0 or at least --stream-duplicate-window-secs",
-            ));
-        }
+        self.stream.validate()?;
         if let Some(id) = &self.replica_id
             && !kvroute_common::ids::is_subject_token(id, 64)
         {

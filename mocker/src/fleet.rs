@@ -15,6 +15,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use async_nats::jetstream;
+use kvroute_common::events_stream::StreamArgs;
 use kvroute_common::messages::{WorkerCard, WorkerRole};
 use kvroute_common::ops::serve_http;
 use kvroute_common::worker::{RegistrationConfig, WorkerAgent, WorkerAgentConfig};
@@ -56,7 +57,7 @@ impl Fleet {
     ) -> anyhow::Result<Self> {
         config.validate()?;
         if !config.no_create_stream {
-            ensure_events_stream(&jetstream::new(nats.clone()), names).await?;
+            ensure_events_stream(&jetstream::new(nats.clone()), names, &config.stream).await?;
         }
         let metrics = Arc::new(FleetMetrics::default());
         let settings = WorkerSettings {
@@ -191,9 +192,13 @@ fn card(config: &FleetConfig, worker_id: WorkerId, names: &Names) -> WorkerCard 
     }
 }
 
-/// Creates the events stream with the default settings if nobody has yet.
-pub async fn ensure_events_stream(js: &jetstream::Context, names: &Names) -> anyhow::Result<()> {
-    kvroute_common::events_stream::ensure_default_events_stream(js, names, "kvroute-mocker")
+/// Creates the events stream with the fleet's `--stream-*` settings if nobody has yet.
+pub async fn ensure_events_stream(
+    js: &jetstream::Context,
+    names: &Names,
+    stream: &StreamArgs,
+) -> anyhow::Result<()> {
+    kvroute_common::events_stream::ensure_worker_events_stream(js, names, stream, "kvroute-mocker")
         .await?;
     Ok(())
 }

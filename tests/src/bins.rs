@@ -181,14 +181,16 @@ impl IndexerProcess {
         ))
     }
 
-    /// A counter or gauge from `/metrics` (first sample whose line starts with `name`).
-    pub fn metric(&self, name: &str) -> Option<f64> {
-        let (_, body) = http_get(self.http_port, "/metrics")?;
-        body.lines()
-            .filter(|l| !l.starts_with('#'))
-            .find(|l| l.split([' ', '{']).next() == Some(name) || l.starts_with(name))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
+    /// The value of the sample `name` (exactly, labels included): see
+    /// [`crate::metric_sample`] (0 for a declared family's absent sample; panics on an
+    /// undeclared family or a silent process).
+    pub fn metric(&self, name: &str) -> f64 {
+        crate::http::metric_sample(self.http_port, name)
+    }
+
+    /// [`IndexerProcess::metric`], `None` while the process does not answer.
+    pub fn metric_if_up(&self, name: &str) -> Option<f64> {
+        crate::http::metric_sample_if_up(self.http_port, name)
     }
 
     pub fn kill9(&mut self) -> anyhow::Result<()> {

@@ -27,7 +27,7 @@ pub use engine_face::{
 };
 pub use engine_publisher::{Engine, EngineOptions, EnginePublisher, RankEndpoints};
 pub use gateway::{GatewayProcess, GatewayStack, STACK_MODEL, http_card, model_dir, register};
-pub use http::http_get;
+pub use http::{SampleError, http_get, metric_sample, metric_sample_if_up, sample_value};
 pub use load::{LoadPlan, LoadReport, Sent, steady_load};
 pub use played_engine::{Play, PlayedEngine, Received, play};
 pub use ports::free_port;

@@ -132,9 +132,15 @@ impl RouterProcess {
     }
 
     /// The value of the sample `name` (exactly, labels included, e.g.
-    /// `kvroute_router_errors_total{code="bad_request"}`); 0 when absent.
+    /// `kvroute_router_errors_total{code="bad_request"}`): see [`crate::metric_sample`] (0 for
+    /// a declared family's absent sample; panics on an undeclared family or a silent process).
     pub fn metric(&self, name: &str) -> f64 {
         crate::http::metric_sample(self.http_port, name)
+    }
+
+    /// [`RouterProcess::metric`], `None` while the process does not answer (paused, restarting).
+    pub fn metric_if_up(&self, name: &str) -> Option<f64> {
+        crate::http::metric_sample_if_up(self.http_port, name)
     }
 
     pub fn stop(&mut self) -> anyhow::Result<()> {

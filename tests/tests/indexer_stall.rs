@@ -160,9 +160,7 @@ async fn a_stopped_indexer_costs_only_the_ping_deadline_of_fallbacks() {
         ix2.is_ready()
     })
     .await;
-    let leaves = ix2
-        .metric("kvroute_indexer_queue_group_leaves_total")
-        .expect("ix-2 never left its queue group");
+    let leaves = ix2.metric("kvroute_indexer_queue_group_leaves_total{reason=\"lagging\"}");
     assert!(leaves >= 1.0, "ix-2's watchdog never stepped it out");
 }
 
@@ -264,9 +262,7 @@ async fn an_indexer_bootstrapping_again_answers_nothing_until_it_is_ready() {
         || ix.log().contains("bootstrapping again"),
     )
     .await;
-    let ok_before = ix
-        .metric("kvroute_indexer_queries_total{result=\"ok\"}")
-        .expect("the router's queries were answered before");
+    let ok_before = ix.metric("kvroute_indexer_queries_total{result=\"ok\"}");
     let query = IndexQuery {
         model: "m".into(),
         block_hashes: Some(kvroute_common::hashing::local_block_hashes(
@@ -317,9 +313,7 @@ async fn an_indexer_bootstrapping_again_answers_nothing_until_it_is_ready() {
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(checked < 200, "never ready again:\n{}", ix.log());
     }
-    let ok_after = ix
-        .metric("kvroute_indexer_queries_total{result=\"ok\"}")
-        .expect("the router's queries were answered before");
+    let ok_after = ix.metric("kvroute_indexer_queries_total{result=\"ok\"}");
     eprintln!(
         "while bootstrapping again: {checked} rounds of queries, {fallbacks} router fallbacks, {} ok answers",
         ok_after - ok_before
@@ -381,7 +375,7 @@ async fn while_one_indexer_bootstraps_again_routers_use_the_ready_one() {
     wait_for(
         "ix-2 applying the whole log",
         Duration::from_secs(10),
-        || ix2.metric("kvroute_indexer_applied_sequence") == Some(last),
+        || ix2.metric_if_up("kvroute_indexer_applied_sequence") == Some(last),
     )
     .await;
     stream.purge().await.unwrap();
@@ -396,9 +390,7 @@ async fn while_one_indexer_bootstraps_again_routers_use_the_ready_one() {
     // Selections keep the overlap: the router's queries are answered by ix-2 alone. A query
     // already delivered to ix-1 as it turned not ready is answered `not_ready` and retried on
     // another replica within the same deadline.
-    let ok2_before = ix2
-        .metric("kvroute_indexer_queries_total{result=\"ok\"}")
-        .expect("ix-2 answered the router's queries before");
+    let ok2_before = ix2.metric("kvroute_indexer_queries_total{result=\"ok\"}");
     let fallbacks_before = fallbacks_total(&router);
     let (mut rounds, mut load_only) = (0, 0);
     while !ix1.is_ready() {
@@ -413,10 +405,7 @@ async fn while_one_indexer_bootstraps_again_routers_use_the_ready_one() {
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(rounds < 200, "ix-1 never ready again:\n{}", ix1.log());
     }
-    let ok2 = ix2
-        .metric("kvroute_indexer_queries_total{result=\"ok\"}")
-        .expect("ix-2 answered queries")
-        - ok2_before;
+    let ok2 = ix2.metric("kvroute_indexer_queries_total{result=\"ok\"}") - ok2_before;
     let fallbacks = fallbacks_total(&router) - fallbacks_before;
     eprintln!(
         "while ix-1 bootstrapped again: {rounds} selections, {load_only} on load alone, \

@@ -421,6 +421,18 @@ async fn the_binary_validates_flags_and_deregisters_on_sigterm() {
     assert_eq!(bad.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&bad.stderr);
     assert!(stderr.contains("--workers"), "{stderr}");
+    let bad = Command::new(&bin)
+        .args(["--stream-max-age-secs", "60"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        stderr.contains(
+            "--stream-max-age-secs: must be 0 or at least --stream-duplicate-window-secs"
+        ),
+        "{stderr}"
+    );
 
     let env = TestEnv::start().unwrap();
     let names = Names::new(&env.namespace);
@@ -442,6 +454,11 @@ async fn the_binary_validates_flags_and_deregisters_on_sigterm() {
         &env.nats.url(),
         "--etcd-endpoints",
         &env.etcd.endpoint(),
+        // The first process to need the events stream creates it with its --stream-* flags.
+        "--stream-max-bytes",
+        "33554432",
+        "--stream-max-age-secs",
+        "7200",
     ];
     let spec = Supervised::new(
         &bin,
@@ -458,6 +475,13 @@ async fn the_binary_validates_flags_and_deregisters_on_sigterm() {
     })
     .await;
     let nats = env.nats.connect().await.unwrap();
+    let mut stream = jetstream::new(nats.clone())
+        .get_stream(names.events_stream())
+        .await
+        .unwrap();
+    let config = stream.info().await.unwrap().config.clone();
+    assert_eq!(config.max_bytes, 33_554_432);
+    assert_eq!(config.max_age, Duration::from_secs(7200));
     generate_ok(&nats, &names, 41, &request(&prompt(3, 50), 2)).await;
     let (status, metrics) = http_get(http_port, "/metrics").unwrap();
     assert_eq!(status, 200);

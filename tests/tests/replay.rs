@@ -175,8 +175,17 @@ async fn a_worker_dying_mid_run_is_counted_and_routing_moves_on() {
         ],
     );
     let run = tokio::spawn(async move { replay::run(&args).await });
-    // Reset (100 ms settle) and the 20 ms lead come first.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Crash worker 2 once the run is under way (10 of the 80 requests received), whatever
+    // the reset, the settle time and this machine's speed took before that.
+    let started = std::time::Instant::now();
+    while fleet.metrics().requests_received.get() < 10 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the replay sends its first requests"
+        );
+        assert!(!run.is_finished(), "the replay ended before the crash");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert!(fleet.stop_worker(2, StopMode::Crash).await);
     let report = tokio::time::timeout(Duration::from_secs(60), run)
         .await

@@ -87,7 +87,27 @@ async fn local_overlap_follows_the_log_without_an_indexer() {
     fleet[0].store_prompt(&second).await;
     let reply = select_until_overlap(&nats, &names, &request("m", second), 5).await;
     assert_eq!(reply.worker_id, 1);
-    assert!(router.metric("kvroute_router_local_applied_seq") >= 0.0);
+    // The local replica applied the whole log: its sequence is the stream's last.
+    let last_seq = async_nats::jetstream::new(nats.clone())
+        .get_stream(names.events_stream())
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .last_sequence;
+    assert!(last_seq >= 2, "both prompts' events are in the log");
+    // The gauge follows the replica on the router's 1 s tick.
+    let started = std::time::Instant::now();
+    while router.metric("kvroute_router_local_applied_seq") != last_seq as f64 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "local applied seq {} never reached the log's last, {last_seq}",
+            router.metric("kvroute_router_local_applied_seq")
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(
         router.metric("kvroute_router_overlap_fallbacks_total{reason=\"no_responders\"}"),
         0.0

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use kvroute_common::WorkerId;
 use kvroute_common::config::ConfigError;
+use kvroute_common::events_stream::StreamArgs;
 
 use crate::engine::EngineConfig;
 use crate::engine_face::EngineFaceArgs;
@@ -175,6 +176,9 @@ pub struct FleetConfig {
     /// Do not create the events stream when it is missing (leave that to the indexers).
     #[arg(long, env = "KVROUTE_MOCKER_NO_CREATE_STREAM")]
     pub no_create_stream: bool,
+    /// The events stream's settings, used when this process creates it (the indexers' flags).
+    #[command(flatten)]
+    pub stream: StreamArgs,
     #[command(flatten)]
     pub face: EngineFaceArgs,
 }
@@ -195,6 +199,7 @@ impl Default for FleetConfig {
             no_load_reports: false,
             http_addr: None,
             no_create_stream: false,
+            stream: StreamArgs::default(),
             face: EngineFaceArgs::default(),
         }
     }
@@ -244,6 +249,7 @@ impl FleetConfig {
             ));
         }
         self.engine.validate()?;
+        self.stream.validate()?;
         if !(self.speedup.is_finite() && self.speedup > 0.0 && self.speedup <= 1e6) {
             return Err(ConfigError::new(
                 "speedup",
