@@ -92,6 +92,24 @@ fn reason(e: &std::io::Error) -> String {
     }
 }
 
+/// Bounds on what a client may cost the server.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    header_read_timeout: Duration,
+    connection_deadline: Duration,
+    max_connections: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: HEADER_READ_TIMEOUT,
+            connection_deadline: CONNECTION_DEADLINE,
+            max_connections: MAX_CONNECTIONS,
+        }
+    }
+}
+
 /// Binds `addr` (the value of `--flag`) and serves until the task is dropped; returns the
 /// bound address (port 0 picks a free port).
 pub async fn serve_http(
@@ -99,10 +117,19 @@ pub async fn serve_http(
     addr: SocketAddr,
     handler: Arc<dyn HttpHandler>,
 ) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), ListenError> {
+    serve_with(flag, addr, handler, Limits::default()).await
+}
+
+async fn serve_with(
+    flag: &'static str,
+    addr: SocketAddr,
+    handler: Arc<dyn HttpHandler>,
+    limits: Limits,
+) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), ListenError> {
     let listen_error = |error| ListenError { flag, addr, error };
     let listener = TcpListener::bind(addr).await.map_err(listen_error)?;
     let bound = listener.local_addr().map_err(listen_error)?;
-    let connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let connections = Arc::new(Semaphore::new(limits.max_connections));
     let task = tokio::spawn(async move {
         loop {
             let stream = match listener.accept().await {
@@ -125,14 +152,14 @@ pub async fn serve_http(
                 });
                 let connection = hyper::server::conn::http1::Builder::new()
                     .timer(TokioTimer::new())
-                    .header_read_timeout(HEADER_READ_TIMEOUT)
+                    .header_read_timeout(limits.header_read_timeout)
                     .max_buf_size(MAX_HEAD_BYTES)
                     .max_headers(MAX_HEADERS)
                     .keep_alive(false)
                     .serve_connection(TokioIo::new(stream), service);
                 // Errors are the client's (malformed, too slow, gone): hyper has answered 4xx
                 // where it could, and the connection closes either way.
-                let _ = tokio::time::timeout(CONNECTION_DEADLINE, connection).await;
+                let _ = tokio::time::timeout(limits.connection_deadline, connection).await;
                 drop(permit);
             });
         }
@@ -175,26 +202,4 @@ fn has_body(request: &Request<Incoming>) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    struct Nothing;
-    impl HttpHandler for Nothing {
-        fn get(&self, _: &str) -> futures::future::BoxFuture<'static, HttpResponse> {
-            Box::pin(async { HttpResponse::text(404, "") })
-        }
-    }
-
-    #[tokio::test]
-    async fn an_address_in_use_names_the_flag_and_the_address() {
-        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = taken.local_addr().unwrap();
-        let err = serve_http("http-addr", addr, Arc::new(Nothing))
-            .await
-            .unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            format!("--http-addr {addr}: address already in use (another process listens there)")
-        );
-    }
-}
+mod tests;

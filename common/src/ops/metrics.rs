@@ -333,11 +333,11 @@ mod tests {
         );
         assert!(text.contains("\ndone_total{model=\"m\"} 3\n"), "{text}");
         assert!(
-            text.contains("\nwait_seconds_bucket{model=\"m\",le=\"0.25\"} 0\n"),
+            text.contains("\nwait_seconds_bucket{le=\"0.25\",model=\"m\"} 0\n"),
             "{text}"
         );
         assert!(
-            text.contains("\nwait_seconds_bucket{model=\"m\",le=\"0.5\"} 1\n"),
+            text.contains("\nwait_seconds_bucket{le=\"0.5\",model=\"m\"} 1\n"),
             "{text}"
         );
         assert!(
