@@ -2,7 +2,7 @@
 //!
 //! Every series carries `engine="<label>"` (the spec's name) and, where it is per rank,
 //! `rank="<r>"`; reasons and kinds are a third label. Rendered after the process-wide
-//! [`Registry`]'s metrics on `/metrics`.
+//! [`Registry`]'s metrics on `/metrics`, before its `# EOF` (OpenMetrics text).
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -189,10 +189,17 @@ impl BridgeMetrics {
         let families = self.families.lock().expect("metrics lock");
         let mut out = String::new();
         for (name, family) in families.iter() {
+            // OpenMetrics (the registry's format, which these lines join): a counter family is
+            // named without its samples' `_total`; a counter without it is typed unknown.
+            let (family_name, kind) = match (family.kind, name.strip_suffix("_total")) {
+                ("counter", Some(stem)) => (stem, "counter"),
+                ("counter", None) => (*name, "unknown"),
+                (kind, _) => (*name, kind),
+            };
             let _ = writeln!(
                 out,
-                "# HELP {name} {}\n# TYPE {name} {}",
-                family.help, family.kind
+                "# HELP {family_name} {}\n# TYPE {family_name} {kind}",
+                family.help.strip_suffix('.').unwrap_or(family.help)
             );
             for ((engine, rank, extra), value) in &family.series {
                 let mut labels = format!("engine=\"{}\"", escape(engine));
@@ -235,6 +242,16 @@ mod tests {
             text.contains(
                 "# TYPE kvroute_bridge_registered gauge\nkvroute_bridge_registered{engine=\"e1\"} 1"
             ),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE kvroute_bridge_batches counter\n"),
+            "{text}"
+        );
+        m.add(names::PUBLISH_SECONDS, "e1", None, "", 1);
+        assert!(
+            m.render()
+                .contains("# TYPE kvroute_bridge_publish_seconds_sum unknown\n"),
             "{text}"
         );
         assert_eq!(m.get(names::BATCHES, "e1", Some(0), ""), 3.0);

@@ -249,8 +249,10 @@ impl HttpHandler for BridgeHttp {
                 let down = self.not_registered().len();
                 self.engines_registered
                     .set((self.slots.len() - down) as i64);
+                // The engines' series go before the registry's closing `# EOF` line.
                 let mut text = self.registry.render();
-                text.push_str(&self.metrics.render());
+                let end = text.strip_suffix("# EOF\n").map_or(text.len(), str::len);
+                text.insert_str(end, &self.metrics.render());
                 HttpResponse::prometheus(text)
             }
             "/healthz" => HttpResponse::text(200, "ok\n"),

@@ -10,9 +10,9 @@ use std::time::Duration;
 use etcd_client::{EventType, GetOptions, WatchOptions};
 use tokio::sync::mpsc;
 
-use crate::codec::decode;
+use crate::codec::{DecodeError, decode};
 use crate::ids::WorkerId;
-use crate::messages::WorkerCard;
+use crate::messages::{CardField, WorkerCard};
 use crate::names::Names;
 
 /// A change in the set of registered workers.
@@ -28,9 +28,68 @@ pub enum WorkerEvent {
     Put { card: WorkerCard, revision: i64 },
     /// A worker's card is gone (lease expired or deregistered).
     Delete { worker_id: WorkerId, revision: i64 },
-    /// A card under the prefix could not be decoded (counted and skipped).
-    Invalid { key: String, error: String },
+    /// A card under the prefix could not be decoded or is not valid (counted by `reason` and
+    /// skipped).
+    Invalid {
+        key: String,
+        reason: BadCard,
+        error: String,
+    },
 }
+
+/// Why a worker card was skipped: the `reason` label of `kvroute_discovery_bad_cards_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BadCard {
+    /// The key is not `/kvroute/<ns>/workers/<worker id>`.
+    BadKey,
+    /// The value is empty.
+    Empty,
+    /// The value exceeds the card's size limit.
+    TooLarge,
+    /// The value is not a MessagePack card (wrong encoding, missing or mistyped field).
+    Malformed,
+    /// The card's schema version is newer than this process reads.
+    UnsupportedVersion,
+    /// The card names another worker than its key.
+    WorkerIdMismatch,
+    /// A field holds a value no worker can have ([`CardField`]).
+    Invalid(CardField),
+}
+
+impl BadCard {
+    /// Every reason, for pre-registering the series at 0.
+    pub const ALL: [BadCard; 10] = [
+        BadCard::BadKey,
+        BadCard::Empty,
+        BadCard::TooLarge,
+        BadCard::Malformed,
+        BadCard::UnsupportedVersion,
+        BadCard::WorkerIdMismatch,
+        BadCard::Invalid(CardField::Model),
+        BadCard::Invalid(CardField::BlockSize),
+        BadCard::Invalid(CardField::TotalKvBlocks),
+        BadCard::Invalid(CardField::RequestSubject),
+    ];
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            BadCard::BadKey => "bad_key",
+            BadCard::Empty => "empty",
+            BadCard::TooLarge => "too_large",
+            BadCard::Malformed => "malformed",
+            BadCard::UnsupportedVersion => "unsupported_version",
+            BadCard::WorkerIdMismatch => "worker_id_mismatch",
+            BadCard::Invalid(CardField::Model) => "invalid_model",
+            BadCard::Invalid(CardField::BlockSize) => "invalid_block_size",
+            BadCard::Invalid(CardField::TotalKvBlocks) => "invalid_total_kv_blocks",
+            BadCard::Invalid(CardField::RequestSubject) => "invalid_request_subject",
+        }
+    }
+}
+
+/// The metric every router and indexer keeps of skipped cards.
+pub const BAD_CARDS_METRIC: &str = "kvroute_discovery_bad_cards_total";
 
 /// Starts watching; events arrive on the returned channel until it is dropped.
 pub fn watch_workers(etcd: etcd_client::Client, names: &Names) -> mpsc::Receiver<WorkerEvent> {
@@ -97,25 +156,40 @@ async fn read_all(
     Ok((events, revision))
 }
 
-/// Decodes one card; the error is the [`WorkerEvent::Invalid`] to report (boxed: it is large).
+/// Decodes and validates one card; the error is the [`WorkerEvent::Invalid`] to report
+/// (boxed: it is large).
 fn decode_card(names: &Names, key: &[u8], value: &[u8]) -> Result<WorkerCard, Box<WorkerEvent>> {
     let key_str = String::from_utf8_lossy(key).into_owned();
-    let invalid = |error: String| {
+    let invalid = |reason: BadCard, error: String| {
         Box::new(WorkerEvent::Invalid {
             key: key_str.clone(),
+            reason,
             error,
         })
     };
-    let id = names
-        .worker_id_of_key(key)
-        .ok_or_else(|| invalid("key is not /kvroute/<ns>/workers/<id>".into()))?;
-    let card: WorkerCard = decode(value).map_err(|e| invalid(e.to_string()))?;
+    let id = names.worker_id_of_key(key).ok_or_else(|| {
+        invalid(
+            BadCard::BadKey,
+            "key is not /kvroute/<ns>/workers/<id>".into(),
+        )
+    })?;
+    let card: WorkerCard = decode(value).map_err(|e| {
+        let reason = match e {
+            DecodeError::Empty { .. } => BadCard::Empty,
+            DecodeError::TooLarge { .. } => BadCard::TooLarge,
+            DecodeError::Malformed { .. } => BadCard::Malformed,
+            DecodeError::UnsupportedVersion { .. } => BadCard::UnsupportedVersion,
+        };
+        invalid(reason, e.to_string())
+    })?;
     if card.worker_id != id {
-        return Err(invalid(format!(
-            "card names worker {} under key of {id}",
-            card.worker_id
-        )));
+        return Err(invalid(
+            BadCard::WorkerIdMismatch,
+            format!("card names worker {} under key of {id}", card.worker_id),
+        ));
     }
+    card.validate()
+        .map_err(|e| invalid(BadCard::Invalid(e.field), e.to_string()))?;
     Ok(card)
 }
 
@@ -198,5 +272,101 @@ async fn watch_from(
                 next = h.revision() + 1;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::encode;
+    use crate::ids::Namespace;
+    use crate::messages::{SchemaVersion, WorkerRole};
+
+    fn card(names: &Names, worker_id: WorkerId) -> WorkerCard {
+        WorkerCard {
+            v: SchemaVersion::CURRENT,
+            worker_id,
+            model: "m".into(),
+            role: WorkerRole::Aggregated,
+            block_size: 16,
+            total_kv_blocks: 100,
+            max_num_batched_tokens: 0,
+            dp_start_rank: 0,
+            dp_size: 1,
+            taints: vec![],
+            labels: Default::default(),
+            request_subject: names.worker_requests(worker_id),
+            software_version: String::new(),
+            http_url: None,
+        }
+    }
+
+    fn reason(names: &Names, key: &str, value: &[u8]) -> Option<BadCard> {
+        match decode_card(names, key.as_bytes(), value) {
+            Ok(_) => None,
+            Err(e) => match *e {
+                WorkerEvent::Invalid { reason, .. } => Some(reason),
+                other => panic!("not an Invalid event: {other:?}"),
+            },
+        }
+    }
+
+    #[test]
+    fn each_bad_card_has_its_reason() {
+        let names = Names::new(&Namespace::new("t").unwrap());
+        let key = names.worker_key(7);
+        let good = card(&names, 7);
+        assert_eq!(reason(&names, &key, &encode(&good).unwrap()), None);
+        let with = |f: fn(&mut WorkerCard)| {
+            let mut c = good.clone();
+            f(&mut c);
+            encode(&c).unwrap()
+        };
+        let cases: Vec<(&str, Vec<u8>, BadCard)> = vec![
+            (
+                "/kvroute/t/workers/x",
+                encode(&good).unwrap().to_vec(),
+                BadCard::BadKey,
+            ),
+            (&key, vec![], BadCard::Empty),
+            (&key, vec![0; 64 * 1024 + 1], BadCard::TooLarge),
+            (&key, b"{\"worker_id\": 7}".to_vec(), BadCard::Malformed),
+            (
+                &key,
+                with(|c| c.v = SchemaVersion(u16::MAX)).to_vec(),
+                BadCard::UnsupportedVersion,
+            ),
+            (
+                &key,
+                with(|c| c.worker_id = 8).to_vec(),
+                BadCard::WorkerIdMismatch,
+            ),
+            (
+                &key,
+                with(|c| c.model = " ".into()).to_vec(),
+                BadCard::Invalid(CardField::Model),
+            ),
+            (
+                &key,
+                with(|c| c.block_size = 0).to_vec(),
+                BadCard::Invalid(CardField::BlockSize),
+            ),
+            (
+                &key,
+                with(|c| c.total_kv_blocks = 0).to_vec(),
+                BadCard::Invalid(CardField::TotalKvBlocks),
+            ),
+            (
+                &key,
+                with(|c| c.request_subject = "a..b".into()).to_vec(),
+                BadCard::Invalid(CardField::RequestSubject),
+            ),
+        ];
+        assert_eq!(cases.len(), BadCard::ALL.len(), "every reason is exercised");
+        for (key, value, expected) in cases {
+            assert_eq!(reason(&names, key, &value), Some(expected), "{expected:?}");
+        }
+        let labels: std::collections::HashSet<_> = BadCard::ALL.iter().map(|r| r.label()).collect();
+        assert_eq!(labels.len(), BadCard::ALL.len(), "labels are distinct");
     }
 }

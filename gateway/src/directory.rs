@@ -55,7 +55,7 @@ impl Directory {
             WorkerEvent::Delete { worker_id, .. } => {
                 state.cards.remove(&worker_id);
             }
-            WorkerEvent::Invalid { key, error } => {
+            WorkerEvent::Invalid { key, error, .. } => {
                 tracing::warn!(key, error, "skipping an undecodable worker card");
             }
         }

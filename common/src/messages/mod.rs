@@ -31,7 +31,7 @@ pub use select::{
     SelectRequest, SelectResponse, SessionContext, SessionTrigger,
 };
 pub use session::SessionBindingRecord;
-pub use worker::{WorkerCard, WorkerLoad, WorkerRole};
+pub use worker::{CardField, InvalidCard, WorkerCard, WorkerLoad, WorkerRole};
 
 use serde::{Deserialize, Serialize};
 

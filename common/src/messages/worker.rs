@@ -97,7 +97,48 @@ fn one() -> u32 {
     1
 }
 
+/// A card field whose value no worker can have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CardField {
+    Model,
+    BlockSize,
+    TotalKvBlocks,
+    RequestSubject,
+}
+
+/// A card that decodes but cannot describe a worker.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("WorkerCard: invalid {field:?}: {detail}")]
+pub struct InvalidCard {
+    pub field: CardField,
+    pub detail: &'static str,
+}
+
 impl WorkerCard {
+    /// Checks what routing relies on: a model to match, a block size to hash prompts with,
+    /// a cache to score against, and a subject to send requests to.
+    pub fn validate(&self) -> Result<(), InvalidCard> {
+        let fail = |field, detail| Err(InvalidCard { field, detail });
+        if self.model.trim().is_empty() {
+            return fail(CardField::Model, "empty");
+        }
+        if self.block_size == 0 {
+            return fail(CardField::BlockSize, "0 tokens per block");
+        }
+        if self.total_kv_blocks == 0 {
+            return fail(CardField::TotalKvBlocks, "0 blocks");
+        }
+        if self.request_subject.is_empty()
+            || self
+                .request_subject
+                .split('.')
+                .any(|t| t.is_empty() || t.contains(char::is_whitespace))
+        {
+            return fail(CardField::RequestSubject, "not a NATS subject");
+        }
+        Ok(())
+    }
+
     /// The data-parallel ranks this worker serves.
     pub fn dp_ranks(&self) -> impl Iterator<Item = DpRank> + '_ {
         self.dp_start_rank..self.dp_start_rank.saturating_add(self.dp_size.max(1))

@@ -13,6 +13,8 @@ pub struct IndexerMetrics {
     pub events_refused: Arc<Counter>,
     pub duplicate_events: Arc<Counter>,
     pub ignored_removed_events: Arc<Counter>,
+    /// Worker cards in etcd skipped, by reason.
+    pub bad_cards: Arc<CounterVec>,
     pub bad_messages: Arc<CounterVec>,
     pub gaps: Arc<Counter>,
     pub resync_requests: Arc<Counter>,
@@ -76,6 +78,7 @@ impl IndexerMetrics {
                 "kvroute_indexer_removed_worker_events_total",
                 "KV events of removed workers, ignored.",
             ),
+            bad_cards: bad_cards(&r),
             bad_messages: r.counter_vec(
                 "kvroute_indexer_bad_messages_total",
                 "Log messages skipped, by reason.",
@@ -194,4 +197,18 @@ mod tests {
             assert!(text.contains(&line), "{line} missing from\n{text}");
         }
     }
+}
+
+/// `kvroute_discovery_bad_cards_total{reason}`, every reason present from the start.
+fn bad_cards(r: &Registry) -> Arc<CounterVec> {
+    use kvroute_common::discovery::{BAD_CARDS_METRIC, BadCard};
+    let bad = r.counter_vec(
+        BAD_CARDS_METRIC,
+        "Worker cards in etcd skipped (undecodable or invalid), by reason.",
+        "reason",
+    );
+    for reason in BadCard::ALL {
+        bad.add(reason.label(), 0);
+    }
+    bad
 }

@@ -429,7 +429,8 @@ impl IndexerProcess {
                     self.append_removal(worker_id, format!("removed-{worker_id}-rev{revision}"));
                 }
             }
-            WorkerEvent::Invalid { key, error } => {
+            WorkerEvent::Invalid { key, reason, error } => {
+                self.shared.metrics.bad_cards.inc(reason.label());
                 tracing::warn!(key, error, "ignoring an undecodable worker card");
             }
         }

@@ -86,7 +86,7 @@ impl Candidates {
                     change.departed.push(worker_id);
                 }
             }
-            WorkerEvent::Invalid { key, error } => {
+            WorkerEvent::Invalid { key, error, .. } => {
                 tracing::warn!(key, error, "ignoring an undecodable worker card");
                 return change;
             }

@@ -32,6 +32,9 @@ enum Feed {
 /// Applies worker events until the watch ends.
 pub async fn watch_workers(router: Arc<Router>, mut events: mpsc::Receiver<WorkerEvent>) {
     while let Some(event) = events.recv().await {
+        if let WorkerEvent::Invalid { reason, .. } = &event {
+            router.metrics.bad_cards.inc(reason.label());
+        }
         let change = {
             let mut candidates = router.candidates.write().unwrap_or_else(|p| p.into_inner());
             let change = candidates.apply(event);

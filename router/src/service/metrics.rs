@@ -34,6 +34,8 @@ pub struct RouterMetrics {
     pub load_reports_stale: Arc<Counter>,
     pub lifecycle_events: Arc<Counter>,
     /// Undecodable messages on the inputs, by `<input>_<reason>`.
+    /// Worker cards in etcd skipped, by reason.
+    pub bad_cards: Arc<CounterVec>,
     pub bad_messages: Arc<CounterVec>,
     pub predicted_requests: Arc<Gauge>,
     /// Requests dropped past their deadline, by stage (`intake`, `queued`).
@@ -140,6 +142,7 @@ impl RouterMetrics {
                 "kvroute_router_lifecycle_events_total",
                 "Request lifecycle events applied.",
             ),
+            bad_cards: bad_cards(&r),
             bad_messages: r.counter_vec(
                 "kvroute_router_bad_messages_total",
                 "Undecodable messages skipped, per input and reason.",
@@ -270,4 +273,18 @@ impl Default for RouterMetrics {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// `kvroute_discovery_bad_cards_total{reason}`, every reason present from the start.
+fn bad_cards(r: &Registry) -> Arc<CounterVec> {
+    use kvroute_common::discovery::{BAD_CARDS_METRIC, BadCard};
+    let bad = r.counter_vec(
+        BAD_CARDS_METRIC,
+        "Worker cards in etcd skipped (undecodable or invalid), by reason.",
+        "reason",
+    );
+    for reason in BadCard::ALL {
+        bad.add(reason.label(), 0);
+    }
+    bad
 }
