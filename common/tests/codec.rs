@@ -301,6 +301,8 @@ fn every_message_round_trips() {
         v: SchemaVersion::CURRENT,
         action: ControlAction::WorkerRemoved { worker_id: 9 },
         replica_id: "i1".into(),
+        term: 7,
+        at_ms: 1_700_000_000_000,
     });
 }
 

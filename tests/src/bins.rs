@@ -90,11 +90,33 @@ impl IndexerProcess {
         Self::start_program(env, bin, replica_id, extra)
     }
 
+    /// [`IndexerProcess::start`] reaching etcd at `etcd_endpoint` (e.g. through a proxy the
+    /// test can cut) instead of the environment's etcd directly.
+    pub fn start_with_etcd(
+        env: &TestEnv,
+        replica_id: &str,
+        etcd_endpoint: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
+        let bin = kvroute_bin("kvroute-indexer", "kvroute-indexer")?;
+        Self::start_inner(env, bin, replica_id, etcd_endpoint.to_owned(), extra)
+    }
+
     /// [`IndexerProcess::start`] with the binary at `bin` (e.g. a release build).
     pub fn start_program(
         env: &TestEnv,
         bin: PathBuf,
         replica_id: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
+        Self::start_inner(env, bin, replica_id, env.etcd.endpoint(), extra)
+    }
+
+    fn start_inner(
+        env: &TestEnv,
+        bin: PathBuf,
+        replica_id: &str,
+        etcd_endpoint: String,
         extra: &[&str],
     ) -> anyhow::Result<Self> {
         let http_port = free_port();
@@ -104,7 +126,7 @@ impl IndexerProcess {
             "--nats-url".into(),
             env.nats.url(),
             "--etcd-endpoints".into(),
-            env.etcd.endpoint(),
+            etcd_endpoint,
             "--replica-id".into(),
             replica_id.into(),
             "--http-addr".into(),

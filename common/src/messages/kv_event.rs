@@ -153,6 +153,15 @@ pub struct ControlRecord {
     /// The replica that appended it (informational).
     #[serde(default)]
     pub replica_id: String,
+    /// The leader term that appended it: the create revision of the indexer leader key
+    /// (0: written before terms existed). Readers ignore a record whose term is below the
+    /// newest term already seen in the log.
+    #[serde(default)]
+    pub term: u64,
+    /// The appending leader's wall clock when it appended the record, in ms since the Unix
+    /// epoch (0: unknown). Part of the log, so every replica reads the same value.
+    #[serde(default)]
+    pub at_ms: u64,
 }
 
 impl WireMessage for ControlRecord {

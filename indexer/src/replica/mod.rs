@@ -5,11 +5,13 @@
 //! Every replica that applies the same log prefix holds the same state, so the same
 //! `(applied_seq, digest)`.
 
+mod continuity;
 mod log_entry;
 mod tracker;
 
+pub use continuity::{Continuity, continuity};
 pub use log_entry::{BadEntry, LogEntry, decode_entry};
-pub use tracker::{EventTracker, Verdict};
+pub use tracker::{EventTracker, MAX_REMOVED, REMOVED_RETENTION_MS, Verdict};
 
 use kvroute_common::ids::{DpRank, WorkerId};
 use kvroute_common::messages::{ControlAction, KvEventData};
@@ -32,6 +34,8 @@ pub struct ApplyReport {
     /// Workers whose state is known to be incomplete (gap or refused event).
     pub needs_resync: Vec<WorkerId>,
     pub removed_worker: Option<WorkerId>,
+    /// A control record from a leader term older than the newest seen: ignored.
+    pub stale_term: Option<u64>,
     pub bad: Option<BadEntry>,
 }
 
@@ -40,6 +44,7 @@ pub struct ApplyReport {
 #[derive(Debug)]
 pub struct PendingSnapshot {
     applied_seq: u64,
+    term: u64,
     tracker: EventTracker,
     index: Result<PinnedIndex, Vec<u8>>,
 }
@@ -50,11 +55,19 @@ impl PendingSnapshot {
         self.applied_seq
     }
 
+    /// Records the leader term that writes the snapshot (metadata: the state itself is the
+    /// same whoever writes it).
+    pub fn written_in_term(mut self, term: u64) -> Self {
+        self.term = term;
+        self
+    }
+
     /// The bytes [`ReplicaState::restore`] reads (the pin, if any, is released after).
     pub fn write(self) -> Vec<u8> {
         let file = SnapshotFile {
             v: SNAPSHOT_VERSION,
             applied_seq: self.applied_seq,
+            term: self.term,
             tracker: self.tracker,
             index: match self.index {
                 Ok(pinned) => pinned.snapshot(),
@@ -79,6 +92,9 @@ pub struct ReplicaState {
 struct SnapshotFile {
     v: u16,
     applied_seq: u64,
+    /// The leader term that wrote it (0: unknown, or written outside a term).
+    #[serde(default)]
+    term: u64,
     tracker: EventTracker,
     #[serde(with = "serde_bytes")]
     index: Vec<u8>,
@@ -146,10 +162,13 @@ impl ReplicaState {
         self.applied_seq = seq;
         match entry {
             Err(bad) => report.bad = Some(bad),
+            Ok(LogEntry::Control(record)) if !self.tracker.observe_term(record.term) => {
+                report.stale_term = Some(record.term);
+            }
             Ok(LogEntry::Control(record)) => match record.action {
                 ControlAction::WorkerRemoved { worker_id } => {
                     self.index.remove_worker(worker_id);
-                    self.tracker.remove_worker(worker_id);
+                    self.tracker.remove_worker(worker_id, seq, record.at_ms);
                     report.removed_worker = Some(worker_id);
                 }
             },
@@ -192,6 +211,7 @@ impl ReplicaState {
     pub fn snapshot_later(&self) -> PendingSnapshot {
         PendingSnapshot {
             applied_seq: self.applied_seq,
+            term: 0,
             tracker: self.tracker.clone(),
             index: match self.index.try_pin() {
                 Some(pinned) => Ok(pinned),
@@ -312,6 +332,8 @@ mod tests {
             v: SchemaVersion::CURRENT,
             action: ControlAction::WorkerRemoved { worker_id: 1 },
             replica_id: "x".into(),
+            term: 0,
+            at_ms: 0,
         };
         let r = s.apply(2, &n.kv_control(), &encode(&record).unwrap());
         assert_eq!(r.removed_worker, Some(1));
@@ -328,6 +350,44 @@ mod tests {
         );
         assert_eq!(r.events_applied, 2);
         assert_ne!(s.digest(), empty);
+    }
+
+    #[test]
+    fn a_removal_from_a_deposed_term_is_ignored() {
+        let n = names();
+        let mut s = ReplicaState::new(&n, IndexConfig::default());
+        for w in [1, 2] {
+            s.apply(
+                w,
+                &n.kv_events(w),
+                &batch(w, 0, vec![KvEventData::Cleared, stored(None, 10 + w)]),
+            );
+        }
+        let removal = |worker_id, term| {
+            encode(&ControlRecord {
+                v: SchemaVersion::CURRENT,
+                action: ControlAction::WorkerRemoved { worker_id },
+                replica_id: "x".into(),
+                term,
+                at_ms: 1_000,
+            })
+            .unwrap()
+        };
+        let r = s.apply(3, &n.kv_control(), &removal(1, 9));
+        assert_eq!((r.removed_worker, r.stale_term), (Some(1), None));
+        let digest = s.digest();
+        // The old leader's record lands after the new term's: nothing changes but the sequence.
+        let r = s.apply(4, &n.kv_control(), &removal(2, 8));
+        assert_eq!((r.removed_worker, r.stale_term), (None, Some(8)));
+        assert_eq!((s.applied_seq(), s.digest()), (4, digest));
+        assert!(!s.tracker().is_removed(2));
+        // The same term, and a later one, still apply; the newest term is snapshotted.
+        assert_eq!(
+            s.apply(5, &n.kv_control(), &removal(2, 9)).removed_worker,
+            Some(2)
+        );
+        let restored = ReplicaState::restore(&n, &s.snapshot()).unwrap();
+        assert_eq!(restored.tracker().term(), 9);
     }
 
     #[test]

@@ -59,13 +59,15 @@ impl IndexerProcess {
                     "loaded snapshot"
                 );
                 self.state = state;
-                self.last_snapshot = Some((seq, Instant::now()));
+                self.duties
+                    .on_bootstrap(Some(seq), tokio::time::Instant::now());
                 self.shared.metrics.snapshot_age_seconds.set(0);
                 self.awaiting_resync_until = None;
                 seq + 1
             }
             None => {
                 self.state = ReplicaState::new(&self.names, self.config.index_config());
+                self.duties.on_bootstrap(None, tokio::time::Instant::now());
                 if first > 1 {
                     tracing::warn!(
                         first,
@@ -83,7 +85,6 @@ impl IndexerProcess {
         self.shared
             .applied_seq
             .store(self.state.applied_seq(), Ordering::Release);
-        self.since_snapshot = 0;
         Ok(start)
     }
 

@@ -19,7 +19,7 @@ use super::bootstrap::newest_usable_snapshot;
 use super::ingest::{LogMessage, spawn_consumer};
 use super::snapshots::SnapshotStore;
 use crate::index::{IndexConfig, OverlapScores, SharedIndex};
-use crate::replica::ReplicaState;
+use crate::replica::{Continuity, ReplicaState, continuity};
 
 const TICK: Duration = Duration::from_millis(250);
 const RETRY: Duration = Duration::from_millis(500);
@@ -131,8 +131,8 @@ async fn follow(
             tokio::select! {
                 msg = log.recv() => {
                     let Some(msg) = msg else { break };
-                    if state.applied_seq() > 0 && msg.seq > state.applied_seq() + 1 {
-                        tracing::warn!(applied = state.applied_seq(), next = msg.seq,
+                    if let Continuity::Missing { expected } = continuity(state.applied_seq(), start, msg.seq) {
+                        tracing::warn!(applied = state.applied_seq(), expected, next = msg.seq,
                             "the log skipped messages; bootstrapping the local replica again");
                         break;
                     }

@@ -32,6 +32,14 @@ pub struct IndexerMetrics {
     pub snapshot_age_seconds: Arc<Gauge>,
     pub stream_mismatches: Arc<Gauge>,
     pub leader: Arc<Gauge>,
+    /// The leader term this replica acts in (0: not leading).
+    pub leader_term: Arc<Gauge>,
+    pub leader_terms: Arc<Counter>,
+    pub step_downs: Arc<CounterVec>,
+    /// Control records of a deposed leader's term, ignored.
+    pub stale_term_records: Arc<Counter>,
+    /// Workers the tracker remembers as removed.
+    pub removed_workers_tracked: Arc<Gauge>,
     pub ready: Arc<Gauge>,
     /// 1 while the replica is in the query queue group.
     pub serving: Arc<Gauge>,
@@ -144,6 +152,27 @@ impl IndexerMetrics {
             leader: r.gauge(
                 "kvroute_indexer_leader",
                 "1 if this replica is the snapshot leader.",
+            ),
+            leader_term: r.gauge(
+                "kvroute_indexer_leader_term",
+                "The leader term this replica acts in: the leader key's create revision (0: not leading).",
+            ),
+            leader_terms: r.counter(
+                "kvroute_indexer_leader_terms_total",
+                "Leader terms this replica began.",
+            ),
+            step_downs: r.counter_vec(
+                "kvroute_indexer_leader_step_downs_total",
+                "Times this replica stopped acting as leader, by reason.",
+                "reason",
+            ),
+            stale_term_records: r.counter(
+                "kvroute_indexer_stale_term_records_total",
+                "Control records from a leader term older than the newest seen, ignored.",
+            ),
+            removed_workers_tracked: r.gauge(
+                "kvroute_indexer_removed_workers_tracked",
+                "Removed workers whose late events are still ignored (bounded).",
             ),
             ready: r.gauge("kvroute_indexer_ready", "1 if this replica has caught up."),
             serving: r.gauge(

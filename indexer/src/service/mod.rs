@@ -4,9 +4,11 @@
 //!
 //! One main loop owns the state and handles every trigger of one closed [`Input`] enum; the
 //! tasks around it (log consumer, etcd watch, leader campaign, query and HTTP serving) only
-//! feed it or read the shared index.
+//! feed it or read the shared index. The leader's decisions are made by the pure
+//! [`LeaderDuties`] (`duties.rs`); this loop executes its [`Action`]s.
 
 mod bootstrap;
+mod duties;
 mod follower;
 pub mod ingest;
 mod leader;
@@ -14,10 +16,10 @@ mod metrics;
 mod serve;
 mod snapshots;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::jetstream::{self, message::PublishMessage};
 use kvroute_common::codec::encode;
@@ -25,27 +27,31 @@ use kvroute_common::discovery::{WorkerEvent, watch_workers};
 use kvroute_common::events_stream::ensure_events_stream;
 use kvroute_common::ids::WorkerId;
 use kvroute_common::jetstream::require_jetstream;
-use kvroute_common::messages::{ControlAction, ControlRecord, ReplicaStatus, SchemaVersion};
+use kvroute_common::messages::{
+    ControlAction, ControlRecord, ReplicaStatus, SchemaVersion, now_ms,
+};
 use kvroute_common::names::Names;
 use kvroute_common::ops::{InFlight, spawn_watchdog, watchdog_observer};
 use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
 
+pub use self::duties::{Action, DutiesConfig, LeaderDuties, LeaderLease, StepDown, TickInput};
 pub use self::follower::{IndexFollower, IndexFollowerConfig};
 use self::ingest::LogMessage;
 pub use self::metrics::IndexerMetrics;
 pub use self::serve::{Answer, Readiness, Shared, answer};
 pub use self::snapshots::SnapshotStore;
 use crate::config::IndexerConfig;
-use crate::replica::{ApplyReport, ReplicaState};
+use crate::replica::{ApplyReport, Continuity, ReplicaState, continuity};
 
 const TICK: Duration = Duration::from_millis(250);
-const RESYNC_REQUEST_INTERVAL: Duration = Duration::from_secs(3);
 
 /// Every trigger of the main loop.
 enum Input {
     Log(LogMessage),
     Worker(WorkerEvent),
-    Leader(bool),
+    /// The campaign's lease on leadership (`None`: not holding the key).
+    Leader(Option<LeaderLease>),
     Tick,
     Status(oneshot::Sender<ReplicaStatus>),
     SnapshotDone(anyhow::Result<u64>),
@@ -83,7 +89,7 @@ pub async fn run(
         applied_seq: Default::default(),
         ready: Default::default(),
         serving: Default::default(),
-        leader: Default::default(),
+        leader_term: Default::default(),
         metrics,
         status_requests: status_tx,
     });
@@ -164,6 +170,7 @@ pub async fn run(
         });
     }
 
+    let duties = LeaderDuties::new(config.duties());
     let mut replica = IndexerProcess {
         config,
         names,
@@ -175,22 +182,18 @@ pub async fn run(
         shared,
         state,
         input_tx,
-        leader: false,
+        duties,
         ready: false,
         cards_loaded: false,
         awaiting_resync_until: None,
         stream_last_seq: 0,
-        since_snapshot: 0,
-        last_snapshot: None,
-        snapshot_in_flight: false,
-        unregistered_since: HashMap::new(),
-        removal_sent: HashMap::new(),
-        resync_sent: HashMap::new(),
+        start_seq: 1,
         bad_logged: 0,
     };
     loop {
         let (log_tx, mut log_rx) = mpsc::channel::<LogMessage>(8192);
         let start = replica.bootstrap().await?;
+        replica.start_seq = start;
         let consumer = ingest::spawn_consumer(
             replica.names.clone(),
             replica.nats.clone(),
@@ -209,6 +212,8 @@ pub async fn run(
             }
         }
     }
+    let actions = replica.duties.resign();
+    replica.execute(actions);
     leader::resign(&resign);
     // Give the resignation a moment to revoke the lease.
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -229,7 +234,7 @@ fn forward<T: Send + 'static>(
     });
 }
 
-fn forward_watch(mut rx: watch::Receiver<bool>, tx: mpsc::Sender<Input>) {
+fn forward_watch(mut rx: watch::Receiver<Option<LeaderLease>>, tx: mpsc::Sender<Input>) {
     tokio::spawn(async move {
         while rx.changed().await.is_ok() {
             let value = *rx.borrow_and_update();
@@ -252,19 +257,15 @@ struct IndexerProcess {
     shared: Arc<Shared>,
     state: ReplicaState,
     input_tx: mpsc::Sender<Input>,
-    leader: bool,
+    duties: LeaderDuties,
     ready: bool,
     cards_loaded: bool,
     /// Set while a bootstrap without usable snapshot waits for every worker's resync to land:
     /// not ready until the applied sequence reaches it.
     awaiting_resync_until: Option<u64>,
     stream_last_seq: u64,
-    since_snapshot: u64,
-    last_snapshot: Option<(u64, Instant)>,
-    snapshot_in_flight: bool,
-    unregistered_since: HashMap<WorkerId, Instant>,
-    removal_sent: HashMap<WorkerId, Instant>,
-    resync_sent: HashMap<WorkerId, Instant>,
+    /// Where the current consumer started (the bootstrap's choice).
+    start_seq: u64,
     bad_logged: u64,
 }
 
@@ -283,44 +284,43 @@ impl IndexerProcess {
             };
             match input {
                 Input::Log(msg) => {
-                    if self.state.applied_seq() > 0 && msg.seq > self.state.applied_seq() + 1 {
-                        tracing::error!(
-                            applied = self.state.applied_seq(),
-                            next = msg.seq,
-                            "log messages are missing (purged or expired before this replica applied them)"
-                        );
-                        self.set_ready(false);
-                        return Stop::Rebootstrap;
-                    }
-                    self.apply(msg);
+                    let mut next = Some(msg);
                     // Drain what is already queued before looking at other inputs.
-                    while let Ok(msg) = log.try_recv() {
-                        if msg.seq > self.state.applied_seq() + 1 && self.state.applied_seq() > 0 {
+                    while let Some(msg) = next {
+                        if let Continuity::Missing { expected } =
+                            continuity(self.state.applied_seq(), self.start_seq, msg.seq)
+                        {
+                            tracing::error!(
+                                applied = self.state.applied_seq(),
+                                expected,
+                                next = msg.seq,
+                                "log messages are missing (purged or expired before this replica applied them)"
+                            );
                             self.set_ready(false);
                             return Stop::Rebootstrap;
                         }
                         self.apply(msg);
-                        if !inputs.is_empty() {
-                            break;
-                        }
+                        next = if inputs.is_empty() {
+                            log.try_recv().ok()
+                        } else {
+                            None
+                        };
                     }
                     self.shared
                         .applied_seq
                         .store(self.state.applied_seq(), Ordering::Release);
                 }
                 Input::Worker(event) => self.on_worker_event(event),
-                Input::Leader(is_leader) => {
-                    self.leader = is_leader;
-                    self.shared.leader.store(is_leader, Ordering::Release);
-                    self.shared.metrics.leader.set(i64::from(is_leader));
-                    self.unregistered_since.clear();
+                Input::Leader(lease) => {
+                    let actions = self.duties.on_lease(lease, Instant::now());
+                    self.execute(actions);
                 }
                 Input::Tick => self.on_tick().await,
                 Input::Status(reply) => {
                     let _ = reply.send(self.status());
                 }
                 Input::SnapshotDone(result) => {
-                    self.snapshot_in_flight = false;
+                    self.duties.on_snapshot_done();
                     match result {
                         Ok(seq) => {
                             self.shared.metrics.snapshots_written.inc();
@@ -342,7 +342,7 @@ impl IndexerProcess {
             applied_seq: self.state.applied_seq(),
             digest: self.state.digest(),
             ready: self.ready,
-            leader: self.leader,
+            leader: self.duties.leading(Instant::now()).is_some(),
             entries: self.state.index().stats().entries as u64,
             stream_last_seq: self.stream_last_seq,
         }
@@ -350,7 +350,7 @@ impl IndexerProcess {
 
     fn apply(&mut self, msg: LogMessage) {
         let report = self.state.apply_entry(msg.seq, msg.entry);
-        self.since_snapshot += 1;
+        self.duties.on_applied(1);
         self.record(&report);
     }
 
@@ -364,7 +364,18 @@ impl IndexerProcess {
         m.gaps.add(r.gaps.len() as u64);
         if let Some(w) = r.removed_worker {
             m.workers_removed.inc();
+            m.removed_workers_tracked
+                .set(self.state.tracker().removed_count() as i64);
             tracing::info!(worker_id = w, "worker removed from the index");
+        }
+        if let Some(term) = r.stale_term {
+            m.stale_term_records.inc();
+            tracing::warn!(
+                term,
+                newest_term = self.state.tracker().term(),
+                seq = self.state.applied_seq(),
+                "ignored a control record of a deposed leader's term"
+            );
         }
         if let Some(bad) = &r.bad {
             m.bad_messages.inc(bad.reason());
@@ -376,25 +387,47 @@ impl IndexerProcess {
         for (w, rank, expected, got) in &r.gaps {
             tracing::warn!(worker_id = w, dp_rank = rank, expected, got, "event gap");
         }
-        for w in r.needs_resync.clone() {
-            self.request_resync(w);
+        let now = Instant::now();
+        let asks: Vec<Action> = r
+            .needs_resync
+            .iter()
+            .filter_map(|&w| self.duties.on_needs_resync(w, self.ready, now))
+            .collect();
+        self.execute(asks);
+    }
+
+    /// Carries out the leader duties' decisions.
+    fn execute(&mut self, actions: Vec<Action>) {
+        for action in actions {
+            match action {
+                Action::BecameLeader { term } => {
+                    let m = &self.shared.metrics;
+                    self.shared.leader_term.store(term, Ordering::Release);
+                    m.leader.set(1);
+                    m.leader_term.set(term as i64);
+                    m.leader_terms.inc();
+                    tracing::info!(term, replica_id = %self.shared.replica_id, "became snapshot leader");
+                }
+                Action::SteppedDown { term, reason } => {
+                    let m = &self.shared.metrics;
+                    self.shared.leader_term.store(0, Ordering::Release);
+                    m.leader.set(0);
+                    m.leader_term.set(0);
+                    m.step_downs.inc(reason.as_str());
+                    tracing::warn!(term, reason = %reason.as_str(), replica_id = %self.shared.replica_id, "stepped down");
+                }
+                Action::AppendRemoval {
+                    worker_id,
+                    msg_id,
+                    term,
+                } => self.append_removal(worker_id, msg_id, term),
+                Action::RequestResync { worker_id } => self.request_resync(worker_id),
+                Action::WriteSnapshot { seq, term } => self.write_snapshot(seq, term),
+            }
         }
     }
 
-    /// Leader only, once caught up (old gaps met while catching up were handled back then).
     fn request_resync(&mut self, worker_id: WorkerId) {
-        if !self.leader || !self.ready {
-            return;
-        }
-        let now = Instant::now();
-        if self
-            .resync_sent
-            .get(&worker_id)
-            .is_some_and(|t| now.duration_since(*t) < RESYNC_REQUEST_INTERVAL)
-        {
-            return;
-        }
-        self.resync_sent.insert(worker_id, now);
         self.shared.metrics.resync_requests.inc();
         let nats = self.nats.clone();
         let subject = self.names.worker_resync(worker_id);
@@ -425,9 +458,10 @@ impl IndexerProcess {
             } => {
                 cards.remove(&worker_id);
                 drop(cards);
-                if self.leader {
-                    self.append_removal(worker_id, format!("removed-{worker_id}-rev{revision}"));
-                }
+                let action = self
+                    .duties
+                    .on_worker_deleted(worker_id, revision, Instant::now());
+                self.execute(action.into_iter().collect());
             }
             WorkerEvent::Invalid { key, reason, error } => {
                 self.shared.metrics.bad_cards.inc(reason.label());
@@ -436,19 +470,30 @@ impl IndexerProcess {
         }
     }
 
-    /// Appends `WorkerRemoved` to the log (JetStream deduplicates by `msg_id`).
-    fn append_removal(&mut self, worker_id: WorkerId, msg_id: String) {
-        self.removal_sent.insert(worker_id, Instant::now());
+    /// Appends `WorkerRemoved` to the log in leader term `term` (JetStream deduplicates by
+    /// `msg_id`); retries stop as soon as this replica no longer acts in that term.
+    fn append_removal(&mut self, worker_id: WorkerId, msg_id: String, term: u64) {
         let record = ControlRecord {
             v: SchemaVersion::CURRENT,
             action: ControlAction::WorkerRemoved { worker_id },
             replica_id: self.shared.replica_id.clone(),
+            term,
+            at_ms: now_ms(),
         };
         let Ok(bytes) = encode(&record) else { return };
         let js = self.js.clone();
         let subject = self.names.kv_control();
+        let shared = self.shared.clone();
         tokio::spawn(async move {
             for attempt in 0..20 {
+                if shared.leader_term.load(Ordering::Acquire) != term {
+                    tracing::warn!(
+                        worker_id,
+                        term,
+                        "no longer leading; not appending WorkerRemoved"
+                    );
+                    return;
+                }
                 let msg = PublishMessage::build()
                     .payload(bytes.clone())
                     .message_id(&msg_id);
@@ -480,8 +525,9 @@ impl IndexerProcess {
         m.index_runs.set(stats.runs as i64);
         m.index_bytes.set(stats.bytes_in_use as i64);
         m.index_evicted.set(stats.anomalies.evicted_entries as i64);
-        if let Some((_, at)) = self.last_snapshot {
-            m.snapshot_age_seconds.set(at.elapsed().as_secs() as i64);
+        let now = Instant::now();
+        if let Some(age) = self.duties.snapshot_age(now) {
+            m.snapshot_age_seconds.set(age.as_secs() as i64);
         }
         let resync_done = match self.awaiting_resync_until {
             Some(target) => target > 0 && self.state.applied_seq() >= target,
@@ -491,10 +537,26 @@ impl IndexerProcess {
             self.awaiting_resync_until = None;
         }
         self.set_ready(resync_done && lag <= self.config.ready_max_lag);
-        if self.leader && self.ready {
-            self.maybe_snapshot();
-            self.reconcile_unregistered();
-        }
+        let registered: Option<HashSet<WorkerId>> = self.cards_loaded.then(|| {
+            self.shared
+                .cards
+                .read()
+                .expect("cards lock")
+                .keys()
+                .copied()
+                .collect()
+        });
+        let live = self.state.tracker().live_workers();
+        let actions = self.duties.tick(
+            now,
+            TickInput {
+                ready: self.ready,
+                applied_seq: self.state.applied_seq(),
+                registered: registered.as_ref(),
+                live: &live,
+            },
+        );
+        self.execute(actions);
     }
 
     /// Readiness (`/readyz`); a replica that is not ready answers queries `not_ready` and
@@ -517,36 +579,25 @@ impl IndexerProcess {
         self.shared.metrics.ready.set(i64::from(ready));
     }
 
-    fn maybe_snapshot(&mut self) {
-        let seq = self.state.applied_seq();
-        if self.snapshot_in_flight || seq == 0 || self.last_snapshot.is_some_and(|(s, _)| s >= seq)
-        {
-            return;
-        }
-        let by_count = self.config.snapshot_every_messages > 0
-            && self.since_snapshot >= self.config.snapshot_every_messages;
-        let interval = Duration::from_secs(self.config.snapshot_interval_secs);
-        let by_time = self.config.snapshot_interval_secs > 0
-            && self
-                .last_snapshot
-                .is_none_or(|(_, at)| at.elapsed() >= interval);
-        if !(by_count || by_time) {
-            return;
-        }
-        // Taken now, serialized off this loop: the log keeps being applied meanwhile.
-        let pending = self.state.snapshot_later();
-        self.since_snapshot = 0;
-        self.last_snapshot = Some((seq, Instant::now()));
-        self.snapshot_in_flight = true;
+    /// Takes the state as of `seq` now and writes it off this loop (the log keeps being
+    /// applied meanwhile); purging the log waits until the snapshot is stored and is skipped
+    /// if this replica no longer acts in `term` by then.
+    fn write_snapshot(&mut self, seq: u64, term: u64) {
+        let pending = self.state.snapshot_later().written_in_term(term);
+        debug_assert_eq!(pending.applied_seq(), seq);
         let store = self.store.clone();
         let keep = self.config.snapshot_keep;
         let purge = self.config.purge_log;
         let stream = self.stream.clone();
         let tx = self.input_tx.clone();
+        let shared = self.shared.clone();
         tokio::spawn(async move {
             let result = async {
                 let bytes = tokio::task::spawn_blocking(move || pending.write()).await?;
                 store.save(seq, bytes).await?;
+                if shared.leader_term.load(Ordering::Acquire) != term {
+                    anyhow::bail!("stepped down from term {term} while writing; not pruning");
+                }
                 let kept = store.prune(keep).await?;
                 if purge && let Some(oldest) = kept.last() {
                     // Everything up to the oldest kept snapshot is inside every kept snapshot.
@@ -557,45 +608,5 @@ impl IndexerProcess {
             .await;
             let _ = tx.send(Input::SnapshotDone(result)).await;
         });
-    }
-
-    /// Removes workers that have events in the log but no registration for longer than the
-    /// grace period (crashed before the leader saw their delete, or never registered).
-    fn reconcile_unregistered(&mut self) {
-        if !self.cards_loaded {
-            return;
-        }
-        let now = Instant::now();
-        let grace = Duration::from_secs(self.config.unregistered_grace_secs);
-        let registered: HashSet<WorkerId> = self
-            .shared
-            .cards
-            .read()
-            .expect("cards lock")
-            .keys()
-            .copied()
-            .collect();
-        let live = self.state.tracker().live_workers();
-        self.unregistered_since
-            .retain(|w, _| live.contains(w) && !registered.contains(w));
-        let mut remove = Vec::new();
-        for w in live {
-            if registered.contains(&w) {
-                continue;
-            }
-            let since = *self.unregistered_since.entry(w).or_insert(now);
-            let recently_sent = self
-                .removal_sent
-                .get(&w)
-                .is_some_and(|t| now.duration_since(*t) < grace);
-            if now.duration_since(since) >= grace && !recently_sent {
-                remove.push(w);
-            }
-        }
-        for w in remove {
-            tracing::info!(worker_id = w, "removing a worker with no registration");
-            let id = format!("removed-{w}-unregistered-{}", self.state.applied_seq());
-            self.append_removal(w, id);
-        }
     }
 }

@@ -36,7 +36,9 @@ pub struct Shared {
     pub ready: Readiness,
     /// In the query queue group (ready and keeping up).
     pub serving: AtomicBool,
-    pub leader: AtomicBool,
+    /// The leader term this replica acts in (0: not leading). Appends check it before
+    /// every attempt, so a deposed leader's retries stop.
+    pub leader_term: AtomicU64,
     pub metrics: IndexerMetrics,
     /// Asks the main loop for a consistent (sequence, digest) pair.
     pub status_requests: mpsc::Sender<oneshot::Sender<ReplicaStatus>>,
@@ -320,7 +322,7 @@ mod tests {
             applied_seq: AtomicU64::new(1),
             ready: Readiness::default(),
             serving: AtomicBool::new(false),
-            leader: AtomicBool::new(false),
+            leader_term: AtomicU64::new(0),
             metrics: IndexerMetrics::new(),
             status_requests,
         }
