@@ -474,9 +474,17 @@ def median_of(values):
     return statistics.median(values) if values else float("nan")
 
 
+# The servers kvroute runs on. Their RSS in a run of minutes is still the Go runtime settling
+# (nats-server grew from 18 to 47 MiB over a 3-minute run with its stream purged to a few
+# MB), so runs under 10 minutes print it without judging it; longer runs judge it like ours.
+THIRD_PARTY = ("nats", "etcd")
+
+
 def judge_memory(rows, procs):
     """Per process not churned: the median RSS of the last 10 % of samples against the
-    median of the first 10 % after warm-up (each at least 3 samples)."""
+    median of the first 10 % after warm-up (each at least 3 samples). The medians of windows
+    of samples, not single samples, because a process's RSS moves with its allocator's and
+    garbage collector's cycles; growth beyond the limit across the run is a trend."""
     after = [r for r in rows if r["t_s"] >= WARMUP]
     n = max(3, math.ceil(0.1 * len(after)))
     results = []
@@ -489,7 +497,10 @@ def judge_memory(rows, procs):
             continue
         base, end = median_of(vals[:n]), median_of(vals[-n:])
         growth = (end - base) / base
-        results.append((name, base, end, growth, growth <= FLAT_LIMIT, ""))
+        if SHORT and name in THIRD_PARTY:
+            results.append((name, base, end, growth, True, "not judged in a short run"))
+        else:
+            results.append((name, base, end, growth, growth <= FLAT_LIMIT, ""))
     return results, n, len(after)
 
 
@@ -603,8 +614,9 @@ def report(soak, rows, csv_path):
         if base is None:
             print(f"  {name}: {why}  FAIL")
         else:
+            verdict = why or ("ok" if good else "FAIL")
             print(f"  {name}: {base / 1024:.1f} MiB -> {end / 1024:.1f} MiB ({growth:+.1%})"
-                  f"  {'ok' if good else 'FAIL'}")
+                  f"  {verdict}")
         ok &= good
     for name in ("indexer-1", "indexer-2"):
         ents = [r[f"{name}:index_entries"] for r in rows if r[f"{name}:index_entries"] != ""]
@@ -626,7 +638,9 @@ def report(soak, rows, csv_path):
             unexplained[f"replay-{lp['client']} loop {lp['loop']} exit {lp['rc']}"] = 1
             continue
         churned = any(lp["start"] - REQUEST_TIMEOUT <= k <= lp["end"] for k in kills)
-        reset = any(lp["start"] <= r <= lp["end"] for r in resets)
+        # A reset is noted when replay client A starts; it resets within the 5 s that churn
+        # is held off.
+        reset = any(lp["start"] <= r + 5 and r <= lp["end"] for r in resets)
         for mode in rep.get("modes", []):
             completed += mode.get("completed", 0)
             requests += mode.get("completed", 0) + mode.get("errors", 0)
