@@ -12,6 +12,9 @@ binaries' folder), KVROUTE_SOAK_TRACE, KVROUTE_SOAK_SAMPLE_SECS (10), KVROUTE_SO
 client: 240; 80 for runs under 10 minutes), KVROUTE_SOAK_RATE (requests per wall second and
 client, 4), KVROUTE_SOAK_SPEEDUP (the fleets' simulated seconds per wall second, 10),
 KVROUTE_SOAK_SELECT_TIMEOUT_MS (the replay clients' first selection attempt, 1000).
+
+`soak.py --judge` prints the memory and error verdicts and redraws the chart of a finished run
+from its files in KVROUTE_SOAK_OUT (with the run's KVROUTE_SOAK_SECS).
 """
 
 import csv
@@ -596,16 +599,21 @@ def main():
     sys.exit(code)
 
 
-def report(soak, rows, csv_path):
+def report(soak, rows, csv_path, live=True):
+    """Prints every verdict; `live` is false when judging a finished run from its files (the
+    replicas and the processes can only be checked while they run)."""
     ok = True
     print()
-    log("replicas: waiting for the indexers and the routers' local replicas to agree")
-    converged, states = soak.converge()
-    for name, (seq, digest, entries) in states.items():
-        extra = f", entries {entries}" if entries is not None else ""
-        print(f"  {name}: applied_seq {seq}, digest {digest}{extra}")
-    print(f"  replicas equal at the end: {'yes' if converged else 'NO'}")
-    ok &= converged
+    if live:
+        log("replicas: waiting for the indexers and the routers' local replicas to agree")
+        converged, states = soak.converge()
+        for name, (seq, digest, entries) in states.items():
+            extra = f", entries {entries}" if entries is not None else ""
+            print(f"  {name}: applied_seq {seq}, digest {digest}{extra}")
+        print(f"  replicas equal at the end: {'yes' if converged else 'NO'}")
+        ok &= converged
+    else:
+        print("replicas and processes: not checked (a finished run; its own output has them)")
 
     results, n, after = judge_memory(rows, soak.procs)
     print(f"\nmemory: median RSS of the first {n} samples after warm-up ({WARMUP:g} s) vs the "
@@ -680,9 +688,10 @@ def report(soak, rows, csv_path):
     print(f"  errors not explained: {sum(unexplained.values())} {unexplained or ''}")
     ok &= not unexplained
 
-    deaths = soak.unexpected_deaths
-    print(f"\nprocesses: {len(soak.procs)} kept running; unexpected deaths: {deaths or 'none'}")
-    ok &= not deaths
+    if live:
+        deaths = soak.unexpected_deaths
+        print(f"\nprocesses: {len(soak.procs)} kept running; unexpected deaths: {deaths or 'none'}")
+        ok &= not deaths
 
     chart = f"{OUT}/soak.png"
     try:
@@ -691,12 +700,44 @@ def report(soak, rows, csv_path):
     except Exception as e:
         print(f"\nsoak: no chart ({e}); samples {csv_path}")
         ok = False
-    with open(f"{OUT}/events.json", "w") as f:
-        json.dump({"events": soak.events, "loops": [
-            {k: v for k, v in lp.items() if k != "report"} for lp in soak.loops]}, f, indent=1)
+    if live:
+        with open(f"{OUT}/events.json", "w") as f:
+            json.dump({"secs": SECS, "events": soak.events, "loops": [
+                {k: v for k, v in lp.items() if k != "report"} for lp in soak.loops]}, f, indent=1)
     print(f"\nsoak: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 
+def judge_finished():
+    """`soak.py --judge`: the memory and error verdicts and the chart again, from the files
+    of a finished run in KVROUTE_SOAK_OUT (run with the run's knobs)."""
+    rows = []
+    with open(f"{OUT}/samples.csv") as f:
+        for raw in csv.DictReader(f):
+            rows.append({k: (float(v) if v != "" else "") for k, v in raw.items()})
+    with open(f"{OUT}/events.json") as f:
+        saved = json.load(f)
+    if saved.get("secs", SECS) != SECS:
+        sys.exit(f"soak: that run lasted {saved['secs']} s: set KVROUTE_SOAK_SECS to it")
+    loops = saved["loops"]
+    for lp in loops:
+        try:
+            with open(f"{OUT}/logs/replay-{lp['client']}-{lp['loop']}.json") as f:
+                lp["report"] = json.load(f)
+        except (OSError, ValueError):
+            lp["report"] = None
+    names = [k.split(":", 1)[1] for k in rows[0] if k.startswith("rss_kb:")]
+
+    class Finished:
+        events = [tuple(e) for e in saved["events"]]
+        procs = {n: type("P", (), {"churned": n.startswith("fleet-churn")}) for n in names}
+        unexpected_deaths = []
+
+    Finished.loops = loops
+    sys.exit(report(Finished, rows, f"{OUT}/samples.csv", live=False))
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--judge"]:
+        judge_finished()
     main()
