@@ -114,6 +114,44 @@ async fn local_overlap_follows_the_log_without_an_indexer() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_replica_reports_the_indexers_applied_seq_and_digest() {
+    let env = TestEnv::start().unwrap();
+    let names = Names::new(&env.namespace);
+    let indexer = IndexerProcess::start(&env, "ix-1", &[]).unwrap();
+    let fleet = workers(&env, &[1, 2]).await;
+    let router = RouterProcess::start(&env, "r1", &["--overlap-mode", "local"]).unwrap();
+    let nats = env.nats.connect().await.unwrap();
+    let tokens = prompt(3, 4);
+    fleet[1].store_prompt(&tokens).await;
+    select_until_overlap(&nats, &names, &request("m", tokens), 4).await;
+    // The log is quiet now: the replica and the indexer applied the same prefix of it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let ix = indexer.status().unwrap();
+        let (code, body) = kvroute_tests::http_get(router.http_port, "/status").unwrap();
+        assert_eq!(code, 200, "{body}");
+        let local =
+            serde_json::from_str::<serde_json::Value>(&body).unwrap()["local_index"].clone();
+        assert!(local["applied_seq"].as_u64().unwrap() > 0, "{local}");
+        if local["applied_seq"] == ix["applied_seq"] && local["digest"] == ix["digest"] {
+            let digest = local["digest"].as_str().unwrap();
+            assert!(digest.starts_with("0x") && digest.len() == 18, "{digest}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "router {local}, indexer {ix}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // A router that asks the indexers keeps no replica and shows none.
+    let remote = RouterProcess::start(&env, "r2", &[]).unwrap();
+    let (_, body) = kvroute_tests::http_get(remote.http_port, "/status").unwrap();
+    let status: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert!(status.get("local_index").is_none(), "{status}");
+}
+
 /// Selections per worker.
 fn tally(replies: impl IntoIterator<Item = SelectResponse>) -> BTreeMap<u64, u32> {
     let mut counts = BTreeMap::new();

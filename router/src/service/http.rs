@@ -1,6 +1,6 @@
 //! `/metrics`, `/healthz`, `/readyz` (200 while in the select queue group: ready and keeping
-//! up) and `/status` (JSON: id, readiness, membership, workers, policies, and each rank's load
-//! as the load view sees it now).
+//! up) and `/status` (JSON: id, readiness, membership, workers, policies, each rank's load
+//! as the load view sees it now, and, with a local replica, its `(applied_seq, digest)`).
 
 use std::sync::Arc;
 
@@ -9,6 +9,7 @@ use kvroute_common::messages::{WorkerRole, now_ms};
 use kvroute_common::ops::{HttpHandler, HttpResponse};
 
 use super::Router;
+use super::overlap::OverlapSource;
 
 pub struct Http(pub Arc<Router>);
 
@@ -71,12 +72,35 @@ fn status(router: &Router) -> serde_json::Value {
             entry
         })
         .collect();
-    serde_json::json!({
+    let mut out = serde_json::json!({
         "router_id": router.router_id,
         "ready": router.is_ready(),
         "serving": router.is_serving(),
         "workers": workers,
         "policies": policies,
         "load": load,
-    })
+    });
+    if let OverlapSource::Local(replica) = &router.overlap {
+        out["local_index"] = local_index(replica);
+    }
+    out
+}
+
+/// The local replica's `(applied_seq, digest)`, as an indexer's `/status` gives them (the
+/// digest a `0x` string of 16 hex digits). The follower applies while this reads, so the pair
+/// is exact only while the log is quiet; a sequence that moved during the digest is retried,
+/// and after a few tries `digest` is null (the replica is busy applying: ask again).
+fn local_index(replica: &kvroute_indexer::service::IndexFollower) -> serde_json::Value {
+    for _ in 0..4 {
+        let seq = replica.applied_seq();
+        let index = replica.index();
+        let digest = index.digest();
+        if replica.applied_seq() == seq {
+            return serde_json::json!({
+                "applied_seq": seq,
+                "digest": format!("{digest:#018x}"),
+            });
+        }
+    }
+    serde_json::json!({"applied_seq": replica.applied_seq(), "digest": null})
 }
