@@ -163,6 +163,10 @@ impl LeaderDuties {
             };
             out.push(Action::SteppedDown { term, reason });
             self.acting = None;
+            // A term's bookkeeping ends with it (and stays bounded while following).
+            self.unregistered_since.clear();
+            self.removal_sent.clear();
+            self.resync_sent.clear();
         }
         if let (None, Some(lease)) = (self.acting, valid) {
             // A new term starts from a clean slate: grace periods count from now.

@@ -525,6 +525,8 @@ impl IndexerProcess {
         m.index_runs.set(stats.runs as i64);
         m.index_bytes.set(stats.bytes_in_use as i64);
         m.index_evicted.set(stats.anomalies.evicted_entries as i64);
+        m.removed_workers_tracked
+            .set(self.state.tracker().removed_count() as i64);
         let now = Instant::now();
         if let Some(age) = self.duties.snapshot_age(now) {
             m.snapshot_age_seconds.set(age.as_secs() as i64);
