@@ -407,6 +407,40 @@ mod clap_tests {
     }
 
     #[test]
+    fn shared_flag_groups_keep_their_names_and_variables() {
+        use clap::CommandFactory;
+        let cmd = All::command();
+        for service in ["NATS", "ETCD"] {
+            for flag in ["USER", "PASSWORD", "TLS_CA", "TLS_CERT", "TLS_KEY"] {
+                let env = format!("KVROUTE_{service}_{flag}");
+                let id = format!("{service}-{flag}").to_lowercase().replace('_', "-");
+                let arg = cmd
+                    .get_arguments()
+                    .find(|a| a.get_id() == id.as_str())
+                    .unwrap_or_else(|| panic!("no --{id}"));
+                assert_eq!(arg.get_long(), Some(id.as_str()));
+                assert_eq!(arg.get_env().and_then(|e| e.to_str()), Some(env.as_str()));
+            }
+        }
+        let a = All::try_parse_from([
+            "x",
+            "--nats-tls-ca=/n",
+            "--etcd-tls-cert=/c",
+            "--etcd-tls-key=/k",
+            "--etcd-password=p",
+        ])
+        .unwrap();
+        assert_eq!(a.nats.tls.ca.as_deref(), Some(Path::new("/n")));
+        assert!(a.etcd.tls.ca.is_none());
+        assert_eq!(
+            a.etcd.tls.identity().map(|(c, _)| c.as_path()),
+            Some(Path::new("/c"))
+        );
+        assert_eq!(a.etcd.credentials.password.as_deref(), Some("p"));
+        assert_eq!(a.nats.inbox_prefix, "_INBOX");
+    }
+
+    #[test]
     fn flag_sets_combine_into_one_command() {
         use clap::CommandFactory;
         All::command().debug_assert();

@@ -322,6 +322,11 @@ async fn the_whole_system_selects_with_every_process_under_its_own_identity() {
     );
     let _mocker = mocker.spawn().unwrap();
     let router = RouterProcess::start(&env, "r-1", &as_args(&env, "router-1")).unwrap();
+    // A second replica with its own replica of the index (it reads the events stream), under
+    // the same role.
+    let mut local = as_args(&env, "router-1");
+    local.extend(["--overlap-mode", "local"]);
+    let router_local = RouterProcess::start(&env, "r-2", &local).unwrap();
 
     let client = env
         .nats_args_as("client-1")
@@ -356,6 +361,7 @@ async fn the_whole_system_selects_with_every_process_under_its_own_identity() {
     for (who, log) in [
         ("indexer", indexer.log()),
         ("router", router.log()),
+        ("router-local", router_local.log()),
         ("mocker", mocker_log),
     ] {
         assert!(

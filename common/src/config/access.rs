@@ -120,12 +120,12 @@ impl<S: Service> clap::Args for Credentials<S> {
         let (user, password) = (S::FLAGS.user, S::FLAGS.password);
         cmd.arg(arg(
             user,
-            format!("{} user name (with --{}).", S::NAME, password.0),
+            format!("{} user name (with --{})", S::NAME, password.0),
         ))
         .arg(
             arg(
                 password,
-                format!("{} password (with --{}).", S::NAME, user.0),
+                format!("{} password (with --{})", S::NAME, user.0),
             )
             .hide_env_values(true),
         )
@@ -211,7 +211,10 @@ impl<S: Service> clap::Args for TlsFiles<S> {
         cmd.arg(
             arg(
                 f.tls_ca,
-                format!("CA certificate (PEM) to verify {}; implies TLS.", S::NAME),
+                format!(
+                    "CA certificate (PEM) to verify the {} server; implies TLS",
+                    S::NAME
+                ),
             )
             .value_parser(path()),
         )
@@ -219,7 +222,7 @@ impl<S: Service> clap::Args for TlsFiles<S> {
             arg(
                 f.tls_cert,
                 format!(
-                    "Client certificate (PEM) for mutual TLS (with --{}).",
+                    "Client certificate (PEM) for mutual TLS (with --{})",
                     f.tls_key.0
                 ),
             )
@@ -229,7 +232,7 @@ impl<S: Service> clap::Args for TlsFiles<S> {
             arg(
                 f.tls_key,
                 format!(
-                    "Client private key (PEM) for mutual TLS (with --{}).",
+                    "Client private key (PEM) for mutual TLS (with --{})",
                     f.tls_cert.0
                 ),
             )
