@@ -39,8 +39,10 @@ def nats_servers(urls):
 async def connect(urls):
     import nats
 
+    # As the identity in KVROUTE_NATS_* (a secured cluster's operator env file), if any.
     return await nats.connect(servers=nats_servers(urls), connect_timeout=5,
-                              max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+                              max_reconnect_attempts=-1, reconnect_time_wait=0.2,
+                              **kvroute_client.nats_identity())
 
 
 def session_prompt(i):

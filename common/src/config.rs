@@ -2,12 +2,14 @@
 //! environment fallbacks, validated once at startup ([`ConfigError`] names the bad flag).
 //! Connecting ([`connect`]) retries until a startup deadline, the same way for both.
 
+mod access;
 mod connect;
 
 use std::path::{Path, PathBuf};
 
 use crate::ids::Namespace;
 
+pub use access::{AccessFlags, Credentials, Etcd, Nats, Service, TlsFiles};
 pub use connect::{DEFAULT_CONNECT_TIMEOUT_MS, Unreachable};
 
 /// A setting that cannot work; `field` is the flag's name, `env` the environment variable
@@ -100,17 +102,9 @@ pub struct NatsArgs {
         default_value = "nats://127.0.0.1:4222"
     )]
     pub urls: Vec<String>,
-    /// NATS user name (with --nats-password).
-    #[arg(id = "nats-user", long = "nats-user", env = "KVROUTE_NATS_USER")]
-    pub user: Option<String>,
-    /// NATS password (with --nats-user).
-    #[arg(
-        id = "nats-password",
-        long = "nats-password",
-        env = "KVROUTE_NATS_PASSWORD",
-        hide_env_values = true
-    )]
-    pub password: Option<String>,
+    /// `--nats-user`, `--nats-password`.
+    #[command(flatten)]
+    pub credentials: Credentials<Nats>,
     /// NATS authentication token.
     #[arg(
         id = "nats-token",
@@ -122,23 +116,19 @@ pub struct NatsArgs {
     /// NATS credentials file (JWT + NKey seed).
     #[arg(id = "nats-creds", long = "nats-creds", env = "KVROUTE_NATS_CREDS")]
     pub creds_file: Option<PathBuf>,
-    /// CA certificate (PEM) to verify the NATS server; implies TLS.
-    #[arg(id = "nats-tls-ca", long = "nats-tls-ca", env = "KVROUTE_NATS_TLS_CA")]
-    pub tls_ca: Option<PathBuf>,
-    /// Client certificate (PEM) for mutual TLS (with --nats-tls-key).
+    /// `--nats-tls-ca`, `--nats-tls-cert`, `--nats-tls-key`.
+    #[command(flatten)]
+    pub tls: TlsFiles<Nats>,
+    /// Prefix of this connection's reply subjects (`<prefix>.<unique>`); a deployment with
+    /// per-identity permissions gives each identity its own (`_INBOX.<user>`), so no other
+    /// identity can subscribe to its replies.
     #[arg(
-        id = "nats-tls-cert",
-        long = "nats-tls-cert",
-        env = "KVROUTE_NATS_TLS_CERT"
+        id = "nats-inbox-prefix",
+        long = "nats-inbox-prefix",
+        env = "KVROUTE_NATS_INBOX_PREFIX",
+        default_value = "_INBOX"
     )]
-    pub tls_cert: Option<PathBuf>,
-    /// Client private key (PEM) for mutual TLS (with --nats-tls-cert).
-    #[arg(
-        id = "nats-tls-key",
-        long = "nats-tls-key",
-        env = "KVROUTE_NATS_TLS_KEY"
-    )]
-    pub tls_key: Option<PathBuf>,
+    pub inbox_prefix: String,
     /// Startup deadline, in milliseconds: the first connection is retried (with backoff, each
     /// failure logged) for this long, then the process exits with status 4.
     #[arg(
@@ -169,13 +159,11 @@ impl NatsArgs {
     pub fn plain(url: impl Into<String>) -> Self {
         Self {
             urls: vec![url.into()],
-            user: None,
-            password: None,
+            credentials: Credentials::default(),
             token: None,
             creds_file: None,
-            tls_ca: None,
-            tls_cert: None,
-            tls_key: None,
+            tls: TlsFiles::default(),
+            inbox_prefix: "_INBOX".to_owned(),
             connect_timeout_ms: 5000,
             ping_interval_ms: DEFAULT_PING_INTERVAL_MS,
         }
@@ -191,12 +179,9 @@ impl NatsArgs {
         for url in &self.urls {
             validate_url("nats-url", url, &["nats", "tls", "ws", "wss"])?;
         }
-        pair_must_match(
-            ("nats-user", self.user.is_some()),
-            ("nats-password", self.password.is_some()),
-        )?;
+        self.credentials.validate()?;
         let methods = [
-            self.user.is_some(),
+            self.credentials.user.is_some(),
             self.token.is_some(),
             self.creds_file.is_some(),
         ];
@@ -207,13 +192,8 @@ impl NatsArgs {
             ));
         }
         file_must_exist("nats-creds", &self.creds_file)?;
-        file_must_exist("nats-tls-ca", &self.tls_ca)?;
-        file_must_exist("nats-tls-cert", &self.tls_cert)?;
-        file_must_exist("nats-tls-key", &self.tls_key)?;
-        pair_must_match(
-            ("nats-tls-cert", self.tls_cert.is_some()),
-            ("nats-tls-key", self.tls_key.is_some()),
-        )?;
+        self.tls.validate()?;
+        validate_inbox_prefix(&self.inbox_prefix)?;
         if self.connect_timeout_ms == 0 {
             return Err(ConfigError::new(
                 "nats-connect-timeout-ms",
@@ -242,34 +222,12 @@ pub struct EtcdArgs {
         default_value = "http://127.0.0.1:2379"
     )]
     pub endpoints: Vec<String>,
-    /// etcd user name (with --etcd-password).
-    #[arg(id = "etcd-user", long = "etcd-user", env = "KVROUTE_ETCD_USER")]
-    pub user: Option<String>,
-    /// etcd password (with --etcd-user).
-    #[arg(
-        id = "etcd-password",
-        long = "etcd-password",
-        env = "KVROUTE_ETCD_PASSWORD",
-        hide_env_values = true
-    )]
-    pub password: Option<String>,
-    /// CA certificate (PEM) to verify etcd.
-    #[arg(id = "etcd-tls-ca", long = "etcd-tls-ca", env = "KVROUTE_ETCD_TLS_CA")]
-    pub tls_ca: Option<PathBuf>,
-    /// Client certificate (PEM) for mutual TLS (with --etcd-tls-key).
-    #[arg(
-        id = "etcd-tls-cert",
-        long = "etcd-tls-cert",
-        env = "KVROUTE_ETCD_TLS_CERT"
-    )]
-    pub tls_cert: Option<PathBuf>,
-    /// Client private key (PEM) for mutual TLS (with --etcd-tls-cert).
-    #[arg(
-        id = "etcd-tls-key",
-        long = "etcd-tls-key",
-        env = "KVROUTE_ETCD_TLS_KEY"
-    )]
-    pub tls_key: Option<PathBuf>,
+    /// `--etcd-user`, `--etcd-password`.
+    #[command(flatten)]
+    pub credentials: Credentials<Etcd>,
+    /// `--etcd-tls-ca`, `--etcd-tls-cert`, `--etcd-tls-key`.
+    #[command(flatten)]
+    pub tls: TlsFiles<Etcd>,
     /// Startup deadline, in milliseconds: the first connection is retried (with backoff, each
     /// failure logged) for this long, then the process exits with status 4.
     #[arg(
@@ -286,11 +244,8 @@ impl EtcdArgs {
     pub fn plain(endpoint: impl Into<String>) -> Self {
         Self {
             endpoints: vec![endpoint.into()],
-            user: None,
-            password: None,
-            tls_ca: None,
-            tls_cert: None,
-            tls_key: None,
+            credentials: Credentials::default(),
+            tls: TlsFiles::default(),
             connect_timeout_ms: 5000,
         }
     }
@@ -305,17 +260,8 @@ impl EtcdArgs {
         for e in &self.endpoints {
             validate_url("etcd-endpoints", e, &["http", "https"])?;
         }
-        pair_must_match(
-            ("etcd-user", self.user.is_some()),
-            ("etcd-password", self.password.is_some()),
-        )?;
-        file_must_exist("etcd-tls-ca", &self.tls_ca)?;
-        file_must_exist("etcd-tls-cert", &self.tls_cert)?;
-        file_must_exist("etcd-tls-key", &self.tls_key)?;
-        pair_must_match(
-            ("etcd-tls-cert", self.tls_cert.is_some()),
-            ("etcd-tls-key", self.tls_key.is_some()),
-        )?;
+        self.credentials.validate()?;
+        self.tls.validate()?;
         if self.connect_timeout_ms == 0 {
             return Err(ConfigError::new(
                 "etcd-connect-timeout-ms",
@@ -324,6 +270,20 @@ impl EtcdArgs {
         }
         Ok(())
     }
+}
+
+/// An inbox prefix is one or more dot-separated tokens without wildcards or spaces.
+fn validate_inbox_prefix(prefix: &str) -> Result<(), ConfigError> {
+    let bad = prefix
+        .split('.')
+        .any(|t| t.is_empty() || t.contains(['*', '>', ' ', '\t']));
+    if bad {
+        return Err(ConfigError::new(
+            "nats-inbox-prefix",
+            format!("{prefix:?}: must be dot-separated tokens without wildcards or spaces"),
+        ));
+    }
+    Ok(())
 }
 
 /// Accepts `scheme://host:port` with a listed scheme, or a bare `host:port`.
@@ -380,8 +340,8 @@ mod tests {
             "--nats-connect-timeout-ms=7",
         ])
         .unwrap();
-        assert_eq!(both.nats.user.as_deref(), Some("u"));
-        assert_eq!(both.etcd.user.as_deref(), Some("e"));
+        assert_eq!(both.nats.credentials.user.as_deref(), Some("u"));
+        assert_eq!(both.etcd.credentials.user.as_deref(), Some("e"));
         assert_eq!(both.nats.connect_timeout_ms, 7);
         assert_eq!(both.etcd.connect_timeout_ms, DEFAULT_CONNECT_TIMEOUT_MS);
     }
@@ -395,16 +355,22 @@ mod tests {
         n.urls = vec!["nats://x:notaport".into()];
         assert_eq!(n.validate().unwrap_err().field, "nats-url");
         n.urls = vec!["127.0.0.1:4222".into()];
-        n.user = Some("u".into());
+        n.credentials.user = Some("u".into());
         assert_eq!(n.validate().unwrap_err().field, "nats-password");
-        n.password = Some("p".into());
+        n.credentials.password = Some("p".into());
         n.token = Some("t".into());
         assert_eq!(n.validate().unwrap_err().field, "nats-token");
-        n.user = None;
-        n.password = None;
+        n.credentials = Credentials::default();
         n.token = None;
-        n.tls_ca = Some("/nonexistent/ca.pem".into());
+        n.inbox_prefix = "_INBOX.*".into();
+        assert_eq!(n.validate().unwrap_err().field, "nats-inbox-prefix");
+        n.inbox_prefix = "_INBOX.worker-1".into();
+        assert!(n.validate().is_ok());
+        n.tls = TlsFiles::with_ca("/nonexistent/ca.pem");
         assert_eq!(n.validate().unwrap_err().field, "nats-tls-ca");
+        n.tls.ca = None;
+        n.tls.key = Some("/nonexistent/key.pem".into());
+        assert_eq!(n.validate().unwrap_err().field, "nats-tls-key");
 
         let mut e = EtcdArgs::plain("http://127.0.0.1:2379");
         assert!(e.validate().is_ok());
@@ -413,9 +379,12 @@ mod tests {
         assert_eq!(err.field, "etcd-endpoints");
         assert!(err.to_string().contains("--etcd-endpoints"), "{err}");
         e.endpoints = vec!["http://x:1".into()];
-        e.password = Some("p".into());
+        e.credentials.password = Some("p".into());
         assert_eq!(e.validate().unwrap_err().field, "etcd-user");
-        e.password = None;
+        e.credentials.password = None;
+        e.tls = TlsFiles::with_ca("/nonexistent/ca.pem");
+        assert_eq!(e.validate().unwrap_err().field, "etcd-tls-ca");
+        e.tls = TlsFiles::default();
         e.connect_timeout_ms = 0;
         assert_eq!(e.validate().unwrap_err().field, "etcd-connect-timeout-ms");
     }
@@ -438,11 +407,45 @@ mod clap_tests {
     }
 
     #[test]
+    fn shared_flag_groups_keep_their_names_and_variables() {
+        use clap::CommandFactory;
+        let cmd = All::command();
+        for service in ["NATS", "ETCD"] {
+            for flag in ["USER", "PASSWORD", "TLS_CA", "TLS_CERT", "TLS_KEY"] {
+                let env = format!("KVROUTE_{service}_{flag}");
+                let id = format!("{service}-{flag}").to_lowercase().replace('_', "-");
+                let arg = cmd
+                    .get_arguments()
+                    .find(|a| a.get_id() == id.as_str())
+                    .unwrap_or_else(|| panic!("no --{id}"));
+                assert_eq!(arg.get_long(), Some(id.as_str()));
+                assert_eq!(arg.get_env().and_then(|e| e.to_str()), Some(env.as_str()));
+            }
+        }
+        let a = All::try_parse_from([
+            "x",
+            "--nats-tls-ca=/n",
+            "--etcd-tls-cert=/c",
+            "--etcd-tls-key=/k",
+            "--etcd-password=p",
+        ])
+        .unwrap();
+        assert_eq!(a.nats.tls.ca.as_deref(), Some(Path::new("/n")));
+        assert!(a.etcd.tls.ca.is_none());
+        assert_eq!(
+            a.etcd.tls.identity().map(|(c, _)| c.as_path()),
+            Some(Path::new("/c"))
+        );
+        assert_eq!(a.etcd.credentials.password.as_deref(), Some("p"));
+        assert_eq!(a.nats.inbox_prefix, "_INBOX");
+    }
+
+    #[test]
     fn flag_sets_combine_into_one_command() {
         use clap::CommandFactory;
         All::command().debug_assert();
         let a = All::try_parse_from(["x", "--nats-user", "u", "--etcd-user", "e"]).unwrap();
-        assert_eq!(a.nats.user.as_deref(), Some("u"));
-        assert_eq!(a.etcd.user.as_deref(), Some("e"));
+        assert_eq!(a.nats.credentials.user.as_deref(), Some("u"));
+        assert_eq!(a.etcd.credentials.user.as_deref(), Some("e"));
     }
 }

@@ -21,6 +21,7 @@ arguments.
 import argparse
 import asyncio
 import json
+import os
 import struct
 import sys
 import time
@@ -182,8 +183,29 @@ def fail(message):
     print("%s: %s" % (PROG, message), file=sys.stderr)
 
 
+def nats_identity(env=None):
+    """nats.connect() options of this process's identity, from the same variables kvroute's
+    processes read (scripts/gen-auth's env files): KVROUTE_NATS_USER / _PASSWORD or _TOKEN,
+    KVROUTE_NATS_TLS_CA (verify the server; implies TLS) and KVROUTE_NATS_INBOX_PREFIX (the
+    identity's own reply subjects, which its permissions allow it to read)."""
+    env = os.environ if env is None else env
+    opts = {}
+    if env.get("KVROUTE_NATS_USER"):
+        opts["user"] = env["KVROUTE_NATS_USER"]
+        opts["password"] = env.get("KVROUTE_NATS_PASSWORD", "")
+    if env.get("KVROUTE_NATS_TOKEN"):
+        opts["token"] = env["KVROUTE_NATS_TOKEN"]
+    if env.get("KVROUTE_NATS_INBOX_PREFIX"):
+        opts["inbox_prefix"] = env["KVROUTE_NATS_INBOX_PREFIX"]
+    if env.get("KVROUTE_NATS_TLS_CA"):
+        import ssl
+        opts["tls"] = ssl.create_default_context(cafile=env["KVROUTE_NATS_TLS_CA"])
+    return opts
+
+
 async def connect(nats_url):
-    """A NATS connection, or None after one line on stderr."""
+    """A NATS connection (as the identity nats_identity() reads), or None after one line on
+    stderr."""
     import nats  # imported here so --vectors needs only msgpack and xxhash
 
     async def quiet(_error):  # connection errors are reported once, below
@@ -193,7 +215,8 @@ async def connect(nats_url):
         # Pings every 2 s, 2 outstanding at most: a dead server is noticed within seconds,
         # matching the servers' own settings (PROTOCOL.md, "Selecting reliably").
         return await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=2,
-                                  ping_interval=2, max_outstanding_pings=2, error_cb=quiet)
+                                  ping_interval=2, max_outstanding_pings=2, error_cb=quiet,
+                                  **nats_identity())
     except Exception as e:  # NoServersError, OSError, TimeoutError, a bad URL...
         fail("cannot connect to NATS at %s: %s" % (nats_url, e or type(e).__name__))
         return None

@@ -17,6 +17,7 @@ mod played_engine;
 mod ports;
 mod process;
 mod router;
+mod secrets;
 mod servers;
 mod sim_worker;
 
@@ -37,5 +38,6 @@ pub use router::{
     router_exit_with, select, select_raw, select_until_overlap, send_select,
     wait_routers_registered, worker_card,
 };
+pub use secrets::Secrets;
 pub use servers::{EtcdServer, NatsServer, TestEnv, find_binary, workspace_root};
 pub use sim_worker::{SimWorker, expected_index, sim_card, stored};

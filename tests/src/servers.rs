@@ -1,17 +1,20 @@
 //! Real `nats-server` (JetStream) and `etcd` for tests, each on free loopback ports with a
-//! temporary data dir, stoppable and restartable on the same port and data dir.
+//! temporary data dir, stoppable and restartable on the same port and data dir; secure
+//! variants run with TLS and per-role users ([`TestEnv::start_secure`]).
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use kvroute_common::Namespace;
-use kvroute_common::config::{EtcdArgs, NatsArgs};
+use kvroute_common::config::{EtcdArgs, NatsArgs, TlsFiles};
 use tempfile::TempDir;
 
 use crate::http::http_get;
 use crate::ports::free_port;
 use crate::process::{ChildGuard, Supervised};
+use crate::secrets::Secrets;
 
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -54,29 +57,104 @@ fn wait_until(what: &str, mut ready: impl FnMut() -> bool) -> anyhow::Result<()>
     Ok(())
 }
 
-/// A `nats-server` with JetStream (or, for tests of that mistake, without). Dropping it stops
-/// the server and deletes its data.
+/// What both test servers share: a supervised process, its temporary data dir (deleted on
+/// drop) and log, and the HTTP health check that says it is up.
+#[derive(Debug)]
+struct ServerProcess {
+    what: &'static str,
+    spec: Supervised,
+    child: Option<ChildGuard>,
+    dir: TempDir,
+    /// Plain-HTTP port and path of the health check, and what its 200 body must contain.
+    health: (u16, &'static str, &'static str),
+}
+
+impl ServerProcess {
+    fn new(
+        what: &'static str,
+        bin: PathBuf,
+        args: Vec<String>,
+        dir: TempDir,
+        health: (u16, &'static str, &'static str),
+    ) -> Self {
+        let spec = Supervised::new(bin, args, dir.path().join(format!("{what}.log")));
+        Self {
+            what,
+            spec,
+            child: None,
+            dir,
+            health,
+        }
+    }
+
+    fn pid(&self) -> Option<i32> {
+        self.child.as_ref().map(ChildGuard::pid)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.spec.log).unwrap_or_default()
+    }
+
+    /// Starts the process (again, same arguments and data dir); returns once healthy.
+    fn restart(&mut self) -> anyhow::Result<()> {
+        if self.child.is_some() {
+            bail!("{} is already running", self.what);
+        }
+        self.child = Some(self.spec.spawn()?);
+        let (port, path, body_has) = self.health;
+        wait_until(
+            self.what,
+            || matches!(http_get(port, path), Some((200, body)) if body.contains(body_has)),
+        )
+        .with_context(|| format!("{} log:\n{}", self.what, self.log()))
+    }
+
+    /// Clean shutdown (SIGTERM).
+    fn stop(&mut self) -> anyhow::Result<()> {
+        match self.child.take() {
+            Some(child) => child.stop(),
+            None => Ok(()),
+        }
+    }
+
+    /// Crash (SIGKILL).
+    fn kill9(&mut self) -> anyhow::Result<()> {
+        match self.child.take() {
+            Some(child) => child.kill9(),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A `nats-server` with JetStream (or, for tests of that mistake, without), optionally with
+/// TLS and the users and permissions of a [`Secrets`]. Dropping it stops the server and
+/// deletes its data.
 #[derive(Debug)]
 pub struct NatsServer {
     pub port: u16,
     pub monitor_port: u16,
-    jetstream: bool,
-    spec: Supervised,
-    child: Option<ChildGuard>,
-    dir: TempDir,
+    /// The CA that signed the server's certificate, when it requires TLS.
+    tls_ca: Option<PathBuf>,
+    server: ServerProcess,
 }
 
 impl NatsServer {
     pub fn start() -> anyhow::Result<Self> {
-        Self::start_with(true)
+        Self::start_with(true, None)
     }
 
     /// A server started without `--jetstream`, as a misconfigured deployment would be.
     pub fn start_without_jetstream() -> anyhow::Result<Self> {
-        Self::start_with(false)
+        Self::start_with(false, None)
     }
 
-    fn start_with(jetstream: bool) -> anyhow::Result<Self> {
+    /// A server that requires TLS (the certificate of `secrets`) and a user of `secrets`, each
+    /// with its role's permissions (scripts/gen-auth's nats-auth.conf).
+    pub fn start_secure(secrets: &Secrets) -> anyhow::Result<Self> {
+        Self::start_with(true, Some(secrets))
+    }
+
+    fn start_with(jetstream: bool, secrets: Option<&Secrets>) -> anyhow::Result<Self> {
         let bin = find_binary("nats-server", "KVROUTE_NATS_SERVER")?;
         let dir = tempfile::Builder::new().prefix("kvroute-nats-").tempdir()?;
         let port = free_port();
@@ -87,8 +165,13 @@ impl NatsServer {
         // answering pings is dropped within 4-6 s).
         let deployed = std::fs::read_to_string(workspace_root().join("docker/nats.conf"))
             .context("reading docker/nats.conf")?;
+        let auth = match secrets {
+            Some(s) => std::fs::read_to_string(s.path("nats-auth.conf"))
+                .context("reading nats-auth.conf")?,
+            None => String::new(),
+        };
         let conf = dir.path().join("nats.conf");
-        std::fs::write(&conf, format!("{deployed}\nmax_payload: 8388608\n"))?;
+        std::fs::write(&conf, format!("{deployed}\nmax_payload: 8388608\n{auth}"))?;
         let mut args = vec![
             "--config".into(),
             conf.display().to_string(),
@@ -108,14 +191,16 @@ impl NatsServer {
                 dir.path().join("js").display().to_string(),
             ]);
         }
-        let spec = Supervised::new(bin, args, dir.path().join("nats.log"));
+        let health = if jetstream {
+            "/healthz?js-enabled-only=true"
+        } else {
+            "/healthz"
+        };
         let mut server = Self {
             port,
             monitor_port,
-            jetstream,
-            spec,
-            child: None,
-            dir,
+            tls_ca: secrets.map(|s| s.path("ca.pem")),
+            server: ServerProcess::new("nats", bin, args, dir, (monitor_port, health, "")),
         };
         server.restart()?;
         Ok(server)
@@ -125,56 +210,42 @@ impl NatsServer {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
+    /// Settings to reach the server: with its CA when it requires TLS, without a user.
     pub fn args(&self) -> NatsArgs {
-        NatsArgs::plain(self.url())
+        let mut args = NatsArgs::plain(self.url());
+        if let Some(ca) = &self.tls_ca {
+            args.tls = TlsFiles::with_ca(ca);
+        }
+        args
     }
 
     pub fn data_dir(&self) -> &Path {
-        self.dir.path()
+        self.server.dir.path()
     }
 
     /// The server's process id while it runs.
     pub fn pid(&self) -> Option<i32> {
-        self.child.as_ref().map(ChildGuard::pid)
+        self.server.pid()
     }
 
     pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.spec.log).unwrap_or_default()
+        self.server.log()
     }
 
     /// Starts the server (again) on the same port and data dir; returns once JetStream (or,
     /// without it, the server) is up.
     pub fn restart(&mut self) -> anyhow::Result<()> {
-        if self.child.is_some() {
-            bail!("nats-server on port {} is already running", self.port);
-        }
-        self.child = Some(self.spec.spawn()?);
-        let monitor = self.monitor_port;
-        let health = if self.jetstream {
-            "/healthz?js-enabled-only=true"
-        } else {
-            "/healthz"
-        };
-        wait_until("nats-server", || {
-            matches!(http_get(monitor, health), Some((200, _)))
-        })
-        .with_context(|| format!("nats-server log:\n{}", self.log()))
+        self.server.restart()
     }
 
     /// Clean shutdown (SIGTERM).
     pub fn stop(&mut self) -> anyhow::Result<()> {
-        match self.child.take() {
-            Some(child) => child.stop(),
-            None => Ok(()),
-        }
+        self.server.stop()
     }
 
     /// Crash (SIGKILL).
     pub fn kill9(&mut self) -> anyhow::Result<()> {
-        match self.child.take() {
-            Some(child) => child.kill9(),
-            None => Ok(()),
-        }
+        self.server.kill9()
     }
 
     pub async fn connect(&self) -> anyhow::Result<async_nats::Client> {
@@ -182,25 +253,51 @@ impl NatsServer {
     }
 }
 
-/// A single-member `etcd`. Dropping it stops the server and deletes its data.
+/// A single-member `etcd`, optionally with TLS (client and peer URLs) and the users and
+/// roles of a [`Secrets`] (auth enabled). Dropping it stops the server and deletes its data.
 #[derive(Debug)]
 pub struct EtcdServer {
     pub client_port: u16,
     pub peer_port: u16,
-    spec: Supervised,
-    child: Option<ChildGuard>,
-    dir: TempDir,
+    tls_ca: Option<PathBuf>,
+    server: ServerProcess,
 }
 
 impl EtcdServer {
     pub fn start() -> anyhow::Result<Self> {
+        Self::start_with(None)
+    }
+
+    /// etcd on TLS (client and peer URLs, the certificate of `secrets`) with `secrets`'s
+    /// users and roles (etcd-rbac.sh) and authentication enabled.
+    pub fn start_secure(secrets: &Secrets) -> anyhow::Result<Self> {
+        let server = Self::start_with(Some(secrets))?;
+        let ctl = Command::new("sh")
+            .arg(secrets.path("etcd-rbac.sh"))
+            .env("ETCDCTL_API", "3")
+            .env("ETCDCTL_ENDPOINTS", server.endpoint())
+            .env("ETCDCTL_CACERT", secrets.path("ca.pem"))
+            .output()
+            .context("running etcd-rbac.sh (etcdctl)")?;
+        if !ctl.status.success() {
+            bail!(
+                "etcd-rbac.sh failed: {}",
+                String::from_utf8_lossy(&ctl.stderr)
+            );
+        }
+        Ok(server)
+    }
+
+    fn start_with(secrets: Option<&Secrets>) -> anyhow::Result<Self> {
         let bin = find_binary("etcd", "KVROUTE_ETCD")?;
         let dir = tempfile::Builder::new().prefix("kvroute-etcd-").tempdir()?;
         let client_port = free_port();
         let peer_port = free_port();
-        let client = format!("http://127.0.0.1:{client_port}");
-        let peer = format!("http://127.0.0.1:{peer_port}");
-        let args = vec![
+        let metrics_port = free_port();
+        let scheme = if secrets.is_some() { "https" } else { "http" };
+        let client = format!("{scheme}://127.0.0.1:{client_port}");
+        let peer = format!("{scheme}://127.0.0.1:{peer_port}");
+        let mut args = vec![
             "--name".into(),
             "test".into(),
             "--data-dir".into(),
@@ -215,73 +312,89 @@ impl EtcdServer {
             peer.clone(),
             "--initial-cluster".into(),
             format!("test={peer}"),
+            // /health in plain HTTP whatever the client URLs' scheme.
+            "--listen-metrics-urls".into(),
+            format!("http://127.0.0.1:{metrics_port}"),
             "--log-level".into(),
             "warn".into(),
         ];
-        let spec = Supervised::new(bin, args, dir.path().join("etcd.log"));
+        if let Some(s) = secrets {
+            args.extend(etcd_tls_flags(s));
+        }
         let mut server = Self {
             client_port,
             peer_port,
-            spec,
-            child: None,
-            dir,
+            tls_ca: secrets.map(|s| s.path("ca.pem")),
+            server: ServerProcess::new("etcd", bin, args, dir, (metrics_port, "/health", "true")),
         };
         server.restart()?;
         Ok(server)
     }
 
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls_ca.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 
+    /// Settings to reach etcd: with its CA when it uses TLS, without a user.
     pub fn args(&self) -> EtcdArgs {
-        EtcdArgs::plain(self.endpoint())
+        let mut args = EtcdArgs::plain(self.endpoint());
+        if let Some(ca) = &self.tls_ca {
+            args.tls = TlsFiles::with_ca(ca);
+        }
+        args
     }
 
     pub fn data_dir(&self) -> &Path {
-        self.dir.path()
+        self.server.dir.path()
     }
 
     /// The server's process id while it runs.
     pub fn pid(&self) -> Option<i32> {
-        self.child.as_ref().map(ChildGuard::pid)
+        self.server.pid()
     }
 
     pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.spec.log).unwrap_or_default()
+        self.server.log()
     }
 
     /// Starts etcd (again) on the same ports and data dir; returns once it reports healthy.
     pub fn restart(&mut self) -> anyhow::Result<()> {
-        if self.child.is_some() {
-            bail!("etcd on port {} is already running", self.client_port);
-        }
-        self.child = Some(self.spec.spawn()?);
-        let port = self.client_port;
-        wait_until(
-            "etcd",
-            || matches!(http_get(port, "/health"), Some((200, body)) if body.contains("true")),
-        )
-        .with_context(|| format!("etcd log:\n{}", self.log()))
+        self.server.restart()
     }
 
     pub fn stop(&mut self) -> anyhow::Result<()> {
-        match self.child.take() {
-            Some(child) => child.stop(),
-            None => Ok(()),
-        }
+        self.server.stop()
     }
 
     pub fn kill9(&mut self) -> anyhow::Result<()> {
-        match self.child.take() {
-            Some(child) => child.kill9(),
-            None => Ok(()),
-        }
+        self.server.kill9()
     }
 
     pub async fn connect(&self) -> anyhow::Result<etcd_client::Client> {
         self.args().connect().await
     }
+}
+
+/// etcd's TLS flags: the server certificate on client and peer URLs, and mutual TLS between
+/// members. (No client CA: with `--trusted-ca-file`, etcd 3.4 demands client certificates;
+/// clients authenticate with their user and password.)
+fn etcd_tls_flags(secrets: &Secrets) -> Vec<String> {
+    let cert = secrets.path("etcd-server.pem").display().to_string();
+    let key = secrets.path("etcd-server.key").display().to_string();
+    let ca = secrets.path("ca.pem").display().to_string();
+    vec![
+        format!("--cert-file={cert}"),
+        format!("--key-file={key}"),
+        format!("--peer-cert-file={cert}"),
+        format!("--peer-key-file={key}"),
+        format!("--peer-trusted-ca-file={ca}"),
+        "--peer-client-cert-auth".into(),
+    ]
 }
 
 /// Both servers and a namespace of the test's own.
@@ -290,6 +403,8 @@ pub struct TestEnv {
     pub nats: NatsServer,
     pub etcd: EtcdServer,
     pub namespace: Namespace,
+    /// The identities of a secure environment.
+    pub secrets: Option<Secrets>,
 }
 
 impl TestEnv {
@@ -302,7 +417,50 @@ impl TestEnv {
             nats,
             etcd,
             namespace,
+            secrets: None,
         })
+    }
+
+    /// Both servers with TLS and authentication: scripts/gen-auth's identities for
+    /// `workers` (identity name, its worker ids) and one of each other role (`indexer-1`,
+    /// `router-1`, `gateway-1`, `client-1`, `operator-1`).
+    pub fn start_secure(workers: &[(&str, &[u64])]) -> anyhow::Result<Self> {
+        let namespace =
+            Namespace::new(format!("s{:08x}", std::process::id() ^ free_port() as u32))?;
+        let secrets = Secrets::generate(&namespace, workers)?;
+        let nats = NatsServer::start_secure(&secrets)?;
+        let etcd = EtcdServer::start_secure(&secrets)?;
+        Ok(Self {
+            nats,
+            etcd,
+            namespace,
+            secrets: Some(secrets),
+        })
+    }
+
+    fn secrets(&self) -> &Secrets {
+        self.secrets
+            .as_ref()
+            .expect("a secure environment (TestEnv::start_secure)")
+    }
+
+    /// The flags that make a process `user` (NATS and etcd user, password, CA, inbox prefix).
+    pub fn identity_args(&self, user: &str) -> Vec<String> {
+        self.secrets().flags(user)
+    }
+
+    /// NATS settings of identity `user`.
+    pub fn nats_args_as(&self, user: &str) -> NatsArgs {
+        let mut args = self.nats.args();
+        self.secrets().apply_nats(user, &mut args);
+        args
+    }
+
+    /// etcd settings of identity `user`.
+    pub fn etcd_args_as(&self, user: &str) -> EtcdArgs {
+        let mut args = self.etcd.args();
+        self.secrets().apply_etcd(user, &mut args);
+        args
     }
 
     /// The flags every kvroute process takes to use this environment: `--namespace`,

@@ -84,9 +84,26 @@ impl SimWorker {
         model: &str,
         ttl_secs: u64,
     ) -> anyhow::Result<Self> {
+        Self::start_as(env, None, worker_id, model, ttl_secs).await
+    }
+
+    /// [`SimWorker::start`] connecting as `identity` of a secure environment (`None`: the
+    /// servers' plain settings).
+    pub async fn start_as(
+        env: &TestEnv,
+        identity: Option<&str>,
+        worker_id: u64,
+        model: &str,
+        ttl_secs: u64,
+    ) -> anyhow::Result<Self> {
         let names = Names::new(&env.namespace);
-        let nats = env.nats.connect().await?;
-        let etcd = env.etcd.connect().await?;
+        let (nats, etcd) = match identity {
+            Some(user) => (
+                env.nats_args_as(user).connect("kvroute-test").await?,
+                env.etcd_args_as(user).connect().await?,
+            ),
+            None => (env.nats.connect().await?, env.etcd.connect().await?),
+        };
         let held = Arc::new(Held::default());
         let config = WorkerAgentConfig {
             registration: RegistrationConfig {

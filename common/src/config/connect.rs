@@ -146,18 +146,25 @@ impl NatsArgs {
             let events = events.clone();
             let joined = joined.clone();
             async move {
-                let opts = self.options(name, deadline, events).await.map_err(Attempt::Stop)?;
+                let opts = self
+                    .options(name, deadline, events)
+                    .await
+                    .map_err(Attempt::Stop)?;
                 opts.connect(urls).await.map_err(|e| {
                     use async_nats::ConnectErrorKind as K;
+                    let refused = |check: String| {
+                        Attempt::Stop(with_status(
+                            Status::BadConfig,
+                            anyhow::anyhow!(
+                                "NATS at {joined} refused the connection (check {check}): {}",
+                                describe(&e)
+                            ),
+                        ))
+                    };
                     match e.kind() {
-                        K::Authentication | K::AuthorizationViolation | K::Tls | K::ServerParse => {
-                            Attempt::Stop(with_status(
-                                Status::BadConfig,
-                                anyhow::anyhow!(
-                                    "NATS at {joined} refused the connection (check --nats-user, --nats-token, --nats-creds, --nats-tls-*): {}",
-                                    describe(&e)
-                                ),
-                            ))
+                        K::Tls => refused(self.tls_flags()),
+                        K::Authentication | K::AuthorizationViolation | K::ServerParse => {
+                            refused("--nats-user, --nats-token, --nats-creds".to_owned())
                         }
                         _ => Attempt::Retry(describe(&e)),
                     }
@@ -178,6 +185,7 @@ impl NatsArgs {
             .connection_timeout(deadline.min(MAX_ATTEMPT))
             .ping_interval(Duration::from_millis(self.ping_interval_ms))
             .max_reconnects(None)
+            .custom_inbox_prefix(&self.inbox_prefix)
             .event_callback(move |event| {
                 match &event {
                     async_nats::Event::Connected => {
@@ -194,8 +202,8 @@ impl NatsArgs {
                 }
                 async {}
             });
-        if let (Some(user), Some(password)) = (&self.user, &self.password) {
-            opts = opts.user_and_password(user.clone(), password.clone());
+        if let Some((user, password)) = self.credentials.pair() {
+            opts = opts.user_and_password(user.to_owned(), password.to_owned());
         }
         if let Some(token) = &self.token {
             opts = opts.token(token.clone());
@@ -208,14 +216,39 @@ impl NatsArgs {
                 )
             })?;
         }
-        if let Some(ca) = &self.tls_ca {
+        if let Some(ca) = &self.tls.ca {
             opts = opts.add_root_certificates(ca.clone()).require_tls(true);
         }
-        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
+        if let Some((cert, key)) = self.tls.identity() {
             opts = opts.add_client_certificate(cert.clone(), key.clone());
         }
         Ok(opts)
     }
+
+    /// The TLS flags to check after a failed handshake, with their values.
+    fn tls_flags(&self) -> String {
+        tls_flags("nats", &self.tls)
+    }
+}
+
+/// `--<service>-tls-ca <path>` (and the client certificate's flags when set), or the hint to
+/// set `--<service>-tls-ca` when TLS is not configured.
+fn tls_flags<S: super::Service>(service: &str, tls: &super::TlsFiles<S>) -> String {
+    let mut flags = Vec::new();
+    match &tls.ca {
+        Some(ca) => flags.push(format!("--{service}-tls-ca {}", ca.display())),
+        None => flags.push(format!(
+            "--{service}-tls-ca: not set, the system's roots are used"
+        )),
+    }
+    if let Some((cert, key)) = tls.identity() {
+        flags.push(format!(
+            "--{service}-tls-cert {}, --{service}-tls-key {}",
+            cert.display(),
+            key.display()
+        ));
+    }
+    flags.join(", ")
 }
 
 impl EtcdArgs {
@@ -227,15 +260,15 @@ impl EtcdArgs {
             .with_connect_timeout(Duration::from_millis(self.connect_timeout_ms).min(MAX_ATTEMPT))
             .with_timeout(ETCD_REQUEST_TIMEOUT)
             .with_keep_alive(Duration::from_secs(5), Duration::from_secs(5));
-        if let (Some(user), Some(password)) = (&self.user, &self.password) {
-            opts = opts.with_user(user.clone(), password.clone());
+        if let Some((user, password)) = self.credentials.pair() {
+            opts = opts.with_user(user.to_owned(), password.to_owned());
         }
-        if self.tls_ca.is_some() || self.tls_cert.is_some() {
+        if self.tls.enabled() {
             let mut tls = etcd_client::TlsOptions::new();
-            if let Some(ca) = &self.tls_ca {
+            if let Some(ca) = &self.tls.ca {
                 tls = tls.ca_certificate(etcd_client::Certificate::from_pem(read(ca)?));
             }
-            if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
+            if let Some((cert, key)) = self.tls.identity() {
                 tls = tls.identity(etcd_client::Identity::from_pem(read(cert)?, read(key)?));
             }
             opts = opts.with_tls(tls);
@@ -255,6 +288,15 @@ impl EtcdArgs {
                             | tonic::Code::InvalidArgument
                     )) || matches!(&e, E::InvalidArgs(_) | E::InvalidUri(_));
                     let reason = etcd_reason(&e);
+                    if is_certificate_error(&reason) {
+                        return Attempt::Stop(with_status(
+                            Status::BadConfig,
+                            anyhow::anyhow!(
+                                "etcd at {joined}: TLS handshake failed (check {}): {reason}",
+                                tls_flags("etcd", &self.tls)
+                            ),
+                        ));
+                    }
                     if permanent {
                         Attempt::Stop(with_status(
                             Status::BadConfig,
@@ -294,6 +336,15 @@ fn etcd_reason(e: &etcd_client::Error) -> String {
         Some(cause) => format!("{}: {cause}", status.message()),
         None => status.message().to_owned(),
     }
+}
+
+/// Whether an etcd transport error is a TLS verification failure (tonic reports those as a
+/// transport error whose deepest cause is rustls's), which no retry mends.
+fn is_certificate_error(reason: &str) -> bool {
+    let reason = reason.to_lowercase();
+    ["certificate", "unknownissuer", "handshake", "tls"]
+        .iter()
+        .any(|word| reason.contains(word))
 }
 
 fn read(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
