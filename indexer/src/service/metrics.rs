@@ -214,20 +214,6 @@ impl Default for IndexerMetrics {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_query_result_is_exported_before_the_first_query() {
-        let text = IndexerMetrics::new().registry.render();
-        for result in ["ok", "expired", "not_ready", "bad_request"] {
-            let line = format!("kvroute_indexer_queries_total{{result=\"{result}\"}} 0\n");
-            assert!(text.contains(&line), "{line} missing from\n{text}");
-        }
-    }
-}
-
 /// `kvroute_discovery_bad_cards_total{reason}`, every reason present from the start.
 fn bad_cards(r: &Registry) -> Arc<CounterVec> {
     use kvroute_common::discovery::{BAD_CARDS_METRIC, BadCard};
@@ -240,4 +226,18 @@ fn bad_cards(r: &Registry) -> Arc<CounterVec> {
         bad.add(reason.label(), 0);
     }
     bad
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_query_result_is_exported_before_the_first_query() {
+        let text = IndexerMetrics::new().registry.render();
+        for result in ["ok", "expired", "not_ready", "bad_request"] {
+            let line = format!("kvroute_indexer_queries_total{{result=\"{result}\"}} 0\n");
+            assert!(text.contains(&line), "{line} missing from\n{text}");
+        }
+    }
 }
