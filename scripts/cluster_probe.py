@@ -4,7 +4,8 @@ MessagePack over NATS, and the indexers' HTTP /status). Every subcommand prints 
 object on stdout.
 
   sessions  --out F | --expect F   bind sessions (one selection each), or check they kept
-                                   the worker recorded in F
+                                   the worker recorded in F; --router ID sends each to that
+                                   router's direct subject (no retry)
   departure --workers 1,2 --since T   seconds from T (Unix time) until the routers answer
                                    `pinned_unavailable` for each worker
   arrival   --workers 1,2 --since T   seconds from T until the routers select each worker
@@ -15,6 +16,14 @@ object on stdout.
   steady    --seconds S --rate R   selections at a steady rate through the retrying client
                                    (examples/python): success, retries, latency
   metric    --url U --name N       sum of a Prometheus series (all label sets) at a /metrics URL
+  loadviews --status URL,URL       poll two routers' /status together until their load views
+                                   agree (same ranks, active requests within --tolerance) for
+                                   --window samples in a row; the median difference
+  stream    [--max-bytes N]        the events stream's state (first/last seq, bytes, max_bytes);
+                                   with --max-bytes, sets its byte limit first (a stream update)
+  leadership --logs NAME=F,...     the snapshot leaders' terms from the indexers' `docker logs -t`:
+                                   each replica's leadership intervals and the snapshots and
+                                   worker removals it wrote, and whether any two overlap
 
 Selections go through examples/python/kvroute_client.py's SelectClient: the same request id
 on every attempt, per-attempt deadlines, a retry to the router that answered last.
@@ -23,10 +32,12 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 import threading
 import time
 import urllib.request
+import uuid
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "python"))
 import kvroute_client  # noqa: E402
@@ -59,6 +70,21 @@ async def select_retrying(client, request):
         return {"status": "error", "code": "no_answer", "message": str(e)}
 
 
+async def select_direct(nc, namespace, router_id, request, timeout=2.0):
+    """One selection on a router's direct subject (`kvroute.<ns>.router.<id>.select`)."""
+    import msgpack
+    import nats.errors
+
+    request = {"v": 1, "request_id": str(uuid.uuid4()), "attempt": 0,
+               "deadline_ms": int(time.time() * 1000 + timeout * 1000), **request}
+    try:
+        msg = await nc.request("kvroute.%s.router.%s.select" % (namespace, router_id),
+                               msgpack.packb(request, use_bin_type=True), timeout=timeout)
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
+        return {"status": "error", "code": "no_answer", "message": type(e).__name__}
+    return msgpack.unpackb(msg.data, raw=False)
+
+
 async def sessions(args):
     nc = await connect(args.nats)
     client = kvroute_client.SelectClient(nc, args.namespace)
@@ -67,9 +93,12 @@ async def sessions(args):
     routers = set()
     for i in range(args.count):
         sid = "%s-%d" % (args.prefix, i)
-        reply = await select_retrying(client, {
-            "model": args.model, "token_ids": session_prompt(i),
-            "session": {"id": sid, "final": False, "trigger": "user_message"}})
+        request = {"model": args.model, "token_ids": session_prompt(i),
+                   "session": {"id": sid, "final": False, "trigger": "user_message"}}
+        if args.router:
+            reply = await select_direct(nc, args.namespace, args.router, request)
+        else:
+            reply = await select_retrying(client, request)
         if reply.get("status") != "ok":
             errors[sid] = reply.get("code")
             continue
@@ -275,6 +304,198 @@ def metric(args):
     return 0
 
 
+def fetch_both(urls):
+    """Each URL's /status JSON, fetched at the same moment (one thread each)."""
+    out = [None] * len(urls)
+
+    def get(i):
+        try:
+            out[i] = get_status(urls[i])
+        except Exception:
+            out[i] = None
+
+    threads = [threading.Thread(target=get, args=(i,)) for i in range(len(urls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def load_diff(a, b):
+    """(same ranks?, sum over ranks of |active_requests difference|, each side's total)."""
+    def ranks(s):
+        return {(r["worker_id"], r["dp_rank"]): r.get("active_requests", 0) for r in s["load"]}
+    ra, rb = ranks(a), ranks(b)
+    diff = sum(abs(ra.get(k, 0) - rb.get(k, 0)) for k in set(ra) | set(rb))
+    return set(ra) == set(rb), diff, sum(ra.values()), sum(rb.values())
+
+
+def loadviews(args):
+    """Samples two routers' load views (their /status `load`) together every --interval s.
+    Done when --window samples in a row have the same ranks and a summed |active requests|
+    difference <= --tolerance; prints the median difference of the samples taken."""
+    urls = [u for u in args.status.split(",") if u]
+    start = time.time()
+    diffs, streak, result = [], 0, None
+    totals, last = None, None
+    while time.time() - start < args.timeout:
+        a, b = fetch_both(urls)
+        if a is not None and b is not None:
+            same, diff, ta, tb = load_diff(a, b)
+            diffs.append(diff)
+            totals, last = (ta, tb), {"same_ranks": same, "ranks": [len(a["load"]), len(b["load"])]}
+            streak = streak + 1 if same and diff <= args.tolerance else 0
+            if streak >= args.window:
+                result = True
+                break
+        else:
+            streak = 0
+        time.sleep(args.interval)
+    diffs_sorted = sorted(diffs)
+    out = {"ok": bool(result), "after_s": round(time.time() - start, 2), "samples": len(diffs),
+           "median_diff": diffs_sorted[len(diffs) // 2] if diffs else None,
+           "max_diff": diffs_sorted[-1] if diffs else None,
+           "last_totals": totals, "last": last, "tolerance": args.tolerance}
+    print(json.dumps(out))
+    return 0 if result else 1
+
+
+async def stream(args):
+    """The events stream's state; with --max-bytes, its byte limit is set first."""
+    nc = await connect(args.nats)
+    js = nc.jetstream()
+    name = "KVROUTE_%s_EVENTS" % args.namespace
+    info = await js.stream_info(name)
+    if args.max_bytes is not None:
+        config = info.config
+        config.max_bytes = args.max_bytes
+        await js.update_stream(config)
+        info = await js.stream_info(name)
+    await nc.close()
+    print(json.dumps({"stream": name, "first_seq": info.state.first_seq,
+                      "last_seq": info.state.last_seq, "messages": info.state.messages,
+                      "bytes": info.state.bytes, "max_bytes": info.config.max_bytes}))
+    return 0
+
+
+LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)Z? ")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def log_time(line):
+    """Unix time of a `docker logs -t` line (its first field, nanoseconds cut to micro)."""
+    m = LOG_TIME.match(line)
+    if not m:
+        return None
+    stamp = m.group(1)
+    if "." in stamp:
+        head, frac = stamp.split(".")
+        stamp = head + "." + frac[:6]
+        fmt = "%Y-%m-%dT%H:%M:%S.%f"
+    else:
+        fmt = "%Y-%m-%dT%H:%M:%S"
+    import calendar
+    import datetime
+    t = datetime.datetime.strptime(stamp, fmt)
+    return calendar.timegm(t.timetuple()) + t.microsecond / 1e6
+
+
+def field(line, name):
+    m = re.search(r"\b%s=\"?([^\s\"]+)" % re.escape(name), line)
+    return m.group(1) if m else None
+
+
+def leadership(args):
+    """Leadership intervals and leader writes per replica, from each indexer's
+    `docker logs -t`. A replica leads from "became snapshot leader" until it logs losing or
+    giving up leadership ("lost snapshot leadership", "stepped down") or its log ends (the
+    container was killed: its end is its last line before the next start-up, "indexer http
+    listening", or the log's last line). Writes are "snapshot written" and
+    "removing a worker with no registration". Overlap: a replica writing, or leading, while
+    another replica's term had begun after its own; terms still believed open while another
+    began are reported as belief_overlaps, not judged."""
+    replicas = {}
+    for spec in args.logs.split(","):
+        name, path = spec.split("=", 1)
+        intervals, writes, last_t, open_since, open_term, terms = [], [], None, None, None, []
+        for raw in open(path, errors="replace"):
+            line = ANSI.sub("", raw.rstrip("\n"))
+            t = log_time(line)
+            if t is None:
+                continue
+            prev_t, last_t = last_t, t
+            if "indexer http listening" in line and open_since is not None:
+                # A new process in the same container: the old one died leading (a kill).
+                intervals.append([open_since, prev_t, "process ended", open_term])
+                open_since = None
+            if "became snapshot leader" in line:
+                if open_since is not None:
+                    intervals.append([open_since, t, "again", open_term])
+                open_since, open_term = t, field(line, "term")
+                terms.append(open_term)
+            elif ("lost snapshot leadership" in line or "stepped down" in line) and open_since is not None:
+                intervals.append([open_since, t, "stepped down", open_term])
+                open_since = None
+            elif "snapshot written" in line or "removing a worker with no registration" in line:
+                writes.append([t, "snapshot" if "snapshot" in line else "removal",
+                               field(line, "seq") or field(line, "worker_id"), field(line, "term")])
+        if open_since is not None:
+            intervals.append([open_since, None, "leading at the end", open_term])
+        replicas[name] = {"intervals": intervals, "writes": writes, "terms": terms,
+                          "log_end": last_t}
+    # Beliefs: a replica's term still open when another's began (a frozen or cut-off leader
+    # that has not noticed yet); reported, not judged: only writes can conflict.
+    beliefs, conflicts = [], []
+    names = sorted(replicas)
+    for a in names:
+        for b in names:
+            if a == b:
+                continue
+            for (s1, e1, _, _) in replicas[a]["intervals"]:
+                end1 = e1 if e1 is not None else replicas[a]["log_end"]
+                for (s2, e2, _, _) in replicas[b]["intervals"]:
+                    if end1 is not None and s1 <= s2 < end1:
+                        beliefs.append({"earlier": a, "later": b, "overlap_s": round(end1 - s2, 3)})
+            # A write by a conflicts when a did not lead then, or when b's term had begun after
+            # a's (a newer leader existed).
+            for (t, kind, what, term) in replicas[a]["writes"]:
+                own = [(s, k) for (s, e, _, k) in replicas[a]["intervals"] if s <= t and (e is None or t <= e)]
+                newer = own and any(max(own)[0] < s <= t and (e is None or t <= e)
+                                    for (s, e, _, _) in replicas[b]["intervals"])
+                # With terms in the log, a write names the term it was made in: its writer's.
+                wrong_term = own and term is not None and max(own)[1] is not None and term != max(own)[1]
+                if not own or newer or wrong_term:
+                    conflicts.append({"writer": a, "kind": kind, "at": round(t - (args.since or 0), 3),
+                                      "what": what, "term": term,
+                                      "why": "not leading" if not own else
+                                      ("a newer leader: " + b if newer else "term %s while leading in %s" % (term, max(own)[1]))})
+    # A write outside any own term is counted once per other replica; keep one.
+    seen, overlaps = set(), []
+    for c in conflicts:
+        k = (c["writer"], c["at"], c["what"])
+        if k not in seen:
+            seen.add(k)
+            overlaps.append(c)
+    # With terms in the log: every new term is greater than every earlier one, in time order.
+    began = sorted((s, n, k) for n, r in replicas.items() for (s, _, _, k) in r["intervals"])
+    if began and all(k is not None for (_, _, k) in began):
+        for (t1, n1, k1), (t2, n2, k2) in zip(began, began[1:]):
+            if int(k2) <= int(k1):
+                overlaps.append({"why": "term %s of %s began after term %s of %s" % (k2, n2, k1, n1),
+                                 "at": round(t2 - (args.since or 0), 3)})
+    since = args.since or 0
+    out = {"replicas": {n: {"intervals": [[round(s - since, 2), (round(e - since, 2) if e else None), why, k]
+                                          for (s, e, why, k) in r["intervals"]],
+                            "writes": len(r["writes"]),
+                            "writes_after_since": [[round(t - since, 2), k, w, term] for (t, k, w, term) in r["writes"] if t >= since],
+                            "terms": [x for x in r["terms"] if x]}
+                        for n, r in replicas.items()},
+           "overlaps": overlaps, "belief_overlaps": beliefs, "ok": not overlaps}
+    print(json.dumps(out))
+    return 0 if not overlaps else 1
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nats", default="nats://127.0.0.1:4222")
@@ -286,6 +507,7 @@ def main():
     s.add_argument("--prefix", default="fault-test")
     s.add_argument("--out")
     s.add_argument("--expect")
+    s.add_argument("--router", help="a router id: send to its direct subject")
     d = sub.add_parser("departure")
     d.add_argument("--workers", required=True)
     d.add_argument("--since", type=float, required=True)
@@ -306,6 +528,17 @@ def main():
     m = sub.add_parser("metric")
     m.add_argument("--url", required=True)
     m.add_argument("--name", required=True)
+    lv = sub.add_parser("loadviews")
+    lv.add_argument("--status", required=True)
+    lv.add_argument("--timeout", type=float, default=20)
+    lv.add_argument("--tolerance", type=int, default=2)
+    lv.add_argument("--window", type=int, default=5)
+    lv.add_argument("--interval", type=float, default=0.2)
+    sm = sub.add_parser("stream")
+    sm.add_argument("--max-bytes", type=int)
+    ld = sub.add_parser("leadership")
+    ld.add_argument("--logs", required=True)
+    ld.add_argument("--since", type=float)
     args = p.parse_args()
     if args.cmd == "sessions":
         return asyncio.run(sessions(args))
@@ -319,6 +552,12 @@ def main():
         return asyncio.run(steady(args))
     if args.cmd == "metric":
         return metric(args)
+    if args.cmd == "loadviews":
+        return loadviews(args)
+    if args.cmd == "stream":
+        return asyncio.run(stream(args))
+    if args.cmd == "leadership":
+        return leadership(args)
     return replay(args)
 
 
