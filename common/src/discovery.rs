@@ -158,7 +158,11 @@ async fn read_all(
 
 /// Decodes and validates one card; the error is the [`WorkerEvent::Invalid`] to report
 /// (boxed: it is large).
-fn decode_card(names: &Names, key: &[u8], value: &[u8]) -> Result<WorkerCard, Box<WorkerEvent>> {
+pub fn decode_card(
+    names: &Names,
+    key: &[u8],
+    value: &[u8],
+) -> Result<WorkerCard, Box<WorkerEvent>> {
     let key_str = String::from_utf8_lossy(key).into_owned();
     let invalid = |reason: BadCard, error: String| {
         Box::new(WorkerEvent::Invalid {

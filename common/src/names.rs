@@ -168,7 +168,7 @@ impl Names {
     /// Parses the worker id out of a key under [`Names::workers_prefix`].
     pub fn worker_id_of_key(&self, key: &[u8]) -> Option<WorkerId> {
         let key = std::str::from_utf8(key).ok()?;
-        key.strip_prefix(&self.workers_prefix())?.parse().ok()
+        parse_worker_id(key.strip_prefix(&self.workers_prefix())?)
     }
 
     /// `/kvroute/<ns>/routers/` — the prefix serving router replicas register under.
@@ -186,6 +186,13 @@ impl Names {
     pub fn indexer_leader_key(&self) -> String {
         format!("/kvroute/{}/leader/indexer", self.ns.as_str())
     }
+}
+
+/// Parses a worker id as kvroute writes it in keys and subjects: decimal digits, no sign, no
+/// leading zero. So one worker has one key and one events subject: `+7` and `07` are not 7.
+pub fn parse_worker_id(s: &str) -> Option<WorkerId> {
+    let id: WorkerId = s.parse().ok()?;
+    (id.to_string() == s).then_some(id)
 }
 
 #[cfg(test)]
@@ -209,5 +216,19 @@ mod tests {
         assert_eq!(n.worker_id_of_key(b"/kvroute/prod-1/workers/7"), Some(7));
         assert_eq!(n.worker_id_of_key(b"/kvroute/other/workers/7"), None);
         assert_eq!(n.indexer_leader_key(), "/kvroute/prod-1/leader/indexer");
+    }
+
+    /// `+7` and `07` parsed as worker 7 (seen writing the `worker_card` fuzz target), so a stray key
+    /// (or its deletion) stood for a live worker whose card is under another key.
+    #[test]
+    fn a_worker_has_one_key() {
+        let n = Names::new(&Namespace::new("prod-1").unwrap());
+        for key in ["+7", "07", "7 ", " 7", "", "-0", "18446744073709551616"] {
+            let key = format!("/kvroute/prod-1/workers/{key}");
+            assert_eq!(n.worker_id_of_key(key.as_bytes()), None, "{key}");
+        }
+        assert_eq!(n.worker_id_of_key(b"/kvroute/prod-1/workers/0"), Some(0));
+        let max = n.worker_key(u64::MAX);
+        assert_eq!(n.worker_id_of_key(max.as_bytes()), Some(u64::MAX));
     }
 }

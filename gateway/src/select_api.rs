@@ -39,7 +39,7 @@ const PROMPT_FIELDS: [&str; 5] = [
 /// `block_size`), `text` or `messages` (tokenized here with the model's tokenizer).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct SelectBody {
+pub struct SelectBody {
     model: String,
     #[serde(default)]
     request_id: Option<Uuid>,
@@ -83,6 +83,43 @@ struct SelectBody {
     policy: Option<String>,
 }
 
+/// Reads a selection body: valid JSON, the known fields with their types, exactly one prompt
+/// field (and `block_size` with `block_hashes` only); every failure is a 400 [`ApiError`].
+/// What needs the gateway's state (the model, tokenizing, the prompt limit) is checked later.
+pub fn parse_body(body: &[u8]) -> Result<SelectBody, ApiError> {
+    let raw: Map<String, Value> = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("the body is not a JSON object: {e}")))?;
+    // A prompt field is present or absent, never null (the others may be null).
+    for field in PROMPT_FIELDS {
+        if raw.get(field).is_some_and(Value::is_null) {
+            return Err(ApiError::invalid(format!("`{field}` must not be null")));
+        }
+    }
+    let b: SelectBody = serde_json::from_value(Value::Object(raw))
+        .map_err(|e| ApiError::invalid(format!("the body is not a selection request: {e}")))?;
+    let prompt = [
+        b.token_ids.is_some(),
+        b.block_hashes.is_some(),
+        b.text.is_some(),
+        b.messages.is_some(),
+    ]
+    .iter()
+    .filter(|x| **x)
+    .count();
+    if prompt != 1 {
+        return Err(ApiError::invalid(
+            "give the prompt as exactly one of token_ids, block_hashes, text or messages",
+        ));
+    }
+    if b.block_hashes.is_some() != b.block_size.is_some() {
+        return Err(ApiError::invalid_param(
+            "block_size",
+            "block_hashes need block_size (and block_size is only for block_hashes)",
+        ));
+    }
+    Ok(b)
+}
+
 /// The answer: the router's `SelectReply` in JSON, the worker's HTTP URL when its card has one,
 /// and for a reservation its id and expiry.
 #[derive(Debug, Serialize)]
@@ -120,36 +157,7 @@ async fn run_select(
     body: &Bytes,
     reserve: bool,
 ) -> Result<SelectAnswer, ApiError> {
-    let raw: Map<String, Value> = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(format!("the body is not a JSON object: {e}")))?;
-    // A prompt field is present or absent, never null (the others may be null).
-    for field in PROMPT_FIELDS {
-        if raw.get(field).is_some_and(Value::is_null) {
-            return Err(ApiError::invalid(format!("`{field}` must not be null")));
-        }
-    }
-    let b: SelectBody = serde_json::from_value(Value::Object(raw))
-        .map_err(|e| ApiError::invalid(format!("the body is not a selection request: {e}")))?;
-    let prompt = [
-        b.token_ids.is_some(),
-        b.block_hashes.is_some(),
-        b.text.is_some(),
-        b.messages.is_some(),
-    ]
-    .iter()
-    .filter(|x| **x)
-    .count();
-    if prompt != 1 {
-        return Err(ApiError::invalid(
-            "give the prompt as exactly one of token_ids, block_hashes, text or messages",
-        ));
-    }
-    if b.block_hashes.is_some() != b.block_size.is_some() {
-        return Err(ApiError::invalid_param(
-            "block_size",
-            "block_hashes need block_size (and block_size is only for block_hashes)",
-        ));
-    }
+    let b = parse_body(body)?;
     if !app.directory.all_models().contains(&b.model) {
         return Err(ApiError::model_not_found(&b.model));
     }

@@ -2,7 +2,7 @@
 
 use kvroute_common::codec::{DecodeError, decode};
 use kvroute_common::messages::{ControlRecord, KvEventBatch};
-use kvroute_common::names::Names;
+use kvroute_common::names::{Names, parse_worker_id};
 
 /// What a log message carries.
 #[derive(Debug, Clone, PartialEq)]
@@ -41,7 +41,7 @@ pub fn decode_entry(names: &Names, subject: &str, payload: &[u8]) -> Result<LogE
     let Some(worker) = subject
         .rsplit_once('.')
         .filter(|(stem, _)| format!("{stem}.*") == names.kv_events_all())
-        .and_then(|(_, id)| id.parse::<u64>().ok())
+        .and_then(|(_, id)| parse_worker_id(id))
     else {
         return Err(BadEntry::UnknownSubject {
             subject: subject.to_owned(),

@@ -282,6 +282,20 @@ mod tests {
         }
     }
 
+    /// `kv.events.+7` and `kv.events.07` were taken as (seen writing the `log_entry` fuzz target)
+    /// worker 7's subject.
+    #[test]
+    fn a_worker_has_one_events_subject() {
+        let n = names();
+        let payload = batch(7, 0, vec![KvEventData::Cleared]);
+        for id in ["+7", "07", "007"] {
+            let subject = n.kv_events(7).replace(".7", &format!(".{id}"));
+            let e = decode_entry(&n, &subject, &payload).unwrap_err();
+            assert_eq!(e.reason(), "unknown_subject", "{subject}");
+        }
+        assert!(decode_entry(&n, &n.kv_events(7), &payload).is_ok());
+    }
+
     #[test]
     fn applies_in_order_skips_duplicates_and_bad_messages() {
         let n = names();
