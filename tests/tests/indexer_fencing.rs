@@ -262,10 +262,7 @@ async fn a_leader_cut_off_from_etcd_steps_down_before_the_next_term_begins() {
     eprintln!("control records (seq, term, replica): {terms:?}");
     assert!(terms.iter().all(|(_, t, _)| *t == a_term || *t == b_term));
     // Both replicas applied the same log and ignored nothing as stale (nothing was stale).
-    assert_eq!(
-        a.metric("kvroute_indexer_stale_term_records_total"),
-        0.0
-    );
+    assert_eq!(a.metric("kvroute_indexer_stale_term_records_total"), 0.0);
     wait_for(
         "replicas agree",
         Duration::from_secs(30),
