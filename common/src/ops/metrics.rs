@@ -91,6 +91,21 @@ macro_rules! delegate_metric {
 }
 delegate_metric!(Counter => Counter, Gauge => Gauge, Histogram => Histogram);
 
+/// A family registered so that its `# HELP` and `# TYPE` lines render before its first sample
+/// (prometheus-client leaves an empty family out): scrapers and the tests can tell a family
+/// that has not counted yet from a misspelt name.
+#[derive(Debug)]
+struct Declared<M>(M);
+
+impl<M: EncodeMetric> EncodeMetric for Declared<M> {
+    fn encode(&self, encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        self.0.encode(encoder)
+    }
+    fn metric_type(&self) -> MetricType {
+        self.0.metric_type()
+    }
+}
+
 /// A label value, escaped as the exposition format requires (`\`, `"`, newline): label
 /// values such as model names come from outside.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -214,7 +229,7 @@ impl Registry {
         label: &'static str,
     ) -> Arc<CounterVec> {
         let f = Family::new(&[label], Counter::default);
-        self.add(name, help, f.inner.clone());
+        self.add(name, help, Declared(f.inner.clone()));
         Arc::new(CounterVec(f))
     }
     pub fn histogram(&self, name: &'static str, help: &'static str) -> Arc<Histogram> {
@@ -231,7 +246,7 @@ impl Registry {
         labels: &'static [&'static str],
     ) -> Arc<Family<Counter>> {
         let f = Family::new(labels, Counter::default);
-        self.add(name, help, f.inner.clone());
+        self.add(name, help, Declared(f.inner.clone()));
         Arc::new(f)
     }
 
@@ -243,7 +258,7 @@ impl Registry {
         labels: &'static [&'static str],
     ) -> Arc<Family<Gauge>> {
         let f = Family::new(labels, Gauge::default);
-        self.add(name, help, f.inner.clone());
+        self.add(name, help, Declared(f.inner.clone()));
         Arc::new(f)
     }
 
@@ -255,7 +270,7 @@ impl Registry {
         labels: &'static [&'static str],
     ) -> Arc<Family<Histogram>> {
         let f = Family::new(labels, Histogram::waits);
-        self.add(name, help, f.inner.clone());
+        self.add(name, help, Declared(f.inner.clone()));
         Arc::new(f)
     }
 
@@ -314,6 +329,17 @@ mod tests {
         assert!(text.contains("\nlatency_seconds_count 2\n"), "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
         assert!(!text.contains("_total_total"), "{text}");
+    }
+
+    #[test]
+    fn an_empty_family_is_declared() {
+        let r = Registry::default();
+        let _c = r.counter_vec("kv_fallbacks_total", "Fallbacks.", "reason");
+        let _g = r.gauge_family("kv_depth", "Depth.", &["model"]);
+        let text = r.render();
+        assert!(text.contains("# TYPE kv_fallbacks counter\n"), "{text}");
+        assert!(text.contains("# TYPE kv_depth gauge\n"), "{text}");
+        assert!(!text.contains("kv_fallbacks_total{"), "{text}");
     }
 
     #[test]
