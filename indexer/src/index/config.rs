@@ -4,6 +4,10 @@
 /// inside one cap's worth of stores.
 pub const MAX_ENTRIES_LIMIT: usize = 1 << 31;
 
+/// Largest accepted [`IndexConfig::write_chunk_events`] (2^20: a catch-up of 8 Mi view ops per
+/// write is already far beyond any useful setting), so `8 ×` it never overflows.
+pub const WRITE_CHUNK_EVENTS_LIMIT: usize = 1 << 20;
+
 /// How a [`crate::RadixIndex`] (and a [`crate::SharedIndex`]) behaves. Build with
 /// `IndexConfig::default()` and override fields; check with [`IndexConfig::validate`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,7 +22,7 @@ pub struct IndexConfig {
     /// How fast a [`crate::SharedIndex`] view that was pinned for a snapshot catches up: each
     /// write also replays at most 8 × this many of the changes (view ops) it missed, or twice
     /// the write's own if more, so the catch-up never stalls the writer for long (unit: 8 ops;
-    /// default 64, i.e. 512 ops per write; at least 1).
+    /// default 64, i.e. 512 ops per write; 1 to [`WRITE_CHUNK_EVENTS_LIMIT`]).
     pub write_chunk_events: usize,
 }
 
@@ -36,7 +40,7 @@ impl Default for IndexConfig {
 pub enum ConfigError {
     #[error("max_entries must be between 1 and {MAX_ENTRIES_LIMIT}, got {value}")]
     MaxEntries { value: usize },
-    #[error("write_chunk_events must be at least 1")]
+    #[error("write_chunk_events must be between 1 and {WRITE_CHUNK_EVENTS_LIMIT}")]
     WriteChunk,
 }
 
@@ -48,7 +52,7 @@ impl IndexConfig {
         {
             return Err(ConfigError::MaxEntries { value });
         }
-        if self.write_chunk_events == 0 {
+        if self.write_chunk_events == 0 || self.write_chunk_events > WRITE_CHUNK_EVENTS_LIMIT {
             return Err(ConfigError::WriteChunk);
         }
         Ok(())
@@ -72,5 +76,19 @@ mod tests {
             ..IndexConfig::default()
         };
         assert_eq!(chunk.validate(), Err(ConfigError::WriteChunk));
+        // Found by the index_snapshot fuzz target: a snapshot naming a huge chunk overflowed
+        // the shared index's `8 ×` on restore.
+        for huge in [WRITE_CHUNK_EVENTS_LIMIT + 1, usize::MAX] {
+            let chunk = IndexConfig {
+                write_chunk_events: huge,
+                ..IndexConfig::default()
+            };
+            assert_eq!(chunk.validate(), Err(ConfigError::WriteChunk));
+        }
+        let largest = IndexConfig {
+            write_chunk_events: WRITE_CHUNK_EVENTS_LIMIT,
+            ..IndexConfig::default()
+        };
+        assert_eq!(largest.validate(), Ok(()));
     }
 }
