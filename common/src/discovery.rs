@@ -91,6 +91,20 @@ impl BadCard {
 /// The metric every router and indexer keeps of skipped cards.
 pub const BAD_CARDS_METRIC: &str = "kvroute_discovery_bad_cards_total";
 
+/// Registers [`BAD_CARDS_METRIC`] (`{reason}`) on `r`, every reason present at 0 from the start:
+/// the one registration routers and indexers share.
+pub fn bad_cards_metric(r: &crate::ops::Registry) -> std::sync::Arc<crate::ops::CounterVec> {
+    let bad = r.counter_vec(
+        BAD_CARDS_METRIC,
+        "Worker cards in etcd skipped (undecodable or invalid), by reason.",
+        "reason",
+    );
+    for reason in BadCard::ALL {
+        bad.add(reason.label(), 0);
+    }
+    bad
+}
+
 /// Starts watching; events arrive on the returned channel until it is dropped.
 pub fn watch_workers(etcd: etcd_client::Client, names: &Names) -> mpsc::Receiver<WorkerEvent> {
     let (tx, rx) = mpsc::channel(1024);

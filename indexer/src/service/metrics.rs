@@ -86,7 +86,7 @@ impl IndexerMetrics {
                 "kvroute_indexer_removed_worker_events_total",
                 "KV events of removed workers, ignored.",
             ),
-            bad_cards: bad_cards(&r),
+            bad_cards: kvroute_common::discovery::bad_cards_metric(&r),
             bad_messages: r.counter_vec(
                 "kvroute_indexer_bad_messages_total",
                 "Log messages skipped, by reason.",
@@ -212,20 +212,6 @@ impl Default for IndexerMetrics {
     fn default() -> Self {
         Self::new()
     }
-}
-
-/// `kvroute_discovery_bad_cards_total{reason}`, every reason present from the start.
-fn bad_cards(r: &Registry) -> Arc<CounterVec> {
-    use kvroute_common::discovery::{BAD_CARDS_METRIC, BadCard};
-    let bad = r.counter_vec(
-        BAD_CARDS_METRIC,
-        "Worker cards in etcd skipped (undecodable or invalid), by reason.",
-        "reason",
-    );
-    for reason in BadCard::ALL {
-        bad.add(reason.label(), 0);
-    }
-    bad
 }
 
 #[cfg(test)]

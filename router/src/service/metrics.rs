@@ -142,7 +142,7 @@ impl RouterMetrics {
                 "kvroute_router_lifecycle_events_total",
                 "Request lifecycle events applied.",
             ),
-            bad_cards: bad_cards(&r),
+            bad_cards: kvroute_common::discovery::bad_cards_metric(&r),
             bad_messages: r.counter_vec(
                 "kvroute_router_bad_messages_total",
                 "Undecodable messages skipped, per input and reason.",
@@ -273,18 +273,4 @@ impl Default for RouterMetrics {
     fn default() -> Self {
         Self::new()
     }
-}
-
-/// `kvroute_discovery_bad_cards_total{reason}`, every reason present from the start.
-fn bad_cards(r: &Registry) -> Arc<CounterVec> {
-    use kvroute_common::discovery::{BAD_CARDS_METRIC, BadCard};
-    let bad = r.counter_vec(
-        BAD_CARDS_METRIC,
-        "Worker cards in etcd skipped (undecodable or invalid), by reason.",
-        "reason",
-    );
-    for reason in BadCard::ALL {
-        bad.add(reason.label(), 0);
-    }
-    bad
 }
