@@ -34,3 +34,32 @@ pub fn round_trip<T: WireMessage + Debug>(data: &[u8]) -> Option<T> {
     );
     Some(msg)
 }
+
+/// The engine targets' check of one input, for either engine's decoder: a typed `WireError`,
+/// or a batch whose every event is well-formed (extra keys empty or one per block); the
+/// bridge's frame checks never panic.
+pub fn check_engine_batch(kind: kvroute_bridge::EngineKind, data: &[u8]) {
+    use kvroute_bridge::wire::{EngineEvent, decode_batch};
+    use kvroute_bridge::zmq_io::{frames_error, seq_of};
+    match decode_batch(kind, data) {
+        Ok(batch) => {
+            for event in &batch.events {
+                if let EngineEvent::Stored(s) = event {
+                    assert!(s.extra_keys.is_empty() || s.extra_keys.len() == s.block_hashes.len());
+                }
+            }
+            assert!(batch.skipped.iter().all(|r| !r.is_empty()));
+        }
+        Err(e) => assert!(!e.reason().is_empty()),
+    }
+    // A live message: [topic, seq, payload], split from the input at its first two bytes.
+    if let [a, b, rest @ ..] = data {
+        let (a, b) = (usize::from(*a).min(rest.len()), usize::from(*b));
+        let (topic, rest) = rest.split_at(a);
+        let (seq, payload) = rest.split_at(b.min(rest.len()));
+        let frames = vec![topic.to_vec(), seq.to_vec(), payload.to_vec()];
+        if frames_error(&frames).is_none() {
+            let _ = seq_of(&frames[1]);
+        }
+    }
+}
