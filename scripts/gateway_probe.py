@@ -11,7 +11,11 @@ requests a second, spread over the replicas of --gateways in turn, polls every r
           replica; every request gives up after --timeout seconds. Figures: success under the
           rule below, failures by kind, latency and TTFT, the workers served, turns kept on
           their conversation's worker.
-  select  `POST /v1/select` with token ids (the selection API): answers 200 per replica.
+  select  `POST /v1/select` with token ids and `"http_only": false` (the selection API, the
+          fleet's workers reached over NATS): answers 200 per replica.
+
+SIGTERM ends the run early: no more requests are sent, those sent are waited for, and the JSON
+covers what ran.
 
 The faulted-worker rule (chat). A request fails when the gateway answers an error, the stream
 breaks (an error event), or no answer comes within --timeout. A failed request does not count
@@ -31,6 +35,7 @@ import argparse
 import asyncio
 import json
 import re
+import signal
 import sys
 import threading
 import time
@@ -89,13 +94,21 @@ class ReadyPoller:
 
 
 async def paced(seconds, rate, send):
-    """Calls send(i) every 1/rate s for `seconds`, each on its own task; waits for them all."""
+    """Calls send(i) every 1/rate s for `seconds`, each on its own task, until SIGTERM; waits
+    for them all."""
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     tasks = []
     start = time.time()
     for i in range(int(seconds * rate)):
         delay = start + i / rate - time.time()
         if delay > 0:
-            await asyncio.sleep(delay)
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+        if stop.is_set():
+            break
         tasks.append(asyncio.create_task(send(i)))
     await asyncio.gather(*tasks)
 
@@ -312,8 +325,10 @@ async def select(args):
 
     async def send(i):
         gateway = i % len(urls)
-        # 150 tokens (a few blocks), one of 500 prompts.
-        body = {"model": args.model, "token_ids": [(i % 500 + 1) * 1_000_003 % 4_000_000 + t for t in range(150)]}
+        # 150 tokens (a few blocks), one of 500 prompts; any worker may answer (`http_only`:
+        # false), as kvroute's native workers take requests over NATS only.
+        body = {"model": args.model, "http_only": False,
+                "token_ids": [(i % 500 + 1) * 1_000_003 % 4_000_000 + t for t in range(150)]}
         started = time.time()
         try:
             status, answer = await asyncio.to_thread(post_json, urls[gateway] + "/v1/select", body, args.timeout)

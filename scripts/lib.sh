@@ -64,3 +64,54 @@ start_etcd() {
   ETCD_URL="http://127.0.0.1:$ETCD_PORT"
   wait_http "$ETCD_URL/health"
 }
+
+# start_vllm DIR NAME MODEL CORE: a real vLLM engine (scripts/install-vllm) serving the test model
+# as MODEL on free loopback ports, pinned to CPU core CORE, its KV events on ipc://DIR/NAME.kv.pub,
+# in its own process group (its leader's pid is the group id). Sets VLLM_PID, VLLM_URL,
+# VLLM_ZMQ, VLLM_REPLAY; returns at once (the engine answers /health after about a minute).
+start_vllm() {
+  local dir="$1" name="$2" model="$3" core="$4" port replay
+  [ -n "${VLLM_SEMS_BEFORE+x}" ] || VLLM_SEMS_BEFORE=$(ls /dev/shm 2>/dev/null | grep '^sem\.mp-' || true)
+  port=$(free_port); replay=$(free_port)
+  VLLM_URL="http://127.0.0.1:$port"; VLLM_ZMQ="ipc://$dir/$name.kv.pub"
+  VLLM_REPLAY="tcp://127.0.0.1:$replay"
+  VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_OMP_THREADS_BIND="$core" \
+    VLLM_SERVER_DEV_MODE=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+    setsid "$KVROUTE_ROOT/.tools/vllm/venv/bin/python" -m vllm.entrypoints.openai.api_server \
+    --model "$KVROUTE_ROOT/.tools/vllm/model" --served-model-name "$model" \
+    --host 127.0.0.1 --port "$port" --dtype bfloat16 --enforce-eager --block-size 32 \
+    --max-model-len 512 --enable-prefix-caching --enable-prompt-tokens-details \
+    --num-gpu-blocks-override 64 \
+    --kv-events-config "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"$VLLM_ZMQ\",\"replay_endpoint\":\"$VLLM_REPLAY\"}" \
+    >"$dir/$name.log" 2>&1 &
+  VLLM_PID=$!
+}
+
+# stop_vllm PGID...: stops the engines' process groups (TERM, then KILL after 10 s) and removes
+# the /dev/shm files a killed vLLM leaves (Python's psm_* it mapped, and sem.mp-* semaphores that
+# appeared since start_vllm first ran and that no process maps).
+stop_vllm() {
+  local pgid pid shm=() sem
+  for pgid in "$@"; do
+    for pid in $(ps -o pid= -g "$pgid" 2>/dev/null || true); do
+      shm+=($(grep -o '/dev/shm/psm_[^ ]*' "/proc/$pid/maps" 2>/dev/null | sort -u || true))
+    done
+    kill -TERM -- "-$pgid" 2>/dev/null || true
+  done
+  for _ in $(seq 100); do
+    local alive=0
+    for pgid in "$@"; do kill -0 -- "-$pgid" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 0.1
+  done
+  for pgid in "$@"; do kill -KILL -- "-$pgid" 2>/dev/null || true; done
+  [ "${#shm[@]}" -gt 0 ] && rm -f "${shm[@]}"
+  # Semaphores that appeared since the first engine started and that no process maps.
+  for sem in /dev/shm/sem.mp-*; do
+    [ -e "$sem" ] || continue
+    grep -qx "${sem#/dev/shm/}" <<<"${VLLM_SEMS_BEFORE:-}" && continue
+    grep -qs "$sem" /proc/[0-9]*/maps && continue
+    rm -f "$sem"
+  done
+  return 0
+}

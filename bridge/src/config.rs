@@ -49,8 +49,15 @@ pub struct EngineSpec {
     /// forwarding requests.
     pub engine_url: String,
     /// The engine's KV-event PUB endpoint for rank 0 (`tcp://host:port`; rank r uses port + r,
-    /// `ipc://` / `inproc://` endpoints the suffix `_dp<r>`).
+    /// `ipc://` / `inproc://` endpoints the suffix `_dp<r>`). Required unless `kv_events` is
+    /// false.
+    #[serde(default)]
     pub zmq_endpoint: String,
+    /// Whether the engine publishes KV events (default true). False: an engine with no event
+    /// socket — no ZMQ subscription; its card says `kv_events: false`, and routers predict
+    /// its cache from their decisions (approximate mode).
+    #[serde(default = "yes")]
+    pub kv_events: bool,
     /// The engine's replay ROUTER endpoint for rank 0 (same per-rank rule); without it a gap
     /// clears the rank.
     #[serde(default)]
@@ -85,6 +92,10 @@ pub struct EngineSpec {
     pub taints: Vec<String>,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl EngineSpec {
@@ -128,8 +139,19 @@ impl EngineSpec {
                 format!("must be an http:// URL, got {:?}", self.engine_url),
             ));
         }
-        self.zmq_endpoint_for(0)
-            .map_err(|e| bad("zmq-endpoint", e))?;
+        if !self.kv_events {
+            if !self.zmq_endpoint.is_empty() || self.zmq_replay_endpoint.is_some() {
+                return Err(bad(
+                    "zmq-endpoint",
+                    "an engine without KV events has no event endpoints: drop them, or its \
+                     no-kv-events setting"
+                        .into(),
+                ));
+            }
+        } else {
+            self.zmq_endpoint_for(0)
+                .map_err(|e| bad("zmq-endpoint", e))?;
+        }
         if self.zmq_endpoint.trim().starts_with("inproc://") {
             return Err(bad(
                 "zmq-endpoint",
@@ -223,6 +245,11 @@ pub struct EngineFlags {
     /// The engine's event topic (its `topic` setting).
     #[arg(long, env = "KVROUTE_BRIDGE_ZMQ_TOPIC", default_value = "")]
     pub zmq_topic: String,
+    /// The engine has no KV-event socket (engines without events, llama.cpp, TGI, managed
+    /// endpoints): no --zmq-endpoint, no ZMQ subscription; its card says `kv_events: false`,
+    /// and routers predict its cache from their own decisions (approximate mode).
+    #[arg(long, env = "KVROUTE_BRIDGE_NO_KV_EVENTS")]
+    pub no_kv_events: bool,
     /// kvroute's id for the engine (default: derived from its URL and endpoint).
     #[arg(long, env = "KVROUTE_BRIDGE_WORKER_ID")]
     pub worker_id: Option<WorkerId>,
@@ -250,6 +277,7 @@ pub struct EngineFlags {
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
     name = "kvroute-bridge",
+    version,
     about = "Feeds kvroute from real vLLM / SGLang engines: their ZMQ KV events, load, \
              registration and requests, with no change to the engine"
 )]
@@ -374,10 +402,16 @@ impl BridgeArgs {
             .engine_url
             .clone()
             .ok_or_else(|| ConfigError::new("engine-url", "required with --engine"))?;
-        let zmq_endpoint = f
-            .zmq_endpoint
-            .clone()
-            .ok_or_else(|| ConfigError::new("zmq-endpoint", "required with --engine"))?;
+        let zmq_endpoint = match (&f.zmq_endpoint, f.no_kv_events) {
+            (Some(e), _) => e.clone(),
+            (None, true) => String::new(),
+            (None, false) => {
+                return Err(ConfigError::new(
+                    "zmq-endpoint",
+                    "required with --engine (or --no-kv-events for an engine without events)",
+                ));
+            }
+        };
         let spec = EngineSpec {
             name: String::new(),
             engine,
@@ -385,6 +419,7 @@ impl BridgeArgs {
             zmq_endpoint,
             zmq_replay_endpoint: f.zmq_replay_endpoint.clone(),
             zmq_topic: f.zmq_topic.clone(),
+            kv_events: !f.no_kv_events,
             worker_id: f.worker_id,
             dp_size: f.dp_size,
             dp_start_rank: 0,
@@ -520,6 +555,29 @@ mod tests {
         assert_eq!(a.worker_id(), spec().worker_id());
         assert_ne!(a.worker_id(), b.worker_id());
         assert!(a.worker_id() < 1 << 48 && a.worker_id() > 0);
+    }
+
+    #[test]
+    fn an_engine_without_kv_events_needs_no_endpoint_and_takes_none() {
+        use clap::Parser;
+        let args = |extra: &[&str]| {
+            let mut argv = vec![
+                "kvroute-bridge",
+                "--engine",
+                "vllm",
+                "--engine-url",
+                "http://127.0.0.1:8000",
+            ];
+            argv.extend(extra);
+            BridgeArgs::try_parse_from(argv).unwrap().engines()
+        };
+        let specs = args(&["--no-kv-events"]).unwrap();
+        assert!(!specs[0].kv_events);
+        assert!(specs[0].zmq_endpoint.is_empty());
+        assert_eq!(args(&[]).unwrap_err().field, "zmq-endpoint");
+        let e = args(&["--no-kv-events", "--zmq-endpoint", "tcp://h:1"]).unwrap_err();
+        assert_eq!(e.field, "zmq-endpoint");
+        assert!(spec().kv_events);
     }
 
     #[test]

@@ -9,6 +9,8 @@ pub mod health;
 pub mod load;
 pub mod report;
 pub mod requests;
+pub mod reset;
+pub mod silence;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,6 +29,7 @@ use health::{Action, HealthState};
 use load::{Capacity, LoadSeqs, LoadTask};
 use report::Reporter;
 use requests::{RequestTask, RequestsHandle, Serving, StopMode};
+use reset::ResetTask;
 
 /// How long a registration waits for the card to reach etcd before probing goes on.
 const REGISTRATION_WAIT: Duration = Duration::from_secs(1);
@@ -139,6 +142,7 @@ impl EngineSupervisor {
 struct Live {
     agent: WorkerAgent,
     load: JoinHandle<()>,
+    resets: JoinHandle<()>,
     requests: RequestsHandle,
 }
 
@@ -181,8 +185,8 @@ impl Supervisor {
             let (next, action) = health::step(state, probe.is_ok(), self.settings.health_failures);
             state = match action {
                 Action::Nothing => next,
-                Action::Register { new_incarnation } => {
-                    if self.register(new_incarnation).await {
+                Action::Register { was_down } => {
+                    if self.register(was_down).await {
                         next
                     } else {
                         state.registration_failed()
@@ -230,7 +234,7 @@ impl Supervisor {
     }
 
     /// Registers the engine; false (logged) if it could not be.
-    async fn register(&mut self, new_incarnation: bool) -> bool {
+    async fn register(&mut self, was_down: bool) -> bool {
         let info = match self.client.info().await {
             Ok(info) => info,
             Err(e) => {
@@ -275,6 +279,14 @@ impl Supervisor {
                 return false;
             }
         };
+        let reset_subject = self.conn.names.worker_reset(card.worker_id);
+        let resets = match self.conn.nats.subscribe(reset_subject.clone()).await {
+            Ok(s) => s,
+            Err(e) => {
+                self.refused(format!("subscribing to {reset_subject}: {e}"));
+                return false;
+            }
+        };
         let mut agent = match WorkerAgent::start(
             self.conn.nats.clone(),
             self.conn.etcd.clone(),
@@ -291,11 +303,11 @@ impl Supervisor {
                 return false;
             }
         };
-        // Only now that the agent runs (it published `Cleared` for every rank): a failed start
-        // is retried at the next probe, and clearing the mirror twice would lose what the new
-        // incarnation stored in between.
-        if new_incarnation {
-            self.relay.new_incarnation();
+        // The engine was deemed down: it may have restarted with an empty cache, or only been
+        // too busy to answer its probes. The rank threads ask its replay socket (the mirror is
+        // published meanwhile, and cleared if the engine is another incarnation).
+        if was_down {
+            self.relay.check_incarnation();
         }
         self.relay.attach(agent.publisher().clone());
         // The card is usually in etcd within milliseconds; while etcd is unreachable the agent
@@ -310,6 +322,11 @@ impl Supervisor {
                 total_kv_blocks: card.total_kv_blocks,
             },
             interval: self.settings.load_interval,
+            relay: self.relay.clone(),
+            events_endpoint: format!(
+                "--zmq-endpoint {} (topic {:?})",
+                self.spec.zmq_endpoint, self.spec.zmq_topic
+            ),
             seqs: self.seqs.clone(),
             reporter: self.reporter.clone(),
             metrics: self.conn.metrics.clone(),
@@ -327,9 +344,18 @@ impl Supervisor {
             warned_no_cache_report: self.warned_no_cache_report.clone(),
         }
         .spawn(requests);
+        let resets = ResetTask {
+            label: self.label.clone(),
+            client: self.client.clone(),
+            relay: self.relay.clone(),
+            nats: self.conn.nats.clone(),
+            metrics: self.conn.metrics.clone(),
+        }
+        .spawn(resets);
         self.live = Some(Live {
             agent,
             load: tokio::spawn(load.run()),
+            resets,
             requests,
         });
         self.refusal = None;
@@ -338,11 +364,7 @@ impl Supervisor {
             names::REGISTRATIONS,
             &self.label,
             None,
-            if new_incarnation {
-                "new_incarnation"
-            } else {
-                "registered"
-            },
+            if was_down { "recovered" } else { "registered" },
         );
         tracing::info!(
             engine = self.label,
@@ -353,7 +375,7 @@ impl Supervisor {
             dp_start_rank = card.dp_start_rank,
             dp_size = card.dp_size,
             software_version = card.software_version,
-            new_incarnation,
+            was_down,
             "engine registered"
         );
         true
@@ -376,6 +398,7 @@ impl Supervisor {
         };
         self.relay.detach();
         live.load.abort();
+        live.resets.abort();
         let requests = live.requests.stop(mode);
         if mode == StopMode::Cancel {
             let _ = requests.await;

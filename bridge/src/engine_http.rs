@@ -61,12 +61,23 @@ pub struct EngineLoad {
     pub used_tokens: Option<u64>,
     /// KV tokens of the rank's pool (SGLang).
     pub total_tokens: Option<u64>,
+    /// Prompt tokens looked up in the prefix cache so far, and those found (vLLM's counters).
+    pub prefix_cache_queries: Option<u64>,
+    pub prefix_cache_hits: Option<u64>,
 }
 
 impl EngineLoad {
     /// Whether the engine said anything about the rank's requests.
     pub fn is_known(&self) -> bool {
         self.running.is_some() || self.waiting.is_some()
+    }
+
+    /// Prompt tokens the engine computed (looked up and not found) so far, when it says.
+    pub fn computed_prompt_tokens(&self) -> Option<u64> {
+        Some(
+            self.prefix_cache_queries?
+                .saturating_sub(self.prefix_cache_hits.unwrap_or(0)),
+        )
     }
 }
 
@@ -356,6 +367,46 @@ impl EngineClient {
             }
             EngineKind::Sglang => Ok(sglang::load(&self.get_json("/v1/loads").await?, ranks)),
         }
+    }
+
+    /// Empties the engine's prefix cache: vLLM's `POST /reset_prefix_cache` (served with
+    /// `VLLM_SERVER_DEV_MODE=1`; `{"success": false}` while blocks are in use, an empty 200 from
+    /// versions that do not say), SGLang's `POST /flush_cache` (400 while requests run). `Ok`
+    /// only when the engine says the cache is empty.
+    pub async fn reset_cache(&self) -> Result<(), EngineError> {
+        let path = match self.kind {
+            EngineKind::Vllm => "/reset_prefix_cache",
+            EngineKind::Sglang => "/flush_cache",
+        };
+        let url = self.url(path);
+        let response = self
+            .http
+            .post(&url)
+            .timeout(self.timeout)
+            .send()
+            .await
+            .map_err(|e| self.transport_error(&url, &e, self.timeout))?;
+        let status = response.status().as_u16();
+        let body = read_limited(response, 64 << 10).await.unwrap_or_default();
+        if status != 200 {
+            return Err(EngineError::Status {
+                url,
+                status,
+                message: error_message(&body),
+            });
+        }
+        let refused = serde_json::from_str::<Value>(&body)
+            .ok()
+            .and_then(|v| v.get("success").and_then(Value::as_bool))
+            == Some(false);
+        if refused {
+            return Err(EngineError::BadResponse {
+                url,
+                reason: "the engine did not reset its cache (blocks still in use: retry when idle)"
+                    .into(),
+            });
+        }
+        Ok(())
     }
 
     /// Runs a streamed completion. Times count from `arrived`; `first_token` is told the TTFT

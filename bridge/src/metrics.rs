@@ -35,6 +35,7 @@ pub mod names {
     pub const REPLAYS: &str = "kvroute_bridge_replays_total";
     pub const CLEARED: &str = "kvroute_bridge_ranks_cleared_total";
     pub const INCARNATIONS: &str = "kvroute_bridge_incarnations_total";
+    pub const INCARNATION_CHECKS: &str = "kvroute_bridge_incarnation_checks_total";
     pub const DUPLICATE_COPIES: &str = "kvroute_bridge_duplicate_copies_total";
     pub const IGNORED: &str = "kvroute_bridge_ignored_total";
     pub const MIRROR_BLOCKS: &str = "kvroute_bridge_mirror_blocks";
@@ -46,6 +47,8 @@ pub mod names {
     pub const REQUESTS: &str = "kvroute_bridge_requests_total";
     pub const LOAD_REPORTS: &str = "kvroute_bridge_load_reports_total";
     pub const REGISTRATIONS: &str = "kvroute_bridge_registrations_total";
+    pub const RESETS: &str = "kvroute_bridge_cache_resets_total";
+    pub const EVENTS_MISSING: &str = "kvroute_bridge_events_missing_total";
 }
 
 fn help(name: &str) -> (&'static str, &'static str, &'static str) {
@@ -64,7 +67,7 @@ fn help(name: &str) -> (&'static str, &'static str, &'static str) {
         ),
         GAPS => ("Sequence gaps detected.", "counter", ""),
         REPLAYS => (
-            "Replay requests to the engine, by outcome (ok, failed, not_covered).",
+            "Replays from the engine, by outcome (ok, failed, not_covered, incomplete; hole: an answer with a hole, asked again).",
             "counter",
             "outcome",
         ),
@@ -74,9 +77,14 @@ fn help(name: &str) -> (&'static str, &'static str, &'static str) {
             "",
         ),
         INCARNATIONS => (
-            "New engine incarnations seen (seq restarted, or /health recovered).",
+            "New engine incarnations seen (seq restarted, another batch where the last applied was, or found by an incarnation check).",
             "counter",
             "",
+        ),
+        INCARNATION_CHECKS => (
+            "Checks, when the engine answers /health again after being deemed down, of whether it kept its cache, by result (same: its last batch came back unchanged and the mirror was kept; new: the rank was cleared).",
+            "counter",
+            "result",
         ),
         DUPLICATE_COPIES => (
             "Events about a second copy of a cached block, absorbed by copy counting.",
@@ -117,9 +125,19 @@ fn help(name: &str) -> (&'static str, &'static str, &'static str) {
         ),
         LOAD_REPORTS => ("WorkerLoad reports published.", "counter", ""),
         REGISTRATIONS => (
-            "Registration events, by kind (registered, new_incarnation, deregistered, refused).",
+            "Registration events, by kind (registered, recovered: registered again after being deemed down, deregistered, refused).",
             "counter",
             "event",
+        ),
+        RESETS => (
+            "Cache resets forwarded to the engine, by outcome (ok, refused).",
+            "counter",
+            "outcome",
+        ),
+        EVENTS_MISSING => (
+            "Load polls at which the engine had computed prompt tokens but no KV event batch had arrived from it (check --zmq-endpoint).",
+            "counter",
+            "",
         ),
         _ => ("", "counter", ""),
     }

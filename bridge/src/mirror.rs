@@ -21,10 +21,21 @@
 //!   they are ignored and counted, as is an unknown medium;
 //! - tokens hashes are kvroute's local hashes of the tokens under the LoRA seed, with the
 //!   block's extra keys (multimodal ids, cache salt, ...) folded in ([`fold_extra`]), so such
-//!   blocks never match a plain-text prompt.
+//!   blocks never match a plain-text prompt;
+//! - hash lookahead (vLLM 0.34, for speculative decoding's drafter): a block's engine hash
+//!   also covers the L tokens after it, so one engine block is (prefix, block tokens, next L
+//!   tokens), and two prompts that share a block's tokens but not the next L tokens hold two
+//!   blocks, each a hit only for its own continuation. The lookahead tokens are folded into
+//!   the tokens hash last, as one more key ([`lookahead_key`]): one index node per engine
+//!   block, so the index equals the engine's cache. A query finds such a block only if it
+//!   folds each block's next L prompt tokens the same way (PROTOCOL.md, "Engine events").
 //!
 //! The mirror is bounded: past `max_blocks` held blocks the one stored longest ago is evicted —
 //! published as `Removed` like an engine eviction, so kvroute's state stays equal to the mirror.
+//!
+//! No event it makes names more than [`MAX_BLOCKS_PER_EVENT`] blocks: a longer chain (live, or
+//! recreated by a resync) continues in the next `Stored` event under its last block, so every
+//! event fits a `KvEventBatch` (1 MiB; a stored block takes 42 bytes).
 
 use std::collections::VecDeque;
 
@@ -34,6 +45,10 @@ use kvroute_common::messages::{KvEventData, StorageTier, StoredBlock};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::wire::{EngineEvent, Removed, Stored};
+
+/// Most blocks one `Stored` or `Removed` event names (about 340 KB encoded, a third of a
+/// `KvEventBatch`'s limit).
+pub const MAX_BLOCKS_PER_EVENT: usize = 8192;
 
 /// What one engine event became, and what was absorbed or ignored on the way.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -65,6 +80,7 @@ impl Translation {
             && *t == tier
             && blocks.last().map(|b| b.block_hash) == parent
             && parent.is_some()
+            && blocks.len() < MAX_BLOCKS_PER_EVENT
         {
             blocks.push(block);
             return;
@@ -82,6 +98,7 @@ impl Translation {
             tier: t,
         }) = self.events.last_mut()
             && *t == tier
+            && block_hashes.len() < MAX_BLOCKS_PER_EVENT
         {
             block_hashes.push(hash);
             return;
@@ -177,6 +194,19 @@ pub fn salt_key(salt: &str) -> Vec<u8> {
     out.push(0x05);
     out.extend_from_slice(&(salt.len() as u32).to_le_bytes());
     out.extend_from_slice(salt.as_bytes());
+    out
+}
+
+/// The canonical encoding of a block's lookahead tokens as an extra key (an array of integers:
+/// `0x07`, u32 LE count, then `0x03` + u64 LE per token).
+pub fn lookahead_key(tokens: &[u32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(5 + 9 * tokens.len());
+    out.push(0x07);
+    out.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
+    for &t in tokens {
+        out.push(0x03);
+        out.extend_from_slice(&u64::from(t).to_le_bytes());
+    }
     out
 }
 
@@ -291,6 +321,9 @@ impl RankMirror {
             }
             if let Some(salt) = &salt {
                 tokens_hash = fold_extra(tokens_hash, salt, seed);
+            }
+            if let Some(ahead) = s.lookahead_token_ids.get(i).filter(|a| !a.is_empty()) {
+                tokens_hash = fold_extra(tokens_hash, &lookahead_key(ahead), seed);
             }
             if self
                 .nodes

@@ -1,28 +1,28 @@
-//! One engine's event path: per rank a thread that receives the engine's ZMQ batches, judges
-//! their `seq` (replaying a gap from the engine's replay socket, or clearing the rank when the
-//! gap cannot be replayed), decodes them, translates them through the rank's mirror and hands
-//! kvroute's events to the worker's `EventPublisher` (event ids, JetStream acks and retries are
-//! the publisher's). Also the engine's resync source: `Cleared` and the mirror's chains.
+//! One engine's event path: per rank a thread ([`rank`]) that receives the engine's ZMQ
+//! batches, judges their `seq` (replaying a gap from the engine's replay socket, or clearing the
+//! rank when the gap cannot be replayed), decodes them, translates them through the rank's
+//! mirror and hands kvroute's events to the worker's `EventPublisher` (event ids, JetStream acks
+//! and retries are the publisher's). Also the engine's resync source: `Cleared` and the
+//! mirror's chains.
 //!
 //! Invariants: the mirror equals what the engine announced (within the bound); a gap never passes
 //! silently — it is replayed, or the rank is cleared and counted; a rank's mirror is changed and
 //! published under one lock, so a resync publishes exactly the state at its point of the log.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
 
 use kvroute_common::DpRank;
 use kvroute_common::messages::KvEventData;
 use kvroute_common::worker::{EventPublisher, ResyncSource};
 
-use crate::config::{EngineKind, EngineSpec};
+use crate::config::EngineSpec;
 use crate::metrics::{BridgeMetrics, names};
-use crate::mirror::{RankMirror, Translation};
-use crate::sequence::{SeqTracker, Verdict};
-use crate::wire::{EngineEvent, decode_batch};
-use crate::zmq_io::{self, Subscriber};
+use crate::mirror::RankMirror;
+use crate::sequence::SeqTracker;
+use crate::zmq_io::Subscriber;
+use rank::RankWorker;
 
 /// Settings of a [`Relay`].
 #[derive(Debug, Clone)]
@@ -32,9 +32,6 @@ pub struct RelaySettings {
     /// Whether external and remote media become the shared tier (else they are ignored).
     pub shared_tier: bool,
 }
-
-/// How long a replay may take before the gap is treated as not replayable.
-const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A running relay for one engine. Events are received and mirrored from [`Relay::start`] on;
 /// they reach kvroute only while a publisher is attached.
@@ -47,6 +44,11 @@ pub struct Relay {
 struct Inner {
     label: String,
     ranks: Vec<(DpRank, Arc<Mutex<RankState>>)>,
+    /// Per rank (same order), batches received from the engine.
+    received: Vec<Arc<AtomicU64>>,
+    /// Per rank (same order): check, at the rank thread's next turn, that the engine is still
+    /// the incarnation whose batches were applied ([`Relay::check_incarnation`]).
+    checks: Vec<Arc<AtomicBool>>,
     running: Arc<AtomicBool>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     metrics: Arc<BridgeMetrics>,
@@ -57,7 +59,13 @@ struct RankState {
     mirror: RankMirror,
     tracker: SeqTracker,
     publisher: Option<EventPublisher>,
+    /// `AllBlocksCleared` events the engine sent.
+    engine_clears: u64,
 }
+
+/// Each rank's count of the engine's `AllBlocksCleared` before a reset was asked.
+#[derive(Debug, Clone)]
+pub struct ResetMark(Vec<u64>);
 
 impl RankState {
     fn publish(&self, rank: DpRank, events: Vec<KvEventData>) {
@@ -81,6 +89,8 @@ impl Relay {
         let running = Arc::new(AtomicBool::new(true));
         let label = spec.label();
         let mut states = Vec::new();
+        let mut received = Vec::new();
+        let mut checks = Vec::new();
         let mut threads = Vec::new();
         for rank in ranks {
             let endpoint = spec
@@ -98,8 +108,13 @@ impl Relay {
                     .with_shared_tier(settings.shared_tier),
                 tracker: SeqTracker::default(),
                 publisher: None,
+                engine_clears: 0,
             }));
             states.push((rank, state.clone()));
+            let count = Arc::new(AtomicU64::new(0));
+            received.push(count.clone());
+            let check = Arc::new(AtomicBool::new(false));
+            checks.push(check.clone());
             let worker = RankWorker {
                 label: label.clone(),
                 kind: spec.engine,
@@ -108,6 +123,8 @@ impl Relay {
                 replay,
                 state,
                 metrics: metrics.clone(),
+                received: count,
+                check,
             };
             let running = running.clone();
             threads.push(
@@ -120,11 +137,34 @@ impl Relay {
             inner: Arc::new(Inner {
                 label,
                 ranks: states,
+                received,
+                checks,
                 running,
                 threads: Mutex::new(threads),
                 metrics,
             }),
         })
+    }
+
+    /// The relay of an engine without KV events (`--no-kv-events`): no rank, no subscription,
+    /// nothing to publish.
+    pub fn without_events(spec: &EngineSpec, metrics: Arc<BridgeMetrics>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                label: spec.label(),
+                ranks: Vec::new(),
+                received: Vec::new(),
+                checks: Vec::new(),
+                running: Arc::new(AtomicBool::new(false)),
+                threads: Mutex::new(Vec::new()),
+                metrics,
+            }),
+        }
+    }
+
+    /// Whether the relay subscribes to the engine's events (not for an engine without them).
+    pub fn subscribed(&self) -> bool {
+        !self.inner.ranks.is_empty()
     }
 
     /// What answers kvroute's resync requests for this engine (hand it to `WorkerAgent::start`).
@@ -150,20 +190,58 @@ impl Relay {
         }
     }
 
-    /// The engine restarted (its `/health` failed and recovered): its cache is empty, so the
-    /// mirror is cleared and the next `seq` may start anywhere.
-    pub fn new_incarnation(&self) {
-        for (rank, state) in &self.inner.ranks {
-            let mut s = state.lock().expect("rank lock");
-            s.mirror.clear();
-            s.tracker.reset();
+    /// The engine was deemed down (its `/health` failed `--health-failures` times in a row) and
+    /// answers again: it may have restarted with an empty cache, or only been too busy to answer
+    /// its probes with its cache intact. Each rank thread, at its next turn, asks the engine's
+    /// replay socket for the last batch it applied: the same bytes prove the same incarnation
+    /// (the mirror is kept, and what the engine sent since is applied); other bytes, or a buffer
+    /// that no longer holds it, clear the rank (a new incarnation, counted). Without a replay
+    /// socket nothing can prove it, and the rank is cleared. Until the check ends (a replay round
+    /// trip), kvroute keeps the mirror's blocks.
+    pub fn check_incarnation(&self) {
+        for check in &self.inner.checks {
+            check.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Where each rank stands before a cache reset is asked of the engine (see [`Relay::withdraw`]).
+    pub fn reset_mark(&self) -> ResetMark {
+        ResetMark(
             self.inner
-                .metrics
-                .inc(names::INCARNATIONS, &self.inner.label, Some(*rank), "");
+                .ranks
+                .iter()
+                .map(|(_, s)| s.lock().expect("rank lock").engine_clears)
+                .collect(),
+        )
+    }
+
+    /// The engine dropped its whole cache (a reset the bridge forwarded, asked after `mark`):
+    /// every rank is cleared and `Cleared` published at once. The engine announces it too, but
+    /// only with its next step; until then kvroute would route to blocks the engine no longer
+    /// has. A rank whose `AllBlocksCleared` already came (since `mark`) is left as it is: what
+    /// followed it is the engine's cache after the reset.
+    pub fn withdraw(&self, mark: &ResetMark) {
+        for ((rank, state), before) in self.inner.ranks.iter().zip(&mark.0) {
+            let mut s = state.lock().expect("rank lock");
+            if s.engine_clears != *before {
+                continue;
+            }
+            s.mirror.clear();
+            s.publish(*rank, vec![KvEventData::Cleared]);
             self.inner
                 .metrics
                 .set(names::MIRROR_BLOCKS, &self.inner.label, Some(*rank), 0.0);
         }
+    }
+
+    /// Batches received from the engine on each rank so far (live and replayed).
+    pub fn batches_received(&self) -> Vec<(DpRank, u64)> {
+        self.inner
+            .ranks
+            .iter()
+            .zip(&self.inner.received)
+            .map(|((rank, _), n)| (*rank, n.load(Ordering::Relaxed)))
+            .collect()
     }
 
     /// Blocks mirrored over every rank.
@@ -196,246 +274,4 @@ impl ResyncSource for Relay {
     }
 }
 
-/// One rank's receive loop.
-struct RankWorker {
-    label: String,
-    kind: EngineKind,
-    rank: DpRank,
-    ctx: zmq::Context,
-    replay: Option<String>,
-    state: Arc<Mutex<RankState>>,
-    metrics: Arc<BridgeMetrics>,
-}
-
-impl RankWorker {
-    fn run(self, subscriber: Subscriber, running: &AtomicBool) {
-        // Subscribed first, so live batches queue while the history is fetched.
-        let mut replayed = self.catch_up();
-        while running.load(Ordering::Relaxed) {
-            let frames = match subscriber.recv() {
-                Ok(Some(f)) => f,
-                Ok(None) => continue,
-                Err(e) => {
-                    tracing::warn!(engine = %self.label, rank = self.rank, error = %e, "ZMQ receive failed");
-                    std::thread::sleep(Duration::from_millis(100));
-                    continue;
-                }
-            };
-            let received = Instant::now();
-            if let Some(reason) = zmq_io::frames_error(&frames) {
-                self.count_error(reason);
-                continue;
-            }
-            let seq = zmq_io::seq_of(&frames[1]);
-            // Live batches queued during the start-up catch-up that it already applied: the same
-            // seq with the same bytes (a restarted engine's batch differs, by its timestamp at
-            // least).
-            if !replayed.is_empty() {
-                if replayed.get(&seq) == Some(&xxhash_rust::xxh3::xxh3_64(&frames[2])) {
-                    self.metrics.inc(
-                        names::IGNORED,
-                        &self.label,
-                        Some(self.rank),
-                        "already_replayed",
-                    );
-                    continue;
-                }
-                replayed.clear();
-            }
-            let verdict = self.state.lock().expect("rank lock").tracker.observe(seq);
-            match verdict {
-                Verdict::Apply => {}
-                Verdict::Gap { from, to } => {
-                    // A late join of a fresh engine starts at 0: nothing is missing then.
-                    self.metrics
-                        .inc(names::GAPS, &self.label, Some(self.rank), "");
-                    self.fill(from, to);
-                }
-                Verdict::Restarted { seq } => {
-                    self.metrics
-                        .inc(names::INCARNATIONS, &self.label, Some(self.rank), "");
-                    tracing::info!(engine = %self.label, rank = self.rank, seq, "engine restarted (seq went back): clearing the rank");
-                    self.clear_rank();
-                    if seq > 0 {
-                        self.metrics
-                            .inc(names::GAPS, &self.label, Some(self.rank), "");
-                        self.fill(0, seq);
-                    }
-                }
-            }
-            self.apply(&frames[2], received);
-        }
-    }
-
-    /// At start, fetches the engine's whole replay buffer, so the engine's cache is known
-    /// without waiting for its next batch (an engine at rest may send none for a long time).
-    /// Returns the seqs applied with a hash of their bytes. An engine that is not up yet, or
-    /// has no replay socket, leaves this to the first live batch.
-    fn catch_up(&self) -> hashbrown::HashMap<u64, u64> {
-        let mut applied = hashbrown::HashMap::new();
-        let Some(endpoint) = &self.replay else {
-            return applied;
-        };
-        let batches = match zmq_io::replay(&self.ctx, endpoint, 0, REPLAY_TIMEOUT) {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::info!(engine = %self.label, rank = self.rank, error = %e, "no history from the engine at start; the first batch decides");
-                return applied;
-            }
-        };
-        let Some(&(first, _)) = batches.first() else {
-            return applied;
-        };
-        let last = batches.last().map_or(first, |(s, _)| *s);
-        if first > 0 {
-            // The buffer no longer starts at the engine's first batch: what came before is
-            // unknown to routing until the engine stores it again.
-            self.metrics
-                .inc(names::REPLAYS, &self.label, Some(self.rank), "not_covered");
-            tracing::warn!(engine = %self.label, rank = self.rank, first, "the engine's history is only partly buffered");
-        } else {
-            self.metrics
-                .inc(names::REPLAYS, &self.label, Some(self.rank), "ok");
-        }
-        let now = Instant::now();
-        for (seq, payload) in &batches {
-            self.apply(payload, now);
-            applied.insert(*seq, xxhash_rust::xxh3::xxh3_64(payload));
-        }
-        self.state
-            .lock()
-            .expect("rank lock")
-            .tracker
-            .resume(last.saturating_add(1));
-        tracing::info!(engine = %self.label, rank = self.rank, batches = batches.len(), next = last + 1, "caught up with the engine's buffered history");
-        applied
-    }
-
-    fn count_error(&self, reason: &str) {
-        self.metrics
-            .inc(names::DECODE_ERRORS, &self.label, Some(self.rank), reason);
-    }
-
-    /// Fetches batches `from .. to` from the engine's replay socket and applies them; when that
-    /// is not possible, clears the rank (its earlier blocks are lost to routing until the engine
-    /// stores them again).
-    fn fill(&self, from: u64, to: u64) {
-        let Some(endpoint) = &self.replay else {
-            self.metrics.inc(
-                names::REPLAYS,
-                &self.label,
-                Some(self.rank),
-                "not_configured",
-            );
-            return self.give_up(from, to, "no replay endpoint");
-        };
-        match zmq_io::replay(&self.ctx, endpoint, from, REPLAY_TIMEOUT) {
-            Ok(batches) => {
-                let covered = batches.first().is_some_and(|(s, _)| *s == from);
-                if !covered {
-                    self.metrics
-                        .inc(names::REPLAYS, &self.label, Some(self.rank), "not_covered");
-                    return self.give_up(from, to, "the engine's replay buffer no longer has it");
-                }
-                self.metrics
-                    .inc(names::REPLAYS, &self.label, Some(self.rank), "ok");
-                let now = Instant::now();
-                for (seq, payload) in batches.iter().filter(|(s, _)| *s < to) {
-                    let _ = seq;
-                    self.apply(payload, now);
-                }
-            }
-            Err(e) => {
-                self.metrics
-                    .inc(names::REPLAYS, &self.label, Some(self.rank), "failed");
-                self.give_up(from, to, &e.to_string());
-            }
-        }
-    }
-
-    fn give_up(&self, from: u64, to: u64, why: &str) {
-        tracing::warn!(engine = %self.label, rank = self.rank, from, to, why, "cannot replay the gap: clearing the rank");
-        self.metrics
-            .inc(names::CLEARED, &self.label, Some(self.rank), "");
-        self.clear_rank();
-    }
-
-    fn clear_rank(&self) {
-        let mut s = self.state.lock().expect("rank lock");
-        s.mirror.clear();
-        s.publish(self.rank, vec![KvEventData::Cleared]);
-        self.metrics
-            .set(names::MIRROR_BLOCKS, &self.label, Some(self.rank), 0.0);
-    }
-
-    /// Decodes and applies one batch. A batch that cannot be decoded (or is over
-    /// [`zmq_io::MAX_BATCH_BYTES`]) is counted and skipped — and since what it said is lost,
-    /// the rank is cleared, as for a gap that cannot be replayed: kvroute must not keep blocks
-    /// whose removal may have been in it.
-    fn apply(&self, payload: &[u8], received: Instant) {
-        self.metrics
-            .inc(names::BATCHES, &self.label, Some(self.rank), "");
-        let decoded = if payload.len() > zmq_io::MAX_BATCH_BYTES {
-            Err("oversize")
-        } else {
-            decode_batch(self.kind, payload).map_err(|e| e.reason())
-        };
-        let batch = match decoded {
-            Ok(b) => b,
-            Err(reason) => {
-                self.count_error(reason);
-                tracing::warn!(engine = %self.label, rank = self.rank, reason, "undecodable batch: clearing the rank");
-                self.metrics
-                    .inc(names::CLEARED, &self.label, Some(self.rank), "");
-                return self.clear_rank();
-            }
-        };
-        for reason in &batch.skipped {
-            self.count_error(reason);
-        }
-        let mut out = Translation::default();
-        let mut s = self.state.lock().expect("rank lock");
-        for event in &batch.events {
-            let kind = match event {
-                EngineEvent::Stored(_) => "BlockStored",
-                EngineEvent::Removed(_) => "BlockRemoved",
-                EngineEvent::AllCleared => "AllBlocksCleared",
-            };
-            self.metrics
-                .inc(names::EVENTS, &self.label, Some(self.rank), kind);
-            s.mirror.apply(event, &mut out);
-        }
-        let published = !out.events.is_empty() && s.publisher.is_some();
-        s.publish(self.rank, std::mem::take(&mut out.events));
-        let blocks = s.mirror.len();
-        drop(s);
-        let m = &self.metrics;
-        if published {
-            m.inc(names::PUBLISHED_BATCHES, &self.label, Some(self.rank), "");
-            m.add_f64(
-                names::PUBLISH_SECONDS,
-                &self.label,
-                Some(self.rank),
-                received.elapsed().as_secs_f64(),
-            );
-        }
-        if out.duplicate_copies > 0 {
-            m.add(
-                names::DUPLICATE_COPIES,
-                &self.label,
-                Some(self.rank),
-                "",
-                out.duplicate_copies,
-            );
-        }
-        for (reason, n) in out.ignored {
-            m.add(names::IGNORED, &self.label, Some(self.rank), reason, n);
-        }
-        m.set(
-            names::MIRROR_BLOCKS,
-            &self.label,
-            Some(self.rank),
-            blocks as f64,
-        );
-    }
-}
+mod rank;

@@ -123,22 +123,33 @@ async fn start_engine(spec: EngineSpec, start: EngineStart) -> anyhow::Result<Ru
     };
     let ranks: Vec<DpRank> =
         (spec.dp_start_rank..spec.dp_start_rank.saturating_add(dp_size)).collect();
-    let relay = Relay::start(
-        &spec,
-        ranks.clone(),
-        RelaySettings {
-            mirror_max_blocks: start.mirror_max_blocks,
-            shared_tier: start.shared_tier,
-        },
-        start.conn.metrics.clone(),
-    )
-    .with_context(|| format!("engine {label}: starting its event relay"))?;
-    tracing::info!(
-        engine = label,
-        ?ranks,
-        url = spec.engine_url,
-        "engine relay started"
-    );
+    let relay = if spec.kv_events {
+        let relay = Relay::start(
+            &spec,
+            ranks.clone(),
+            RelaySettings {
+                mirror_max_blocks: start.mirror_max_blocks,
+                shared_tier: start.shared_tier,
+            },
+            start.conn.metrics.clone(),
+        )
+        .with_context(|| format!("engine {label}: starting its event relay"))?;
+        tracing::info!(
+            engine = label,
+            ?ranks,
+            url = spec.engine_url,
+            "engine relay started"
+        );
+        relay
+    } else {
+        tracing::info!(
+            engine = label,
+            ?ranks,
+            url = spec.engine_url,
+            "engine without KV events: no relay; routers predict its cache (approximate mode)"
+        );
+        Relay::without_events(&spec, start.conn.metrics.clone())
+    };
     let supervisor = EngineSupervisor::start(
         spec,
         ranks,

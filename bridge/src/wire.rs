@@ -11,6 +11,10 @@
 //! Decoding is a single pass over the bytes with no intermediate value tree (the relay decodes
 //! every block of the fleet). An event that cannot be understood is skipped and counted by its
 //! reason; only a batch whose envelope is broken is refused as a whole.
+//!
+//! Versions: vLLM 0.32 and 0.34 (0.34's `BlockStored` adds `lookahead_token_ids`: with hash
+//! lookahead on, each block's hash also covers that many tokens after the block, one list per
+//! block), SGLang 0.5.23. The field names and slot orders below are the engines' vocabulary.
 
 use crate::config::EngineKind;
 
@@ -54,6 +58,9 @@ pub struct Stored {
     pub group_idx: Option<i64>,
     pub kv_cache_spec_kind: Option<String>,
     pub locality: Option<String>,
+    /// vLLM 0.34: per block, the tokens after it that its hash also covers (empty when the
+    /// engine hashes without lookahead). Either empty or one entry per block.
+    pub lookahead_token_ids: Vec<Vec<u32>>,
 }
 
 /// `BlockRemoved`.
@@ -230,6 +237,8 @@ const VLLM_STORED: &[&str] = &[
     "locality",
     "ownership",
     "session_id",
+    // vLLM 0.34.
+    "lookahead_token_ids",
 ];
 const SGLANG_STORED: &[&str] = &[
     "block_hashes",
@@ -366,6 +375,7 @@ struct Fields {
     locality: Option<String>,
     /// `extra_keys` entries kept raw until `lora_name` is known (it may come later in a map).
     raw_extra: Option<Vec<Option<Vec<ExtraKey>>>>,
+    lookahead: Option<Vec<Vec<u32>>>,
 }
 
 impl Fields {
@@ -405,6 +415,9 @@ impl Fields {
             (Tag::Stored, b"extra_keys") => {
                 self.raw_extra = r.extra_keys().map_err(shape("bad_extra_keys"))?;
             }
+            (Tag::Stored, b"lookahead_token_ids") => {
+                self.lookahead = r.token_lists().map_err(shape("bad_lookahead_token_ids"))?;
+            }
             (Tag::Stored | Tag::Removed, b"medium") => {
                 self.medium = r.str_or_nil().map_err(shape("bad_medium"))?
             }
@@ -434,6 +447,10 @@ impl Fields {
                 let block_hashes = self
                     .block_hashes
                     .ok_or(EventError::Shape("missing_block_hashes"))?;
+                let lookahead = self.lookahead.take().unwrap_or_default();
+                if !lookahead.is_empty() && lookahead.len() != block_hashes.len() {
+                    return Err(EventError::Shape("lookahead_length"));
+                }
                 if let Some(raw) = self.raw_extra.take() {
                     if !raw.is_empty() && raw.len() != block_hashes.len() {
                         return Err(EventError::Shape("extra_keys_length"));
@@ -473,6 +490,7 @@ impl Fields {
                     group_idx: self.group_idx,
                     kv_cache_spec_kind: self.kv_cache_spec_kind,
                     locality: self.locality,
+                    lookahead_token_ids: lookahead,
                 }))
             }
         }

@@ -46,6 +46,10 @@ pub enum DecodeError {
 }
 
 impl DecodeError {
+    /// Every [`DecodeError::reason`].
+    pub const REASONS: [&'static str; 4] =
+        ["empty", "too_large", "malformed", "unsupported_version"];
+
     /// A short, stable label (`empty`, `too_large`, `malformed`, `unsupported_version`).
     pub fn reason(&self) -> &'static str {
         match self {

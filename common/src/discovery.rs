@@ -91,18 +91,20 @@ impl BadCard {
 /// The metric every router and indexer keeps of skipped cards.
 pub const BAD_CARDS_METRIC: &str = "kvroute_discovery_bad_cards_total";
 
-/// Registers [`BAD_CARDS_METRIC`] (`{reason}`) on `r`, every reason present at 0 from the start:
-/// the one registration routers and indexers share.
+/// [`BAD_CARDS_METRIC`]'s label and its values.
+pub const BAD_CARDS: crate::ops::OneOf = crate::ops::OneOf {
+    family: BAD_CARDS_METRIC,
+    label: "reason",
+    values: || BadCard::ALL.map(BadCard::label).to_vec(),
+};
+
+/// Registers [`BAD_CARDS`] on `r`, every reason present at 0 from the start: the one
+/// registration routers and indexers share.
 pub fn bad_cards_metric(r: &crate::ops::Registry) -> std::sync::Arc<crate::ops::CounterVec> {
-    let bad = r.counter_vec(
-        BAD_CARDS_METRIC,
+    r.counter_one_of(
+        BAD_CARDS,
         "Worker cards in etcd skipped (undecodable or invalid), by reason.",
-        "reason",
-    );
-    for reason in BadCard::ALL {
-        bad.add(reason.label(), 0);
-    }
-    bad
+    )
 }
 
 /// Starts watching; events arrive on the returned channel until it is dropped.
@@ -316,6 +318,7 @@ mod tests {
             request_subject: names.worker_requests(worker_id),
             software_version: String::new(),
             http_url: None,
+            kv_events: true,
         }
     }
 

@@ -1,5 +1,7 @@
-//! Logging setup for binaries: `RUST_LOG` filters (default `info`), `--log-format text|json`,
-//! colour only on a terminal and never with `NO_COLOR` set.
+//! Logging setup for binaries: `RUST_LOG` filters (services default to `info`, one-shot tools
+//! such as the replay and the simulator to `warn`: their results go to stdout; async-nats's own
+//! connection lines are left out, kvroute logs connection events itself), `--log-format
+//! text|json`, colour only on a terminal and never with `NO_COLOR` set.
 
 use std::io::IsTerminal as _;
 
@@ -19,11 +21,27 @@ pub struct TelemetryArgs {
     pub log_format: LogFormat,
 }
 
-/// Installs the global subscriber. Called once, from `main`. Logs go to stderr; like
-/// `RUST_LOG`, `NO_COLOR` is read here, at the binary's edge.
+/// The default filter of services (without `RUST_LOG`).
+pub const SERVICE_FILTER: &str = "info,async_nats=warn";
+/// The default filter of one-shot tools, which print their results on stdout.
+pub const TOOL_FILTER: &str = "warn";
+
+/// Installs the global subscriber of a service ([`SERVICE_FILTER`] without `RUST_LOG`).
 pub fn init(args: &TelemetryArgs) {
+    init_with(args, SERVICE_FILTER);
+}
+
+/// Installs the global subscriber of a one-shot tool ([`TOOL_FILTER`] without `RUST_LOG`).
+pub fn init_tool(args: &TelemetryArgs) {
+    init_with(args, TOOL_FILTER);
+}
+
+/// Installs the global subscriber, filtering by `RUST_LOG`, else by `default_filter`. Called
+/// once, from `main`. Logs go to stderr; like `RUST_LOG`, `NO_COLOR` is read here, at the
+/// binary's edge.
+pub fn init_with(args: &TelemetryArgs, default_filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     let ansi = colour(
         std::io::stderr().is_terminal(),
         std::env::var_os("NO_COLOR").as_deref(),

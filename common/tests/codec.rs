@@ -61,6 +61,7 @@ fn card() -> WorkerCard {
         request_subject: "kvroute.default.worker.3.generate".into(),
         software_version: "0.1.0".into(),
         http_url: None,
+        kv_events: true,
     }
 }
 
@@ -276,6 +277,10 @@ fn every_message_round_trips() {
         http_url: Some("http://10.0.0.7:8000".into()),
         ..card()
     });
+    round_trip(WorkerCard {
+        kv_events: false,
+        ..card()
+    });
     round_trip(load());
     round_trip(select_request());
     round_trip(select_reply());
@@ -323,6 +328,32 @@ fn a_card_without_an_http_url_does_not_carry_the_field() {
         ..card()
     };
     assert!(keys(&with).iter().any(|k| k == "http_url"));
+}
+
+/// A worker that publishes KV events (every card before the field existed) writes no
+/// `kv_events`, and a card without it reads as publishing them; only `false` is written.
+#[test]
+fn kv_events_defaults_to_true_and_is_written_only_when_false() {
+    let bytes = encode(&card()).unwrap();
+    let Value::Map(map) = rmpv::decode::read_value(&mut &bytes[..]).unwrap() else {
+        panic!("a map");
+    };
+    assert!(!map.iter().any(|(k, _)| k.as_str() == Some("kv_events")));
+    let old: WorkerCard = decode(&bytes).unwrap();
+    assert!(old.kv_events);
+    let without = WorkerCard {
+        kv_events: false,
+        ..card()
+    };
+    let bytes = encode(&without).unwrap();
+    let Value::Map(map) = rmpv::decode::read_value(&mut &bytes[..]).unwrap() else {
+        panic!("a map");
+    };
+    assert!(
+        map.iter()
+            .any(|(k, v)| k.as_str() == Some("kv_events") && v.as_bool() == Some(false))
+    );
+    assert!(!decode::<WorkerCard>(&bytes).unwrap().kv_events);
 }
 
 /// Re-encodes `msg` as a generic map, lets `edit` change it, and returns the bytes.

@@ -4,7 +4,8 @@ conversations of T turns, each turn sending the whole chat so far (the assistant
 answers and a new user message), streamed. The conversations take their turns together, round
 by round, so each round's requests compete for the workers. The gateway's answer headers say
 where each turn went (`x-kvroute-worker-id`) and how many of its prompt's blocks that worker
-already held (`x-kvroute-overlap-blocks`); the client measures the time to the first token.
+already held (`x-kvroute-overlap-blocks`); the engine's usage, where it reports them, the prompt
+tokens it found cached; the client measures the time to the first token.
 
     python3 examples/python/gateway_conversations.py --base-url http://127.0.0.1:8080/v1 --model chat-demo
 
@@ -30,11 +31,14 @@ def turn(client, model, messages, max_tokens):
         stream_options={"include_usage": True})
     out = {"worker": int(raw.headers["x-kvroute-worker-id"]),
            "overlap_blocks": int(raw.headers["x-kvroute-overlap-blocks"]),
-           "ttft_s": None, "prompt_tokens": None}
+           "ttft_s": None, "prompt_tokens": None, "cached_tokens": None}
     text = ""
     for chunk in raw.parse():
         if chunk.usage is not None:
             out["prompt_tokens"] = chunk.usage.prompt_tokens
+            details = chunk.usage.prompt_tokens_details
+            if details is not None and details.cached_tokens is not None:
+                out["cached_tokens"] = details.cached_tokens
         for choice in chunk.choices:
             if choice.delta.content:
                 if out["ttft_s"] is None:
@@ -93,9 +97,13 @@ def main():
         print(json.dumps(summary))
         return 0
     for c, conv in enumerate(turns):
-        steps = " → ".join(f"w{x['worker']} ({x['overlap_blocks']})" for x in conv)
+        steps = " → ".join(
+            f"w{x['worker']} ({x['overlap_blocks']}"
+            + ("" if x["cached_tokens"] is None else f", {x['cached_tokens']} cached")
+            + ")" for x in conv)
         print(f"  conversation {c + 1}: {steps}")
-    print("  (each turn: the worker, and in brackets the prompt blocks it already held)")
+    print("  (each turn: the worker, and in brackets the prompt blocks it already held as the"
+          " router saw them, then the prompt tokens the engine itself reported cached)")
     ms = lambda v: "-" if v is None else f"{v:.1f} ms"
     print(f"  {stayed}/{len(later)} later turns stayed on their conversation's worker; "
           f"TTFT (client side) p50 {ms(summary['ttft_p50_ms'])}, p90 {ms(summary['ttft_p90_ms'])}")

@@ -289,8 +289,11 @@ async def select(args, tokens):
 def main():
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
-    p.add_argument("--namespace", default="default", help="the routers' --namespace")
+    # The same variables kvroute's processes fall back to for these flags.
+    p.add_argument("--nats-url", default=os.environ.get("KVROUTE_NATS_URL") or "nats://127.0.0.1:4222",
+                   help="NATS server (default: $KVROUTE_NATS_URL, else nats://127.0.0.1:4222)")
+    p.add_argument("--namespace", default=os.environ.get("KVROUTE_NAMESPACE") or "default",
+                   help="the routers' --namespace (default: $KVROUTE_NAMESPACE, else default)")
     p.add_argument("--model", default="mock-model",
                    help="a model the workers serve (kvroute-mocker's default: mock-model)")
     p.add_argument("--count", type=int, default=1, help="selections to make, one after another")

@@ -1,7 +1,5 @@
 #![no_main]
 //! The bridge's decoder of vLLM's ZeroMQ KV-event payloads (MessagePack batches): a typed WireError, or a batch whose every event is well-formed (extra keys empty or one per block); the bridge's frame checks never panic.
+//! The check is `kvroute_fuzz::engine_vllm`.
 
-use kvroute_bridge::EngineKind;
-use libfuzzer_sys::fuzz_target;
-
-fuzz_target!(|data: &[u8]| kvroute_fuzz::check_engine_batch(EngineKind::Vllm, data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kvroute_fuzz::engine_vllm(data));

@@ -11,11 +11,16 @@ use crate::lifecycle::Lifecycle;
 use crate::metrics::Metrics;
 use crate::models::Models;
 use crate::reservations::Reservations;
+use crate::tokenize_gate::TokenizeGate;
 
 /// Settings the handlers read.
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub max_body_bytes: usize,
+    /// For the whole request body, once the head arrived.
+    pub body_read_timeout: Duration,
+    /// The request line and headers, in bytes (beyond: 431).
+    pub max_header_bytes: usize,
     pub max_prompt_tokens: usize,
     /// For the worker's response headers.
     pub response_timeout: Duration,
@@ -41,9 +46,19 @@ pub struct App {
     /// `None`: no authentication.
     pub api_keys: Option<HashSet<String>>,
     pub nats: async_nats::Client,
+    pub tokenize_gate: TokenizeGate,
 }
 
 impl App {
+    /// The longest prompt accepted for `model`: `--max-prompt-tokens`, or less when the model's
+    /// folder declares a shorter context.
+    pub fn prompt_limit(&self, model: &str) -> usize {
+        let ceiling = self.settings.max_prompt_tokens;
+        self.models
+            .context_length(model)
+            .map_or(ceiling, |n| n.min(ceiling))
+    }
+
     /// Whether the gateway can route: NATS connected and the worker cards read.
     pub fn ready(&self) -> Result<(), &'static str> {
         if self.nats.connection_state() != async_nats::connection::State::Connected {

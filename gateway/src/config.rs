@@ -15,6 +15,7 @@ pub const MAX_RESERVATIONS_LIMIT: usize = 1_000_000;
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
     name = "kvroute-gateway",
+    version,
     about = "kvroute's HTTP front door: the OpenAI API (completions, chat, models) routed to the \
              worker holding the prompt's prefix, and an HTTP selection API for other gateways"
 )]
@@ -59,6 +60,63 @@ pub struct GatewayArgs {
         default_value_t = 131_072
     )]
     pub max_prompt_tokens: usize,
+    /// Prompts tokenized at once (default: the machine's cores). Text prompts beyond wait in
+    /// the queue.
+    #[arg(long, env = "KVROUTE_GATEWAY_MAX_CONCURRENT_TOKENIZATIONS")]
+    pub max_concurrent_tokenizations: Option<usize>,
+    /// Text prompts that may wait for a tokenizing turn; beyond, 503 `tokenizer_busy` with
+    /// `Retry-After`.
+    #[arg(long, env = "KVROUTE_GATEWAY_TOKENIZE_QUEUE", default_value_t = 64)]
+    pub tokenize_queue: usize,
+    /// Client connections open at once. Past it a new connection closes the oldest one that has
+    /// no request in flight; when every connection is busy, a reserve of 16 more answers only
+    /// /health, /healthz, /readyz and /metrics, and beyond that new connections are closed. The
+    /// process's file limit must allow about twice this (a connection to an engine per request).
+    #[arg(long, env = "KVROUTE_GATEWAY_MAX_CONNECTIONS", default_value_t = 4096)]
+    pub max_connections: usize,
+    /// Milliseconds a client has to send a request's line and headers, counted from its first
+    /// byte (or from the connection's start for its first request); past it the connection closes.
+    #[arg(
+        long,
+        env = "KVROUTE_GATEWAY_HEADER_READ_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    pub header_read_timeout_ms: u64,
+    /// Milliseconds a client has to send a request's whole body once its headers arrived
+    /// (beyond: 408).
+    #[arg(
+        long,
+        env = "KVROUTE_GATEWAY_BODY_READ_TIMEOUT_MS",
+        default_value_t = 30_000
+    )]
+    pub body_read_timeout_ms: u64,
+    /// Milliseconds a kept-alive connection may stay without a request before it is closed.
+    #[arg(
+        long,
+        env = "KVROUTE_GATEWAY_IDLE_TIMEOUT_MS",
+        default_value_t = 60_000
+    )]
+    pub idle_timeout_ms: u64,
+    /// Milliseconds a client may leave its answer unread (the socket takes no byte of it)
+    /// before its connection is closed (and its request's engine connection with it).
+    #[arg(
+        long,
+        env = "KVROUTE_GATEWAY_WRITE_TIMEOUT_MS",
+        default_value_t = 60_000
+    )]
+    pub write_timeout_ms: u64,
+    /// The largest request line plus headers, in bytes (beyond: 431). Heads above about 400 KB
+    /// are refused by the HTTP layer itself (431 without a body).
+    #[arg(long, env = "KVROUTE_GATEWAY_MAX_HEADER_BYTES", default_value_t = 32 * 1024)]
+    pub max_header_bytes: usize,
+    /// Milliseconds requests in flight may take to finish after SIGTERM before their
+    /// connections are closed (the lifecycle events' flush has 2 s more at most).
+    #[arg(
+        long,
+        env = "KVROUTE_GATEWAY_SHUTDOWN_TIMEOUT_MS",
+        default_value_t = 30_000
+    )]
+    pub shutdown_timeout_ms: u64,
     /// Milliseconds to connect to a worker's HTTP API before trying another worker.
     #[arg(
         long,
@@ -110,6 +168,15 @@ pub struct GatewayArgs {
     pub no_access_log: bool,
 }
 
+/// The most client connections accepted by `--max-connections`.
+pub const MAX_CONNECTIONS_LIMIT: usize = 1_000_000;
+/// The largest `--max-header-bytes`: below what the HTTP layer itself buffers (about 400 KB),
+/// so that every refusal of a head this size is the gateway's JSON 431.
+pub const MAX_HEADER_BYTES_LIMIT: usize = 256 * 1024;
+
+/// The longest tokenize queue accepted.
+pub const MAX_QUEUE: usize = 100_000;
+
 /// One configured model: its name and folder.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelSpec {
@@ -140,6 +207,41 @@ impl GatewayArgs {
         }
         if self.max_prompt_tokens == 0 {
             return Err(ConfigError::new("max-prompt-tokens", "must be positive"));
+        }
+        if self.max_concurrent_tokenizations == Some(0) {
+            return Err(ConfigError::new(
+                "max-concurrent-tokenizations",
+                "must be positive",
+            ));
+        }
+        if self.tokenize_queue > MAX_QUEUE {
+            return Err(ConfigError::new(
+                "tokenize-queue",
+                format!("must be at most {MAX_QUEUE}"),
+            ));
+        }
+        if self.max_connections == 0 || self.max_connections > MAX_CONNECTIONS_LIMIT {
+            return Err(ConfigError::new(
+                "max-connections",
+                format!("must be in 1..={MAX_CONNECTIONS_LIMIT}"),
+            ));
+        }
+        for (field, value) in [
+            ("header-read-timeout-ms", self.header_read_timeout_ms),
+            ("body-read-timeout-ms", self.body_read_timeout_ms),
+            ("idle-timeout-ms", self.idle_timeout_ms),
+            ("write-timeout-ms", self.write_timeout_ms),
+            ("shutdown-timeout-ms", self.shutdown_timeout_ms),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::new(field, "must be positive"));
+            }
+        }
+        if !(1024..=MAX_HEADER_BYTES_LIMIT).contains(&self.max_header_bytes) {
+            return Err(ConfigError::new(
+                "max-header-bytes",
+                format!("must be in 1024..={MAX_HEADER_BYTES_LIMIT}"),
+            ));
         }
         if self.connect_timeout_ms == 0 {
             return Err(ConfigError::new("connect-timeout-ms", "must be positive"));
@@ -194,6 +296,22 @@ impl GatewayArgs {
             });
         }
         Ok(specs)
+    }
+
+    /// `--max-concurrent-tokenizations`, else the machine's cores.
+    pub fn concurrent_tokenizations(&self) -> usize {
+        self.max_concurrent_tokenizations.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        })
+    }
+
+    pub fn serve_limits(&self) -> crate::serve::Limits {
+        crate::serve::Limits {
+            max_connections: self.max_connections,
+            header_read_timeout: Duration::from_millis(self.header_read_timeout_ms),
+            idle_timeout: Duration::from_millis(self.idle_timeout_ms),
+            write_timeout: Duration::from_millis(self.write_timeout_ms),
+        }
     }
 
     pub fn connect_timeout(&self) -> Duration {
@@ -280,6 +398,15 @@ mod tests {
         for (flag, value) in [
             ("--max-body-bytes", "10"),
             ("--max-prompt-tokens", "0"),
+            ("--max-concurrent-tokenizations", "0"),
+            ("--tokenize-queue", "100001"),
+            ("--max-connections", "0"),
+            ("--header-read-timeout-ms", "0"),
+            ("--body-read-timeout-ms", "0"),
+            ("--idle-timeout-ms", "0"),
+            ("--write-timeout-ms", "0"),
+            ("--shutdown-timeout-ms", "0"),
+            ("--max-header-bytes", "100"),
             ("--connect-timeout-ms", "0"),
             ("--response-timeout-ms", "0"),
             ("--upstream-idle-timeout-ms", "0"),

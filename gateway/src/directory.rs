@@ -161,6 +161,7 @@ mod tests {
             request_subject: "r".into(),
             software_version: String::new(),
             http_url: url.map(str::to_owned),
+            kv_events: true,
         }
     }
 

@@ -90,6 +90,24 @@ impl ApiError {
         )
     }
 
+    /// 415: the body is not JSON.
+    pub fn unsupported_media_type(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            "unsupported_media_type",
+            message.into(),
+        )
+    }
+
+    /// 400 naming a request header that is invalid.
+    pub fn invalid_header(name: &str, message: impl std::fmt::Display) -> Self {
+        Self {
+            code: "invalid_header",
+            ..Self::invalid(format!("header {name}: {message}"))
+        }
+    }
+
     /// 503 with `Retry-After`: nothing can take the request now.
     pub fn unavailable(code: &'static str, message: impl Into<String>, retry_after: u64) -> Self {
         Self {

@@ -41,7 +41,65 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(app.clone(), check_head))
         .with_state(app)
+}
+
+/// The routes of a connection past `--max-connections` (every other connection busy): health
+/// and metrics answer, anything else is a 503 (the connection closes after one request).
+pub fn health_router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/health", get(readyz))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .fallback(too_many_connections)
+        .with_state(app)
+}
+
+async fn too_many_connections(State(app): State<Arc<App>>) -> Response {
+    ApiError::unavailable(
+        "too_many_connections",
+        "the gateway has as many connections as it takes (--max-connections), all busy; retry shortly",
+        app.settings.retry_after_secs,
+    )
+    .into_response()
+}
+
+/// Header lines accepted (beyond: 431).
+const MAX_HEADERS: usize = 100;
+
+/// A request line and headers within `--max-header-bytes` and [`MAX_HEADERS`] lines, else a
+/// 431 in OpenAI's JSON (the HTTP layer refuses far larger heads itself, without a body).
+async fn check_head(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
+    let limit = app.settings.max_header_bytes;
+    let line = request.method().as_str().len()
+        + request
+            .uri()
+            .path_and_query()
+            .map_or(1, |p| p.as_str().len())
+        + 11; // " " + " HTTP/1.1\r\n"
+    let headers: usize = request
+        .headers()
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum();
+    let count = request.headers().len();
+    if line + headers <= limit && count <= MAX_HEADERS {
+        return next.run(request).await;
+    }
+    let endpoint = endpoint_label(request.uri().path());
+    app.metrics.requests.inc([endpoint, "unknown", "431"]);
+    ApiError {
+        status: StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+        code: "request_header_fields_too_large",
+        ..ApiError::invalid(format!(
+            "the request line and headers take {} bytes in {count} lines; this gateway takes at \
+             most {limit} bytes (--max-header-bytes) in {MAX_HEADERS} lines",
+            line + headers
+        ))
+    }
+    .into_response()
 }
 
 /// `Authorization: Bearer <key>` with one of the configured keys (compared in constant time).
@@ -95,8 +153,32 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// The body, up to the limit (413 beyond, OpenAI-shaped).
+/// A JSON endpoint's content type: absent (taken as JSON, as the engines do) or JSON
+/// (`application/json`, `application/<x>+json`, any parameters); anything else is a 415.
+fn check_json_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(value) = headers.get(header::CONTENT_TYPE) else {
+        return Ok(());
+    };
+    let essence = value
+        .to_str()
+        .ok()
+        .and_then(|v| v.split(';').next())
+        .map(|v| v.trim().to_ascii_lowercase());
+    let json = essence.as_deref().is_some_and(|e| {
+        e == "application/json" || (e.starts_with("application/") && e.ends_with("+json"))
+    });
+    if json {
+        return Ok(());
+    }
+    Err(ApiError::unsupported_media_type(format!(
+        "the body must be JSON: send `Content-Type: application/json`, not {:?}",
+        String::from_utf8_lossy(value.as_bytes())
+    )))
+}
+
+/// The body of a JSON endpoint, up to the limit (413 beyond, 415 if not JSON, OpenAI-shaped).
 async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    check_json_content_type(headers)?;
     let limit = app.settings.max_body_bytes;
     let too_large = || {
         ApiError::too_large(format!(
@@ -110,7 +192,18 @@ async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, 
     if declared.is_some_and(|n| n > limit) {
         return Err(too_large());
     }
-    to_bytes(body, limit).await.map_err(|e| {
+    let timeout = app.settings.body_read_timeout;
+    let Ok(read) = tokio::time::timeout(timeout, to_bytes(body, limit)).await else {
+        return Err(ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            code: "request_timeout",
+            ..ApiError::invalid(format!(
+                "the request body did not arrive within {} ms (--body-read-timeout-ms)",
+                timeout.as_millis()
+            ))
+        });
+    };
+    read.map_err(|e| {
         let text = proxy::error_chain(&e);
         if text.contains("length limit") {
             too_large()

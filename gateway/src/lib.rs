@@ -6,10 +6,11 @@
 //! request's lifecycle so every router's load view follows it. Gateways that forward requests
 //! themselves use the selection API (`/v1/select`, reservations) instead.
 //!
-//! Code map: `config` (flags), `run` (the process), `http` (routes, auth, limits), `openai`
+//! Code map: `config` (flags), `run` (the process), `serve` (connections and their limits; `serve/socket.rs` their timeouts), `http` (routes,
+//! auth, limits), `openai`
 //! (reading requests), `models` (tokenizing), `proxy` (select → forward → retry), `relay` (a
 //! request in flight: streaming, lifecycle, metrics, access log), `select_api` and
-//! `reservations` (the selection API), `directory` (workers from etcd), `lifecycle`, `metrics`,
+//! `reservations` (the selection API), `directory` (workers from etcd), `tokenize_gate`, `lifecycle`, `metrics`,
 //! `error` (OpenAI error shapes), `request_id`.
 
 pub mod app;
@@ -27,5 +28,7 @@ pub mod request_id;
 pub mod reservations;
 pub mod run;
 pub mod select_api;
+pub mod serve;
+pub mod tokenize_gate;
 
 pub use config::GatewayArgs;

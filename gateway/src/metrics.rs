@@ -138,6 +138,14 @@ pub struct Metrics {
     /// (outcome): `released`, `expired`, `released_elsewhere`.
     pub reservations_ended: CounterVec<1>,
     pub lifecycle_publish_errors: AtomicU64,
+    /// Requests refused because the tokenize gate was full.
+    pub tokenize_refused: AtomicU64,
+    /// (model): answers whose engine counted other prompt tokens than the gateway (tokenizers
+    /// that differ: routing then sees none of the engine's cache).
+    pub prompt_token_mismatches: CounterVec<1>,
+    /// A mismatch was logged at warn (once per process; later ones at debug).
+    pub mismatch_warned: std::sync::atomic::AtomicBool,
+    pub connections: crate::serve::ConnectionStats,
 }
 
 impl Metrics {
@@ -191,6 +199,12 @@ impl Metrics {
             "Forwarded requests that failed, by reason.",
             ["reason"],
         );
+        self.prompt_token_mismatches.render(
+            &mut out,
+            "kvroute_gateway_prompt_token_mismatches_total",
+            "Answers whose engine reported other usage.prompt_tokens than the gateway tokenized: the engine tokenizes differently (check the model folder given to --model), so routing cannot see its cache.",
+            ["model"],
+        );
         self.reservations_ended.render(
             &mut out,
             "kvroute_gateway_reservations_ended_total",
@@ -213,18 +227,51 @@ impl Metrics {
                 "Reservations this replica holds.",
                 self.reservations_held.load(Ordering::Relaxed),
             ),
+            (
+                "kvroute_gateway_connections",
+                "Client connections open.",
+                self.connections.open.load(Ordering::Relaxed) as i64,
+            ),
         ] {
             let _ = writeln!(
                 out,
                 "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
             );
         }
-        let name = "kvroute_gateway_lifecycle_publish_errors_total";
+        for (name, help, value) in [
+            (
+                "kvroute_gateway_lifecycle_publish_errors_total",
+                "Lifecycle events that could not be published.",
+                &self.lifecycle_publish_errors,
+            ),
+            (
+                "kvroute_gateway_tokenize_refused_total",
+                "Requests refused (503 tokenizer_busy) because every tokenizing turn and queue place was taken.",
+                &self.tokenize_refused,
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                value.load(Ordering::Relaxed)
+            );
+        }
+        let name = "kvroute_gateway_connections_closed_total";
         let _ = writeln!(
             out,
-            "# HELP {name} Lifecycle events that could not be published.\n# TYPE {name} counter\n{name} {}",
-            self.lifecycle_publish_errors.load(Ordering::Relaxed)
+            "# HELP {name} Client connections the gateway closed to protect itself, by reason.\n# TYPE {name} counter"
         );
+        for (reason, value) in [
+            ("evicted", &self.connections.evicted),
+            ("refused", &self.connections.refused),
+            ("timeout", &self.connections.timed_out),
+        ] {
+            let _ = writeln!(
+                out,
+                "{name}{{reason=\"{reason}\"}} {}",
+                value.load(Ordering::Relaxed)
+            );
+        }
         out
     }
 }

@@ -18,10 +18,11 @@ use crate::openai::{Api, Parsed, Prompt};
 /// Prompts longer than this (in bytes) are tokenized on a blocking thread, not on the runtime.
 pub const INLINE_TOKENIZE_BYTES: usize = 2048;
 
-/// Tokenizers by model name.
+/// Tokenizers by model name, and the context length each model's folder declares.
 #[derive(Debug, Clone, Default)]
 pub struct Models {
     by_name: HashMap<String, Arc<ModelText>>,
+    context: HashMap<String, usize>,
 }
 
 impl Models {
@@ -29,19 +30,32 @@ impl Models {
     /// stops startup with a message naming it.
     pub fn load(specs: &[ModelSpec], dir: Option<&Path>) -> Result<Self, ConfigError> {
         let mut by_name = HashMap::new();
+        let mut context = HashMap::new();
         if let Some(dir) = dir {
             let found = kvroute_text::load_dir(dir)
                 .map_err(|e| ConfigError::new("models-dir", e.to_string()))?;
             for m in found {
+                if let Some(n) = context_length(&dir.join(m.name())) {
+                    context.insert(m.name().to_owned(), n);
+                }
                 by_name.insert(m.name().to_owned(), Arc::new(m));
             }
         }
         for spec in specs {
             let m = ModelText::load(&spec.name, &spec.dir)
                 .map_err(|e| ConfigError::new("model", e.to_string()))?;
+            match context_length(&spec.dir) {
+                Some(n) => context.insert(spec.name.clone(), n),
+                None => context.remove(&spec.name),
+            };
             by_name.insert(spec.name.clone(), Arc::new(m));
         }
-        Ok(Self { by_name })
+        Ok(Self { by_name, context })
+    }
+
+    /// The context length the model's folder declares, if any.
+    pub fn context_length(&self, name: &str) -> Option<usize> {
+        self.context.get(name).copied()
     }
 
     pub fn from_models(models: impl IntoIterator<Item = ModelText>) -> Self {
@@ -50,6 +64,7 @@ impl Models {
                 .into_iter()
                 .map(|m| (m.name().to_owned(), Arc::new(m)))
                 .collect(),
+            context: HashMap::new(),
         }
     }
 
@@ -62,9 +77,105 @@ impl Models {
     }
 }
 
+/// The context length a model folder declares. `config.json`, read as vLLM derives its
+/// `max_model_len`: `max_position_embeddings` (or another of its length keys, the smallest),
+/// times `rope_scaling.factor` when the model is served with linear, dynamic or YaRN scaling
+/// (YaRN from `original_max_position_embeddings`). Without a `config.json` (a folder of
+/// tokenizer files only), `tokenizer_config.json`'s `model_max_length` (transformers' 1e30 for
+/// "unlimited" ignored). Unreadable files declare nothing.
+pub fn context_length(dir: &Path) -> Option<usize> {
+    let read = |file: &str| -> Option<Value> {
+        let bytes = std::fs::read(dir.join(file)).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    };
+    match read("config.json") {
+        Some(config) => config_context_length(&config),
+        None => positive(read("tokenizer_config.json")?.get("model_max_length")?),
+    }
+}
+
+/// A length field: a positive integer below 2^40 (larger ones mean "unlimited").
+fn positive(v: &Value) -> Option<usize> {
+    let n = v.as_u64()?;
+    (n > 0 && n < 1 << 40).then_some(n as usize)
+}
+
+/// vLLM's `max_model_len` from a model's `config.json` (`_get_and_verify_max_len`).
+fn config_context_length(config: &Value) -> Option<usize> {
+    // A multimodal model's language part may sit under `text_config`.
+    let config = config.get("text_config").unwrap_or(config);
+    let keys = [
+        "max_position_embeddings",
+        "n_positions",
+        "max_seq_len",
+        "seq_length",
+        "model_max_length",
+        "max_sequence_length",
+        "max_seq_length",
+        "seq_len",
+    ];
+    let mut length = keys
+        .iter()
+        .filter_map(|k| config.get(*k).and_then(positive))
+        .min()?;
+    if let Some(rope) = config.get("rope_scaling").filter(|r| r.is_object()) {
+        let kind = rope
+            .get("rope_type")
+            .or_else(|| rope.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let factor = rope.get("factor").and_then(Value::as_f64).unwrap_or(1.0);
+        if !matches!(kind, "su" | "longrope" | "llama3" | "mrope" | "default") && factor > 1.0 {
+            if kind == "yarn"
+                && let Some(original) = rope
+                    .get("original_max_position_embeddings")
+                    .and_then(positive)
+            {
+                length = original;
+            }
+            length = (length as f64 * factor) as usize;
+        }
+    }
+    Some(length)
+}
+
+/// The prompt is over `limit` tokens: a 400 naming the prompt's field. `at_least`: the count
+/// is a lower bound from the text's size (it was not tokenized).
+pub fn too_long(api: Api, tokens: usize, at_least: bool, limit: usize) -> ApiError {
+    ApiError {
+        code: "context_length_exceeded",
+        ..ApiError::invalid_param(
+            api.prompt_field(),
+            format!(
+                "the prompt has {}{tokens} tokens, more than the limit of {limit} for this model",
+                if at_least { "at least " } else { "" }
+            ),
+        )
+    }
+}
+
+/// Refuses, without tokenizing, a completions text whose size alone proves it longer than
+/// `limit` tokens (a chat is checked once rendered, in [`prompt_tokens`]).
+pub fn precheck(model: Option<&ModelText>, parsed: &Parsed, limit: usize) -> Result<(), ApiError> {
+    if let (Some(model), Api::Completions, Some(Prompt::Text(text))) =
+        (model, parsed.api, parsed.prompts.first())
+    {
+        let least = model.min_tokens(text.len());
+        if least > limit {
+            return Err(too_long(parsed.api, least, true, limit));
+        }
+    }
+    Ok(())
+}
+
 /// The token ids kvroute routes `parsed` on (a batch of completions prompts routes on its
 /// first). Text needs the model's tokenizer: without one the answer names the flag to add.
-pub fn prompt_tokens(model: Option<&ModelText>, parsed: &Parsed) -> Result<Vec<u32>, ApiError> {
+/// A text (or rendered chat) whose size alone proves it over `limit` is refused unencoded.
+pub fn prompt_tokens(
+    model: Option<&ModelText>,
+    parsed: &Parsed,
+    limit: usize,
+) -> Result<Vec<u32>, ApiError> {
     let no_tokenizer = || {
         ApiError::invalid_param(
             "model",
@@ -78,10 +189,11 @@ pub fn prompt_tokens(model: Option<&ModelText>, parsed: &Parsed) -> Result<Vec<u
     match parsed.api {
         Api::Completions => match parsed.prompts.first() {
             Some(Prompt::Tokens(ids)) => Ok(ids.clone()),
-            Some(Prompt::Text(text)) => model
-                .ok_or_else(no_tokenizer)?
-                .encode(text, true)
-                .map_err(text_error),
+            Some(Prompt::Text(text)) => {
+                let model = model.ok_or_else(no_tokenizer)?;
+                precheck(Some(model), parsed, limit)?;
+                model.encode(text, true).map_err(text_error)
+            }
             None => Err(ApiError::invalid_param("prompt", "`prompt` is required")),
         },
         Api::Chat => {
@@ -114,7 +226,12 @@ pub fn prompt_tokens(model: Option<&ModelText>, parsed: &Parsed) -> Result<Vec<u
                 continue_final_message: flag("continue_final_message", false)?,
                 template_kwargs,
             };
-            model.chat_tokens(&chat).map_err(text_error)
+            let text = model.render_chat(&chat).map_err(text_error)?;
+            let least = model.min_tokens(text.len());
+            if least > limit {
+                return Err(too_long(parsed.api, least, true, limit));
+            }
+            model.encode(&text, false).map_err(text_error)
         }
     }
 }
@@ -145,5 +262,50 @@ fn text_error(e: TextError) -> ApiError {
             "this model has no chat template (tokenizer_config.json has no chat_template): use /v1/completions",
         ),
         other => ApiError::invalid(other.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod context_tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn config_json_is_read_as_vllm_derives_max_model_len() {
+        let len = |v: Value| config_context_length(&v);
+        assert_eq!(len(json!({"max_position_embeddings": 32768})), Some(32768));
+        assert_eq!(
+            len(json!({"max_position_embeddings": 4096, "seq_length": 2048})),
+            Some(2048)
+        );
+        let yarn = json!({"max_position_embeddings": 32768, "rope_scaling":
+            {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}});
+        assert_eq!(len(yarn), Some(131072));
+        let llama3 = json!({"max_position_embeddings": 131072, "rope_scaling":
+            {"rope_type": "llama3", "factor": 8.0}});
+        assert_eq!(
+            len(llama3),
+            Some(131072),
+            "llama3 scaling is already counted"
+        );
+        assert_eq!(len(json!({"hidden_size": 8})), None);
+    }
+
+    #[test]
+    fn without_config_json_the_tokenizer_config_says() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let write = |name: &str, v: Value| {
+            std::fs::write(dir.path().join(name), v.to_string()).expect("write");
+        };
+        write("tokenizer_config.json", json!({"model_max_length": 1e30}));
+        assert_eq!(context_length(dir.path()), None, "1e30 means unlimited");
+        write("tokenizer_config.json", json!({"model_max_length": 8192}));
+        assert_eq!(context_length(dir.path()), Some(8192));
+        write("config.json", json!({"max_position_embeddings": 32768}));
+        assert_eq!(
+            context_length(dir.path()),
+            Some(32768),
+            "config.json wins, as in vLLM"
+        );
     }
 }

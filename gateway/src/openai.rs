@@ -20,6 +20,8 @@ pub const POLICY: &str = "x-kvroute-policy";
 pub const EXTENSION: &str = "kvroute";
 /// The longest session id a router accepts.
 const MAX_SESSION_ID: usize = 256;
+/// The longest value of a kvroute header (the session ids' limit).
+const MAX_HEADER_VALUE: usize = MAX_SESSION_ID;
 
 /// Which endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,7 +138,7 @@ impl Parsed {
         };
         let ext = Extension::parse(extension.as_ref())?;
         let session = session(headers, ext.session)?;
-        let policy = match header(headers, POLICY) {
+        let policy = match header(headers, POLICY)? {
             Some(p) => Some(p.to_owned()),
             None => ext.policy,
         };
@@ -350,12 +352,38 @@ impl Extension {
     }
 }
 
-fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
-    headers
-        .get(name)
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|v| !v.is_empty())
+/// A kvroute header's value, trimmed; absent or blank is `None`. A value that is not printable
+/// ASCII (a space to `~`), or longer than `max` bytes, is a 400 naming the header (a silently
+/// ignored session id would lose the session).
+fn header<'a>(headers: &'a HeaderMap, name: &str) -> Result<Option<&'a str>, ApiError> {
+    let mut values = headers.get_all(name).iter();
+    let Some(raw) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(ApiError::invalid_header(name, "is given more than once"));
+    }
+    let bytes = raw.as_bytes().trim_ascii();
+    if let Some(bad) = bytes.iter().find(|b| !(0x20..=0x7e).contains(*b)) {
+        return Err(ApiError::invalid_header(
+            name,
+            format!(
+                "must be printable ASCII (a space to `~`); byte 0x{bad:02x} is not (percent-encode \
+                 other characters, or give the session in the body's `kvroute.session`)"
+            ),
+        ));
+    }
+    if bytes.len() > MAX_HEADER_VALUE {
+        return Err(ApiError::invalid_header(
+            name,
+            format!(
+                "must be at most {MAX_HEADER_VALUE} bytes, got {}",
+                bytes.len()
+            ),
+        ));
+    }
+    let value = std::str::from_utf8(bytes).expect("printable ASCII is UTF-8");
+    Ok((!value.is_empty()).then_some(value))
 }
 
 /// The session from the headers, else from the body extension; checked like the router does.
@@ -363,12 +391,15 @@ fn session(
     headers: &HeaderMap,
     body: Option<SessionContext>,
 ) -> Result<Option<SessionContext>, ApiError> {
-    let from_headers = match header(headers, SESSION_ID) {
+    let from_headers = match header(headers, SESSION_ID)? {
         // The header session replaces the body's whole; its other headers mean nothing alone.
         None => {
+            for h in [SESSION_PARENT_ID, SESSION_FINAL] {
+                header(headers, h)?;
+            }
             if let Some(alone) = [SESSION_PARENT_ID, SESSION_FINAL]
                 .into_iter()
-                .find(|h| header(headers, h).is_some())
+                .find(|h| matches!(header(headers, h), Ok(Some(_))))
             {
                 return Err(ApiError::invalid(format!(
                     "header {alone} needs {SESSION_ID} (a session given in headers names its id)"
@@ -377,14 +408,14 @@ fn session(
             None
         }
         Some(id) => {
-            let is_final = match header(headers, SESSION_FINAL) {
+            let is_final = match header(headers, SESSION_FINAL)? {
                 None => false,
                 Some(v) => kvroute_common::cli::parse_bool(v)
                     .map_err(|e| ApiError::invalid(format!("header {SESSION_FINAL}: {e}")))?,
             };
             Some(SessionContext {
                 id: id.to_owned(),
-                parent_id: header(headers, SESSION_PARENT_ID).map(|p| p.to_owned()),
+                parent_id: header(headers, SESSION_PARENT_ID)?.map(|p| p.to_owned()),
                 is_final,
                 trigger: SessionTrigger::UserMessage,
             })

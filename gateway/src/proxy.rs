@@ -23,7 +23,7 @@ use crate::app::App;
 use crate::directory::Upstream;
 use crate::error::ApiError;
 use crate::lifecycle::Placement;
-use crate::models::{INLINE_TOKENIZE_BYTES, prompt_bytes, prompt_tokens};
+use crate::models::{INLINE_TOKENIZE_BYTES, precheck, prompt_bytes, prompt_tokens, too_long};
 use crate::openai::{Api, Parsed, Prompt};
 use crate::relay::{BodyError, InFlight, Outcome, read_whole, relay};
 use crate::request_id::{self, RequestIds};
@@ -87,19 +87,10 @@ async fn forward(
         return Err(no_worker(app, &parsed.model, serving.without_http));
     }
     outcome.model = parsed.model.clone();
-    let tokens = tokenize(app, &parsed).await?;
-    if tokens.len() > app.settings.max_prompt_tokens {
-        return Err(ApiError {
-            code: "context_length_exceeded",
-            ..ApiError::invalid_param(
-                api.prompt_field(),
-                format!(
-                    "the prompt has {} tokens, more than this gateway's limit of {}",
-                    tokens.len(),
-                    app.settings.max_prompt_tokens
-                ),
-            )
-        });
+    let tokens = tokenize(app, &parsed, api.label()).await?;
+    let limit = app.prompt_limit(&parsed.model);
+    if tokens.len() > limit {
+        return Err(too_long(api, tokens.len(), false, limit));
     }
     outcome.prompt_tokens = tokens.len();
     let forwarded = app.settings.forward_token_ids.then(|| tokens.clone());
@@ -244,22 +235,37 @@ fn no_worker(app: &App, model: &str, without_http: usize) -> ApiError {
     ApiError::model_not_found(model)
 }
 
-async fn tokenize(app: &Arc<App>, parsed: &Parsed) -> Result<Vec<u32>, ApiError> {
+/// The prompt's token ids: token ids as given; text refused unencoded when its size alone
+/// proves it over the limit, else tokenized in a turn of the tokenize gate (off the runtime
+/// when long).
+pub async fn tokenize(app: &Arc<App>, parsed: &Parsed, label: &str) -> Result<Vec<u32>, ApiError> {
+    let limit = app.prompt_limit(&parsed.model);
     let model = app.models.get(&parsed.model).cloned();
+    if let (Api::Completions, Some(Prompt::Tokens(ids))) = (parsed.api, parsed.prompts.first()) {
+        return Ok(ids.clone());
+    }
+    precheck(model.as_deref(), parsed, limit)?;
+    let _turn = app.tokenize_gate.enter().await.map_err(|_| {
+        app.metrics
+            .tokenize_refused
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        ApiError::unavailable(
+            "tokenizer_busy",
+            "this gateway is tokenizing as many prompts as it takes at once \
+             (--max-concurrent-tokenizations, --tokenize-queue); retry shortly",
+            app.settings.retry_after_secs,
+        )
+    })?;
     let at = Instant::now();
     let tokens = if prompt_bytes(parsed) <= INLINE_TOKENIZE_BYTES {
-        prompt_tokens(model.as_deref(), parsed)?
+        prompt_tokens(model.as_deref(), parsed, limit)?
     } else {
         let parsed = parsed.clone();
-        tokio::task::spawn_blocking(move || prompt_tokens(model.as_deref(), &parsed))
+        tokio::task::spawn_blocking(move || prompt_tokens(model.as_deref(), &parsed, limit))
             .await
             .map_err(|e| ApiError::internal(format!("tokenizing: {e}")))??
     };
-    if !matches!(parsed.prompts.first(), Some(Prompt::Tokens(_))) {
-        app.metrics
-            .tokenize
-            .observe(parsed.api.label(), at.elapsed());
-    }
+    app.metrics.tokenize.observe(label, at.elapsed());
     Ok(tokens)
 }
 

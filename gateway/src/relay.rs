@@ -97,7 +97,11 @@ pub struct InFlight {
     last: Option<Instant>,
     events: u64,
     usage_tokens: Option<u64>,
+    /// The engine's `usage.prompt_tokens`, when its answer had one.
+    engine_prompt_tokens: Option<u64>,
     saw_done: bool,
+    /// An event set `finish_reason`: the last token went out.
+    saw_finish: bool,
     /// `prefill_done` was published.
     prefill_done: bool,
     /// The stream's last line so far, not yet ended by a newline.
@@ -120,7 +124,9 @@ impl InFlight {
             last: None,
             events: 0,
             usage_tokens: None,
+            engine_prompt_tokens: None,
             saw_done: false,
+            saw_finish: false,
             prefill_done: false,
             partial: Vec::new(),
             ended: false,
@@ -164,11 +170,46 @@ impl InFlight {
 
     /// A whole (non-streamed) answer arrived.
     pub fn finish_whole(&mut self, body: &[u8]) {
-        self.outcome.output_tokens = serde_json::from_slice::<serde_json::Value>(body)
+        let usage = serde_json::from_slice::<serde_json::Value>(body)
             .ok()
-            .and_then(|v| v["usage"]["completion_tokens"].as_u64())
-            .unwrap_or(0);
+            .map(|v| Usage::of(&v))
+            .unwrap_or_default();
+        self.outcome.output_tokens = usage.completion.unwrap_or(0);
+        self.engine_prompt_tokens = usage.prompt;
         self.ended = true;
+    }
+
+    /// The engine counted other prompt tokens than the gateway sent it to the router with: the
+    /// two tokenize differently, and every prompt's overlap is then 0 while the engine reports
+    /// cached tokens. Counted per model, and logged (at warn the first time).
+    fn check_prompt_tokens(&self) {
+        let (Some(engine), gateway) = (self.engine_prompt_tokens, self.outcome.prompt_tokens)
+        else {
+            return;
+        };
+        if gateway == 0 || engine == gateway as u64 {
+            return;
+        }
+        let metrics = &self.app.metrics;
+        metrics
+            .prompt_token_mismatches
+            .inc([self.outcome.model.as_str()]);
+        if !metrics.mismatch_warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                model = self.outcome.model,
+                worker = self.outcome.worker,
+                gateway_prompt_tokens = gateway,
+                engine_prompt_tokens = engine,
+                "the engine counted other prompt tokens than the gateway: it tokenizes differently, so routing sees none of its cache; give the gateway the model folder the engine loads (kvroute_gateway_prompt_token_mismatches_total counts them)"
+            );
+        } else {
+            tracing::debug!(
+                model = self.outcome.model,
+                gateway_prompt_tokens = gateway,
+                engine_prompt_tokens = engine,
+                "prompt token mismatch"
+            );
+        }
     }
 
     /// The answer is over with nothing to report: a stream that ended with `[DONE]`, or an
@@ -198,8 +239,12 @@ impl InFlight {
         let sse = scan_lines(&mut self.partial, chunk);
         self.events += sse.data_events;
         self.saw_done |= sse.done;
+        self.saw_finish |= sse.finished;
         if let Some(n) = sse.completion_tokens {
             self.usage_tokens = Some(n);
+        }
+        if let Some(n) = sse.prompt_tokens {
+            self.engine_prompt_tokens = Some(n);
         }
     }
 
@@ -237,13 +282,16 @@ impl Drop for InFlight {
         if self.abandoned {
             return;
         }
-        if !self.ended && self.outcome.error.is_none() {
+        if !self.ended && self.outcome.error.is_none() && !self.saw_finish {
             // Dropped before the end: the client went away (axum dropped the body or the
-            // handler), which also drops the engine connection, so the engine aborts.
+            // handler), which also drops the engine connection, so the engine aborts. A
+            // client that leaves after the last token (before `[DONE]`) got its answer: a
+            // success.
             self.outcome.error = Some("client_gone");
             metrics.upstream_failures.inc(["client_gone"]);
         }
         self.outcome.output_tokens = output;
+        self.check_prompt_tokens();
         let ttft = self.first.map(|f| f - self.started);
         self.outcome.record(&self.app, self.started, ttft);
     }
@@ -260,6 +308,10 @@ struct SseScan {
     data_events: u64,
     done: bool,
     completion_tokens: Option<u64>,
+    /// `usage.prompt_tokens` of the usage chunk.
+    prompt_tokens: Option<u64>,
+    /// An event carried a choice's `finish_reason` (its last token).
+    finished: bool,
 }
 
 impl SseScan {
@@ -273,8 +325,12 @@ impl SseScan {
             let data = data.trim_ascii();
             if data == b"[DONE]" {
                 scan.done = true;
-            } else if let Some(n) = usage_tokens(data) {
-                scan.completion_tokens = Some(n);
+            } else {
+                scan.finished |= has_finish_reason(data);
+                if let Some(usage) = usage_of_event(data) {
+                    scan.completion_tokens = usage.completion.or(scan.completion_tokens);
+                    scan.prompt_tokens = usage.prompt.or(scan.prompt_tokens);
+                }
             }
         }
         scan
@@ -307,13 +363,44 @@ fn scan_lines(partial: &mut Vec<u8>, chunk: &[u8]) -> SseScan {
     scan
 }
 
-/// `usage.completion_tokens` of a chunk that has one (the usage chunk of
+/// Whether an event's JSON sets a `finish_reason` (a string, not null): the answer's last
+/// token has been sent.
+fn has_finish_reason(data: &[u8]) -> bool {
+    const KEY: &[u8] = b"\"finish_reason\":";
+    let mut rest = data;
+    while let Some(at) = rest.windows(KEY.len()).position(|w| w == KEY) {
+        rest = &rest[at + KEY.len()..];
+        if rest.trim_ascii_start().first() == Some(&b'"') {
+            return true;
+        }
+    }
+    false
+}
+
+/// An answer's `usage` counts.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Usage {
+    prompt: Option<u64>,
+    completion: Option<u64>,
+}
+
+impl Usage {
+    fn of(v: &serde_json::Value) -> Self {
+        Self {
+            prompt: v["usage"]["prompt_tokens"].as_u64(),
+            completion: v["usage"]["completion_tokens"].as_u64(),
+        }
+    }
+}
+
+/// The `usage` of a stream event that has one (the usage chunk of
 /// `stream_options.include_usage`); parsed only when the bytes mention it.
-fn usage_tokens(data: &[u8]) -> Option<u64> {
-    const KEY: &[u8] = b"\"completion_tokens\"";
+fn usage_of_event(data: &[u8]) -> Option<Usage> {
+    const KEY: &[u8] = b"\"usage\"";
     data.windows(KEY.len()).position(|w| w == KEY)?;
     let v: serde_json::Value = serde_json::from_slice(data).ok()?;
-    v["usage"]["completion_tokens"].as_u64()
+    let usage = Usage::of(&v);
+    (usage != Usage::default()).then_some(usage)
 }
 
 /// Why a whole answer's body did not arrive.
@@ -444,7 +531,9 @@ mod tests {
             SseScan {
                 data_events: 2,
                 done: false,
-                completion_tokens: None
+                completion_tokens: None,
+                prompt_tokens: None,
+                finished: false
             }
         );
         let end = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":7}}\n\ndata: [DONE]\n\n";
@@ -453,10 +542,19 @@ mod tests {
             SseScan {
                 data_events: 2,
                 done: true,
-                completion_tokens: Some(7)
+                completion_tokens: Some(7),
+                prompt_tokens: Some(3),
+                finished: false
             }
         );
         assert_eq!(SseScan::of(b": keep-alive\n\n"), SseScan::default());
+        // vLLM's chunks carry `"usage": null` until the last when usage is continuous.
+        let null = b"data: {\"choices\":[{\"text\":\"a\"}],\"usage\":null}\n\n";
+        assert_eq!(SseScan::of(null).prompt_tokens, None);
+        let last = b"data: {\"choices\":[{\"text\":\"z\",\"finish_reason\": \"stop\"}]}\n\n";
+        assert!(SseScan::of(last).finished);
+        let not_yet = b"data: {\"choices\":[{\"text\":\"z\",\"finish_reason\":null}]}\n\n";
+        assert!(!SseScan::of(not_yet).finished);
     }
 
     #[test]
@@ -471,13 +569,16 @@ mod tests {
                 total.data_events += scan.data_events;
                 total.done |= scan.done;
                 total.completion_tokens = scan.completion_tokens.or(total.completion_tokens);
+                total.finished |= scan.finished;
             }
             assert_eq!(
                 total,
                 SseScan {
                     data_events: 3,
                     done: true,
-                    completion_tokens: Some(2)
+                    completion_tokens: Some(2),
+                    prompt_tokens: None,
+                    finished: false
                 },
                 "cut at {cut}"
             );

@@ -1,6 +1,7 @@
 //! The process: load the models (a bad one stops startup naming it), connect to NATS and etcd,
 //! watch the worker cards, serve HTTP until the shutdown signal, then drain: stop accepting,
-//! let requests in flight finish (up to 30 s), and flush the lifecycle events.
+//! let requests in flight finish (up to `--shutdown-timeout-ms`), and flush the lifecycle events
+//! (up to 2 s: NATS may be unreachable).
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -8,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use axum::serve::ListenerExt as _;
 use kvroute_common::Names;
 use kvroute_common::client::SelectClient;
 
@@ -19,9 +19,10 @@ use crate::lifecycle::Lifecycle;
 use crate::metrics::Metrics;
 use crate::models::Models;
 use crate::reservations::Reservations;
+use crate::tokenize_gate::TokenizeGate;
 
-/// How long requests in flight may finish after the shutdown signal.
-const DRAIN: Duration = Duration::from_secs(30);
+/// How long the last lifecycle events may take to reach NATS at shutdown.
+const FLUSH: Duration = Duration::from_secs(2);
 
 /// Startup checks that need no network: the flags, the models, the API keys.
 pub fn prepare(
@@ -42,19 +43,6 @@ pub fn prepare(
         }
     };
     Ok((models, keys))
-}
-
-/// The client side of the gateway: every accepted connection with TCP_NODELAY, so a streamed
-/// token goes out at once instead of waiting for the client's delayed ACK of the one before
-/// (about 40 ms on Linux).
-pub fn client_listener(
-    listener: tokio::net::TcpListener,
-) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
-    listener.tap_io(|tcp| {
-        if let Err(error) = tcp.set_nodelay(true) {
-            tracing::warn!(%error, "setting TCP_NODELAY on a client connection");
-        }
-    })
 }
 
 /// Runs the gateway until `shutdown` resolves.
@@ -79,6 +67,8 @@ pub async fn run(
     let app = Arc::new(App {
         settings: Settings {
             max_body_bytes: args.max_body_bytes,
+            body_read_timeout: Duration::from_millis(args.body_read_timeout_ms),
+            max_header_bytes: args.max_header_bytes,
             max_prompt_tokens: args.max_prompt_tokens,
             response_timeout: args.response_timeout(),
             upstream_idle_timeout: args.upstream_idle_timeout(),
@@ -98,6 +88,7 @@ pub async fn run(
         )),
         api_keys,
         nats: nats.clone(),
+        tokenize_gate: TokenizeGate::new(args.concurrent_tokenizations(), args.tokenize_queue),
     });
     let expiry = tokio::spawn(crate::select_api::expire_loop(app.clone()));
     let listener = tokio::net::TcpListener::bind(args.http_addr)
@@ -116,47 +107,35 @@ pub async fn run(
         );
     }
     tracing::info!(%bound, ?models, auth = app.api_keys.is_some(), "serving the OpenAI API and the selection API");
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = axum::serve(
-        client_listener(listener),
-        crate::http::router(app.clone()).into_make_service(),
+    let drain = Duration::from_millis(args.shutdown_timeout_ms);
+    let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
+    let stop = async move {
+        shutdown.await;
+        tracing::info!("shutting down: no new connections; letting requests in flight finish");
+        let _ = stopped_tx.send(());
+    };
+    crate::serve::serve(
+        listener,
+        crate::http::router(app.clone()),
+        crate::http::health_router(app.clone()),
+        args.serve_limits(),
+        app.metrics.clone(),
+        stop,
+        drain,
     )
-    .with_graceful_shutdown(async move {
-        let _ = stop_rx.await;
-    });
-    let mut serving = tokio::spawn(async move { server.await });
-    tokio::select! {
-        _ = shutdown => {}
-        r = &mut serving => {
-            return Err(anyhow::anyhow!("the HTTP server stopped: {:?}", r));
-        }
-    }
-    tracing::info!("shutting down: no new requests; letting those in flight finish");
-    let _ = stop_tx.send(());
-    if tokio::time::timeout(DRAIN, &mut serving).await.is_err() {
-        tracing::warn!("requests still in flight after {DRAIN:?}; stopping anyway");
-        serving.abort();
+    .await;
+    if stopped_rx.await.is_err() {
+        return Err(anyhow::anyhow!("the HTTP server stopped on its own"));
     }
     expiry.abort();
-    // Lifecycle events of the last requests, then everything NATS still buffers.
+    // Lifecycle events of the last requests, then everything NATS still buffers (bounded: NATS
+    // may be unreachable, and a flush would wait for it forever).
     tokio::time::sleep(Duration::from_millis(50)).await;
-    nats.flush().await.context("flushing NATS")?;
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use axum::serve::Listener as _;
-
-    #[tokio::test]
-    async fn accepted_client_connections_have_nodelay() {
-        let tcp = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = tcp.local_addr().expect("addr");
-        let mut listener = super::client_listener(tcp);
-        let _client = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        let (accepted, _) = listener.accept().await;
-        assert!(accepted.nodelay().expect("read TCP_NODELAY"));
+    match tokio::time::timeout(FLUSH, nats.flush()).await {
+        Ok(flushed) => flushed.context("flushing NATS")?,
+        Err(_) => tracing::warn!(
+            "NATS did not take the last lifecycle events within {FLUSH:?}; the routers' prediction age limit frees their load"
+        ),
     }
+    Ok(())
 }

@@ -12,7 +12,7 @@ use axum::Json;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use kvroute_common::messages::{SelectReply, SelectRequest, now_ms};
+use kvroute_common::messages::{SelectReply, SelectRequest, WorkerRole, now_ms};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use uuid::Uuid;
@@ -20,7 +20,6 @@ use uuid::Uuid;
 use crate::app::App;
 use crate::error::ApiError;
 use crate::lifecycle::Placement;
-use crate::models::prompt_tokens;
 use crate::openai::{Api, Parsed, Prompt};
 use crate::request_id::RequestIds;
 use crate::reservations::{Full, Reserved};
@@ -81,6 +80,10 @@ pub struct SelectBody {
     temperature: Option<f64>,
     #[serde(default)]
     policy: Option<String>,
+    /// Only workers whose cards carry an `http_url` (default true): `false` lets the routers
+    /// choose any registered worker (one reached over NATS, say).
+    #[serde(default)]
+    http_only: Option<bool>,
 }
 
 /// Reads a selection body: valid JSON, the known fields with their types, exactly one prompt
@@ -162,12 +165,9 @@ async fn run_select(
         return Err(ApiError::model_not_found(&b.model));
     }
     let token_ids = match (&b.text, &b.messages) {
-        (Some(text), _) => Some(tokenize_text(
-            app,
-            &b.model,
-            Api::Completions,
-            json_text(text),
-        )?),
+        (Some(text), _) => {
+            Some(tokenize_text(app, &b.model, Api::Completions, json_text(text)).await?)
+        }
         (_, Some(messages)) => {
             let mut body = Map::new();
             body.insert("model".into(), b.model.clone().into());
@@ -178,12 +178,7 @@ async fn run_select(
             if let Some(t) = &b.tools {
                 body.insert("tools".into(), t.clone());
             }
-            Some(tokenize_text(
-                app,
-                &b.model,
-                Api::Chat,
-                Value::Object(body),
-            )?)
+            Some(tokenize_text(app, &b.model, Api::Chat, Value::Object(body)).await?)
         }
         _ => b.token_ids.clone(),
     };
@@ -191,14 +186,19 @@ async fn run_select(
         if ids.is_empty() {
             return Err(ApiError::invalid_param("token_ids", "the prompt is empty"));
         }
-        if ids.len() > app.settings.max_prompt_tokens {
+        let limit = app.prompt_limit(&b.model);
+        if ids.len() > limit {
             return Err(ApiError::invalid(format!(
-                "the prompt has {} tokens, more than this gateway's limit of {}",
+                "the prompt has {} tokens, more than the limit of {limit} for this model",
                 ids.len(),
-                app.settings.max_prompt_tokens
             )));
         }
     }
+    let allowed_workers = if b.http_only == Some(false) {
+        b.allowed_workers
+    } else {
+        http_workers(app, &b.model, b.allowed_workers)?
+    };
     let ids = RequestIds::from_headers(headers, b.request_id.unwrap_or_else(Uuid::new_v4));
     let request = SelectRequest {
         request_id: Some(b.request_id.unwrap_or(ids.kvroute)),
@@ -208,7 +208,7 @@ async fn run_select(
         block_size: b.block_size,
         lora_name: b.lora_name,
         session: b.session,
-        allowed_workers: b.allowed_workers,
+        allowed_workers,
         pin: b.pin,
         dp_rank_range: b.dp_rank_range,
         tolerated_taints: b.tolerated_taints.unwrap_or_default(),
@@ -274,12 +274,48 @@ async fn run_select(
     }
 }
 
+/// `allowed` narrowed to the model's workers that have an HTTP URL (unchanged when every
+/// worker has one); a 503 `no_http_worker` when none is left.
+fn http_workers(
+    app: &App,
+    model: &str,
+    allowed: Option<Vec<u64>>,
+) -> Result<Option<Vec<u64>>, ApiError> {
+    let serving = app.directory.serving(model, WorkerRole::Aggregated);
+    if serving.without_http == 0 {
+        return Ok(allowed);
+    }
+    let narrowed: Vec<u64> = match allowed {
+        None => serving.http,
+        Some(list) => list
+            .into_iter()
+            .filter(|w| serving.http.binary_search(w).is_ok())
+            .collect(),
+    };
+    if narrowed.is_empty() {
+        return Err(ApiError::unavailable(
+            "no_http_worker",
+            format!(
+                "no allowed worker of model `{model}` has an HTTP URL (send \"http_only\": false \
+                 to choose among workers reached otherwise)"
+            ),
+            app.settings.retry_after_secs,
+        ));
+    }
+    Ok(Some(narrowed))
+}
+
 fn json_text(text: &str) -> Value {
     Value::String(text.to_owned())
 }
 
 /// Token ids of a text prompt or a chat, with the model's tokenizer.
-fn tokenize_text(app: &App, model: &str, api: Api, input: Value) -> Result<Vec<u32>, ApiError> {
+async fn tokenize_text(
+    app: &Arc<App>,
+    model: &str,
+    api: Api,
+    input: Value,
+) -> Result<Vec<u32>, ApiError> {
     let (prompts, messages, body) = match (api, input) {
         (Api::Completions, Value::String(t)) => (vec![Prompt::Text(t)], Vec::new(), Map::new()),
         (Api::Chat, Value::Object(body)) => {
@@ -305,10 +341,7 @@ fn tokenize_text(app: &App, model: &str, api: Api, input: Value) -> Result<Vec<u
         policy: None,
         edited: false,
     };
-    let at = Instant::now();
-    let tokens = prompt_tokens(app.models.get(model).map(|m| &**m), &parsed)?;
-    app.metrics.tokenize.observe("select", at.elapsed());
-    Ok(tokens)
+    crate::proxy::tokenize(app, &parsed, "select").await
 }
 
 /// `POST /v1/reservations/{id}/prefill_complete`.

@@ -1,5 +1,5 @@
 //! Readers under one concurrent writer, and the writer under a concurrent snapshot, for the
-//! designs considered for `SharedIndex` (ARCHITECTURE.md, "Radix index"), in one run.
+//! designs considered for `SharedIndex` (`indexer/src/index/shared.rs`), in one run.
 //!
 //! Run: `cargo bench -p kvroute-indexer --features workload --bench concurrency [-- WORKERS]`
 //! (default 256 workers, 32,768-block caches). The index holds the first half of the trace's
@@ -7,6 +7,12 @@
 //! events, at most 64, as the event log carries them); one reader thread times queries
 //! back to back meanwhile. "alone" is the same reader on the same index with no writer, for
 //! the same time.
+
+#![allow(
+    clippy::disallowed_types,
+    clippy::disallowed_methods,
+    reason = "a benchmark measures wall time"
+)]
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};

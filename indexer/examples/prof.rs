@@ -1,5 +1,11 @@
 //! Profiling harness (not a benchmark): `cargo run --release -p kvroute-indexer --features
 //! workload --example prof -- [apply|query] [workers] [cache_blocks] [max_requests]`.
+
+#![allow(
+    clippy::disallowed_types,
+    clippy::disallowed_methods,
+    reason = "a benchmark measures wall time"
+)]
 use std::time::Instant;
 
 use kvroute_common::messages::KvEventData;

@@ -19,6 +19,12 @@
 //! Run: `cargo run --release -p kvroute-indexer --features workload --example scale --
 //! [--workers 10000] [--cache-blocks 5000] [--passes 8]`
 
+#![allow(
+    clippy::disallowed_types,
+    clippy::disallowed_methods,
+    reason = "a benchmark measures wall time"
+)]
+
 use std::path::PathBuf;
 use std::time::Instant;
 

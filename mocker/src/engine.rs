@@ -6,7 +6,11 @@
 //! [`EngineConfig::step_duration`] of its work; its outputs are dated at its end.
 //!
 //! Deliberately simple: a request reserves its output blocks at admission, so there is no
-//! preemption; a block is reusable by other requests from the step that allocates it.
+//! preemption; a block is reusable by other requests from the step that allocates it. No
+//! timing noise: the model is deterministic (add noise in a shell if wanted).
+//!
+//! *Invariant:* the outputs depend only on the submissions and their times, not on how often
+//! `advance_to` is called (submit everything arriving at or before `t` first).
 
 mod config;
 mod io;

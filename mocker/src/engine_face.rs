@@ -9,6 +9,11 @@
 //! real time like the kvroute-faced worker does and reports each request's progress
 //! (`progress.rs`, which also aborts the requests of a client that left), and
 //! `block_tokens.rs` keeps the tokens every `BlockStored` carries.
+//!
+//! Deliberately absent: real tokenization (unless `--engine-tokenizer`), sampling and stop
+//! strings, LoRA, offload tiers (the cache has a device tier only), n > 1, logprobs, vLLM's
+//! histograms, most of SGLang's server arguments and metrics, and SGLang's polling for a plain
+//! request's disconnect (it checks every 4 s while the request waits; this aborts at once).
 
 mod block_tokens;
 mod completions;

@@ -70,6 +70,7 @@ impl Fleet {
                 )))
             }),
             no_load_reports: config.no_load_reports,
+            no_kv_events: config.no_kv_events,
         };
         let agent_config = WorkerAgentConfig {
             registration: RegistrationConfig {
@@ -189,6 +190,7 @@ fn card(config: &FleetConfig, worker_id: WorkerId, names: &Names) -> WorkerCard 
         request_subject: names.worker_requests(worker_id),
         software_version: format!("kvroute-mocker {}", env!("CARGO_PKG_VERSION")),
         http_url: None,
+        kv_events: !config.no_kv_events,
     }
 }
 
@@ -201,4 +203,23 @@ pub async fn ensure_events_stream(
     kvroute_common::events_stream::ensure_worker_events_stream(js, names, stream, "kvroute-mocker")
         .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute_common::Namespace;
+
+    use super::*;
+
+    #[test]
+    fn a_worker_without_kv_events_says_so_on_its_card() {
+        let names = Names::new(&Namespace::new("t").unwrap());
+        let with = card(&FleetConfig::default(), 1, &names);
+        assert!(with.kv_events);
+        let without = FleetConfig {
+            no_kv_events: true,
+            ..FleetConfig::default()
+        };
+        assert!(!card(&without, 1, &names).kv_events);
+    }
 }

@@ -31,6 +31,7 @@ use crate::replay::{Plan, Progress, RunReport};
 pub fn load_policies(
     args: &SimArgs,
     registry: &RouterPluginRegistry,
+    bin: &str,
 ) -> anyhow::Result<ResolvedPolicies> {
     let Some(path) = &args.policy_config else {
         return Ok(registry.resolve(
@@ -42,7 +43,7 @@ pub fn load_policies(
         |e: &dyn std::fmt::Display| anyhow::anyhow!("--policy-config {}: {e}", path.display());
     let yaml = RouterPluginsConfig::from_file(path)
         .map_err(|e| in_file(&e))?
-        .without_classifier("kvroute-sim")
+        .without_classifier(bin)
         .map_err(|e| in_file(&e))?;
     registry
         .resolve(&yaml, &PolicyOverrides::default())
@@ -66,7 +67,7 @@ pub fn run_with(args: &SimArgs, registry: &RouterPluginRegistry) -> anyhow::Resu
         "the trace {} is empty",
         args.trace.display()
     );
-    let policies = load_policies(args, registry)?;
+    let policies = load_policies(args, registry, "kvroute-sim")?;
     let engine = args.engine.engine_config();
     let capacity = engine.num_blocks * u64::from(args.workers);
     let (oracle, hits) = oracle_with_hits(&plan.requests, engine.block_size, capacity);
@@ -91,6 +92,8 @@ pub fn run_with(args: &SimArgs, registry: &RouterPluginRegistry) -> anyhow::Resu
             prediction_confirm: SimArgs::millis(args.prediction_confirm_ms),
             prediction_max_age: SimArgs::millis(args.prediction_max_age_secs * 1e3),
             predicted_overlap_ttl: SimArgs::millis(args.predicted_overlap_ttl_ms),
+            approx_cache_ttl: SimArgs::millis(args.approx_cache_ttl_ms),
+            no_kv_events_workers: args.no_kv_events_workers,
             seed: args.seed,
             send_sessions: !args.no_sessions,
             sessions: args.sessions(),
@@ -116,6 +119,7 @@ pub fn run_with(args: &SimArgs, registry: &RouterPluginRegistry) -> anyhow::Resu
         oracle,
         ttft_floor_ms: Some(floor),
         session_oracle,
+        selection_measured: crate::replay::report::SelectionMeasured::InProcess,
         modes,
     })
 }

@@ -48,6 +48,7 @@ fn view() -> LoadView {
         confirm_window_ms: 2000,
         prediction_max_age_ms: 600_000,
         predicted_overlap_ttl_ms: 2_000,
+        approx_cache_ttl_ms: 120_000,
         models: Default::default(),
     })
 }

@@ -2,7 +2,7 @@
 //! request, in the same order and through the same functions — decode the `SelectRequest`,
 //! look the partition up, hash the prompt, match it against a local index (64 documents of
 //! 8,192 tokens, each held by one worker, as in `kvroute-router-bench`), then the decision
-//! core's `decide_request` (load signals, predicted overlap, default policy, no session, the
+//! core's selection machine run to its end (load signals, predicted overlap, default policy, no session, the
 //! decision built and charged), encode the reply and the decision, and decode and apply the
 //! decision again as the feed does with its own echo. Deterministic, for instruction counts under callgrind:
 //!
@@ -12,6 +12,12 @@
 //! ```
 //!
 //! Without valgrind it prints the wall-clock time per selection (noisy on a shared machine).
+
+#![allow(
+    clippy::disallowed_types,
+    clippy::disallowed_methods,
+    reason = "a benchmark measures wall time"
+)]
 
 use std::hint::black_box;
 use std::sync::RwLock;
@@ -28,8 +34,10 @@ use kvroute_common::{Names, Namespace};
 use kvroute_indexer::index::{IndexConfig, SharedIndex};
 use kvroute_router::decide::candidates::Candidates;
 use kvroute_router::decide::load_view::{LoadView, LoadViewConfig};
-use kvroute_router::decide::prompt::prompt;
-use kvroute_router::decide::{DecideInput, Decided, Owned, PartitionPolicy, decide_request};
+use kvroute_router::decide::prompt::Prepared;
+use kvroute_router::decide::selection::{Context, Selection, Start};
+use kvroute_router::decide::{Decided, Owned, PartitionPolicy};
+use kvroute_router::drive::{self, Ended};
 use kvroute_router::policies::default::DefaultPolicyParameters;
 use kvroute_router::select::SelectionSettings;
 use kvroute_router::service::intake;
@@ -97,6 +105,7 @@ fn card(worker_id: u64) -> WorkerCard {
         request_subject: format!("kvroute.bench.worker.{worker_id}.requests"),
         software_version: "sim".into(),
         http_url: None,
+        kv_events: true,
     }
 }
 
@@ -175,6 +184,7 @@ impl Bench {
                 confirm_window_ms: 2000,
                 prediction_max_age_ms: 600_000,
                 predicted_overlap_ttl_ms: 2_000,
+                approx_cache_ttl_ms: 120_000,
                 models: Default::default(),
             })),
             sessions: SessionTable::new(MemSessionStore::new(), SessionConfig::default()),
@@ -201,32 +211,37 @@ impl Bench {
             .unwrap()
             .partition(&request.model, request.role)
             .expect("partition");
-        let prompt = prompt(&request, &partition).expect("prompt");
-        let found = self.index.clone().find_matches(&prompt.hashes);
-        let overlap = SignalSnapshot::from_matches(&found.matches);
-        let input = DecideInput {
-            request: &request,
-            request_id,
-            decision_id: Uuid::new_v4(),
-            prompt: &prompt,
-            partition: &partition,
-            overlap: &overlap,
+        let prepared = Prepared::new(request, request_id, partition).expect("prompt");
+        let prompt = &prepared.prompt;
+        let index = self.index.clone();
+        let context = Context {
             settings: &self.settings,
             names: &self.names,
             router_id: "bench",
-            selection_target: None,
+            sessions: *self.sessions.config(),
+        };
+        let start = Start {
+            decision_id: Uuid::new_v4(),
+            reads_cache: true,
+            overlap: None,
+            target: None,
+            queues: false,
         };
         let decided = {
             let mut policy = self.policy.lock().unwrap();
             let mut view = self.load.lock().unwrap();
-            let now = now_ms();
             let mut state = Owned {
                 policy: &mut policy,
                 view: &mut view,
-                now_ms: now,
+                now_ms: now_ms(),
             };
-            futures::executor::block_on(decide_request(&mut state, &self.sessions, &input, now))
-                .expect("decide")
+            let (selection, need) = Selection::start(&prepared, context, start, &mut state);
+            let overlap =
+                || SignalSnapshot::from_matches(&index.find_matches(&prompt.hashes).matches);
+            match drive::now(selection, need, &mut state, self.sessions.store(), overlap) {
+                Ended::Reply(decided) => decided.expect("decide"),
+                Ended::Join(_) => panic!("nothing queues here"),
+            }
         };
         let Decided::New(new) = decided else {
             panic!("a fresh request gets a new decision");

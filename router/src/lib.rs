@@ -7,6 +7,7 @@
 
 pub mod classify;
 pub mod decide;
+pub mod drive;
 pub mod eligibility;
 pub mod pipeline;
 pub mod policies;

@@ -70,6 +70,10 @@ pub struct ObservedLoad {
     /// KV blocks held by running requests.
     pub active_decode_blocks: u64,
     pub active_requests: u64,
+    /// Requests the engine holds waiting whose prompt tokens the report does not count: its
+    /// `waiting_requests` when it reports no `active_prefill_tokens` (vLLM reports none), else
+    /// 0. The cost model charges each as a prompt of the request's own size.
+    pub unsized_waiting_requests: u64,
     /// Placeholder blocks of predicted requests' output, weighted by the output still expected
     /// (0 unless the load view tracks output blocks).
     pub output_blocks: f64,
@@ -88,6 +92,11 @@ impl From<&WorkerLoad> for ObservedLoad {
             active_prefill_tokens: load.active_prefill_tokens,
             active_decode_blocks: load.active_decode_blocks,
             active_requests: load.active_requests,
+            unsized_waiting_requests: if load.active_prefill_tokens == 0 {
+                load.waiting_requests
+            } else {
+                0
+            },
             output_blocks: 0.0,
         }
     }
@@ -266,6 +275,39 @@ mod tests {
     use kvroute_common::messages::WorkerMatch;
 
     use super::*;
+
+    #[test]
+    fn waiting_requests_are_unsized_only_when_the_report_counts_no_prefill_tokens() {
+        let report = |prefill_tokens, waiting| WorkerLoad {
+            v: Default::default(),
+            worker_id: 1,
+            dp_rank: 0,
+            seq: 1,
+            active_prefill_tokens: prefill_tokens,
+            active_decode_blocks: 8,
+            active_requests: 2,
+            waiting_requests: waiting,
+            kv_used_blocks: 8,
+            total_kv_blocks: 64,
+            ts: 0,
+            new_requests: None,
+        };
+        // vLLM: waiting requests, no token count.
+        let vllm = ObservedLoad::from(&report(0, 3));
+        assert_eq!(
+            (vllm.unsized_waiting_requests, vllm.active_requests),
+            (3, 2)
+        );
+        // SGLang and the mocker count the waiting requests' uncached tokens.
+        assert_eq!(
+            ObservedLoad::from(&report(500, 3)).unsized_waiting_requests,
+            0
+        );
+        assert_eq!(
+            ObservedLoad::from(&report(0, 0)).unsized_waiting_requests,
+            0
+        );
+    }
 
     #[test]
     fn snapshot_reads_index_matches_and_defaults_to_zero() {

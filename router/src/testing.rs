@@ -20,6 +20,7 @@ pub fn card(worker_id: WorkerId) -> WorkerCard {
         request_subject: format!("worker.{worker_id}"),
         software_version: String::new(),
         http_url: None,
+        kv_events: true,
     }
 }
 

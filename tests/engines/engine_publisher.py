@@ -24,6 +24,7 @@ STAND_INS = HERE / "stand_ins"
 DEFAULT_ENGINES_DIR = HERE.parent.parent / ".tools" / "engines"
 PUBLISHER_MODULE = {
     "vllm": "vllm.distributed.kv_events",
+    "vllm-0.34": "vllm.distributed.kv_events",
     "sglang": "sglang.srt.disaggregation.kv_events",
 }
 EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
@@ -52,7 +53,7 @@ class Vllm:
     rank_field = "data_parallel_rank"
 
     def __init__(self, wheel_dir):
-        self.kv_events = import_from_wheel(PUBLISHER_MODULE["vllm"], wheel_dir)
+        self.kv_events = import_from_wheel("vllm.distributed.kv_events", wheel_dir)
         self.config_module = import_from_wheel("vllm.config.kv_events", wheel_dir)
 
     def create(self, rank, args):
@@ -145,6 +146,8 @@ class Driver:
             return self.publish(cmd)
         if op == "drop_next":
             return self.drop_next(cmd)
+        if op == "drop_replay":
+            return self.drop_replay(cmd)
         if op == "restart":
             self.shutdown()
             # A new engine incarnation, as a new process would be: a fresh ZMQ context, so the
@@ -219,6 +222,32 @@ class Driver:
                     del sock.send_multipart  # the socket's own method again
 
             sock.send_multipart = drop
+        return {"ok": True}
+
+    def drop_replay(self, cmd):
+        """The rank's next replay answer leaves out the batches `seqs` but still ends with the end
+        marker, as when the replay ROUTER's send high-water mark (vLLM 0.32: 1,000 messages)
+        drops them: the replay socket's send_multipart is wrapped for one answer."""
+        rank, publisher = self.publisher(cmd)
+        seqs = cmd.get("seqs")
+        if not isinstance(seqs, list) or not all(isinstance(s, int) for s in seqs):
+            raise CommandError("seqs must be a list of integers")
+        sock = publisher._replay
+        if sock is None:
+            raise CommandError("the rank has no replay socket")
+        dropped = {s.to_bytes(8, "big") for s in seqs}
+        send = sock.send_multipart
+
+        def drop(frames, *args, **kwargs):
+            # (client, "", topic, seq, payload); the end marker's seq is -1.
+            seq = frames[3] if len(frames) == 5 else None
+            if seq in dropped:
+                return None
+            if seq == publisher.END_SEQ:
+                del sock.send_multipart  # the socket's own method again
+            return send(frames, *args, **kwargs)
+
+        sock.send_multipart = drop
         return {"ok": True}
 
     def info(self):
@@ -300,7 +329,7 @@ def main():
     # The stand-ins first: their package __init__s extend each package over the wheel's
     # directory too, where the publisher modules themselves are found.
     sys.path[:0] = [str(STAND_INS), str(wheel_dir)]
-    engine = (Vllm if args.engine == "vllm" else Sglang)(wheel_dir)
+    engine = (Vllm if args.engine.startswith("vllm") else Sglang)(wheel_dir)
 
     driver = Driver(engine, args)
     driver.start()

@@ -29,17 +29,21 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(15);
 /// An engine whose publisher the driver runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Engine {
+    /// vLLM 0.32.
     Vllm,
+    /// vLLM 0.34 (`BlockStored.lookahead_token_ids`).
+    Vllm034,
     Sglang,
 }
 
 impl Engine {
-    pub const ALL: [Engine; 2] = [Engine::Vllm, Engine::Sglang];
+    pub const ALL: [Engine; 3] = [Engine::Vllm, Engine::Vllm034, Engine::Sglang];
 
-    /// The driver's `--engine` value.
+    /// The driver's `--engine` value (also the folder of the wheel's files in `.tools/engines`).
     pub fn name(self) -> &'static str {
         match self {
             Engine::Vllm => "vllm",
+            Engine::Vllm034 => "vllm-0.34",
             Engine::Sglang => "sglang",
         }
     }
@@ -194,6 +198,13 @@ impl EnginePublisher {
     /// `rank`'s next batch reaches the replay buffer but not the PUB socket.
     pub fn drop_next(&mut self, rank: u16) -> anyhow::Result<()> {
         self.command(json!({"op": "drop_next", "rank": rank}))
+            .map(drop)
+    }
+
+    /// `rank`'s next replay answer leaves out batches `seqs` (as the replay socket's high-water
+    /// mark drops messages) and still ends with the end marker.
+    pub fn drop_replay(&mut self, rank: u16, seqs: &[u64]) -> anyhow::Result<()> {
+        self.command(json!({"op": "drop_replay", "rank": rank, "seqs": seqs}))
             .map(drop)
     }
 

@@ -83,6 +83,11 @@ impl GatewayProcess {
         self.child.as_ref().map(ChildGuard::pid)
     }
 
+    /// Whether the process still runs (false once it exited, even before it is reaped).
+    pub fn is_running(&self) -> bool {
+        self.child.as_ref().is_some_and(ChildGuard::is_running)
+    }
+
     /// The value of sample `name` (labels included, exactly as rendered); 0 when absent.
     pub fn metric(&self, name: &str) -> f64 {
         crate::http::metric_sample(self.port, name)
@@ -113,6 +118,7 @@ pub fn http_card(worker_id: u64, model: &str, http_url: &str) -> WorkerCard {
         request_subject: format!("kvroute.test.{worker_id}"),
         software_version: String::new(),
         http_url: Some(http_url.into()),
+        kv_events: true,
     }
 }
 

@@ -28,6 +28,9 @@ pub enum Play {
     /// Answers the headers of a whole answer and half its body, then sends nothing until the
     /// client closes (noted).
     FreezeMidAnswer,
+    /// Streams two tokens and the last event (`finish_reason` set), then sends nothing (no
+    /// `data: [DONE]`) until the client closes (noted).
+    FinishWithoutDone,
 }
 
 /// A request as the engine received it.
@@ -158,6 +161,17 @@ async fn serve(mode: Play, socket: &mut TcpStream, gone: &AtomicBool) {
         }
         Play::FreezeAfterFirstChunk => {
             if socket.write_all(event(0).as_bytes()).await.is_ok() {
+                hold(socket, gone).await;
+            }
+        }
+        Play::FinishWithoutDone => {
+            let last = format!(
+                "data: {}\n\n",
+                json!({"id": "cmpl-x", "object": "text_completion", "choices": [{"index": 0, "text": "t2", "finish_reason": "length"}]})
+            );
+            let last = format!("{:x}\r\n{last}\r\n", last.len());
+            let all = format!("{}{}{last}", event(0), event(1));
+            if socket.write_all(all.as_bytes()).await.is_ok() {
                 hold(socket, gone).await;
             }
         }

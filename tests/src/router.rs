@@ -194,6 +194,7 @@ pub fn worker_card(names: &Names, worker_id: WorkerId, model: &str) -> WorkerCar
         request_subject: names.worker_requests(worker_id),
         software_version: "sim".into(),
         http_url: None,
+        kv_events: true,
     }
 }
 
@@ -384,6 +385,15 @@ pub async fn select_until_overlap(
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// `stored` and one token more: a prompt of which an engine can reuse every stored block (an
+/// engine always computes a prompt's last token, so a prompt of exactly N blocks reuses N − 1,
+/// and the router counts its overlap so).
+pub fn continuing(stored: &[u32]) -> Vec<u32> {
+    let mut tokens = stored.to_vec();
+    tokens.push(7);
+    tokens
 }
 
 /// A request for `model` with prompt `tokens`.

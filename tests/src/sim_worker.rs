@@ -73,6 +73,7 @@ pub fn sim_card(names: &Names, worker_id: u64, model: &str) -> WorkerCard {
         request_subject: names.worker_requests(worker_id),
         software_version: "sim".into(),
         http_url: None,
+        kv_events: true,
     }
 }
 

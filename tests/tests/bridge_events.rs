@@ -8,7 +8,8 @@
 mod bridge_reference;
 
 use kvroute_common::Names;
-use kvroute_common::messages::StorageTier;
+use kvroute_common::hashing::{local_block_hashes, seed_for_lora};
+use kvroute_common::messages::{KvEventData, StorageTier, StoredBlock};
 use kvroute_tests::{Engine, EngineOptions, EnginePublisher, IndexerProcess, TestEnv};
 use serde_json::json;
 
@@ -214,7 +215,7 @@ async fn shared_tier(engine: Engine) {
     let shared = |hashes: &[u64], tokens: &[u32]| {
         let mut s = stored(e, hashes, None, tokens, "GPU", None);
         match e {
-            Engine::Vllm => {
+            Engine::Vllm | Engine::Vllm034 => {
                 s["medium"] = json!("STORAGE");
                 s["locality"] = json!("REMOTE");
             }
@@ -225,7 +226,7 @@ async fn shared_tier(engine: Engine) {
     let shared_removed = |hashes: &[u64]| {
         let mut r = removed(e, hashes, "GPU");
         match e {
-            Engine::Vllm => {
+            Engine::Vllm | Engine::Vllm034 => {
                 r["medium"] = json!("STORAGE");
                 r["locality"] = json!("REMOTE");
             }
@@ -297,4 +298,78 @@ async fn vllm_remote_tier_reaches_the_index_as_the_shared_tier() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_external_medium_reaches_the_index_as_the_shared_tier() {
     shared_tier(Engine::Sglang).await;
+}
+
+/// vLLM 0.34 with hash lookahead: each block's hash also covers the 2 tokens after it, so the
+/// engine holds one block per (prefix, tokens, next tokens). Through the bridge the index holds
+/// exactly those blocks, each tokens hash with its lookahead folded in by PROTOCOL.md's rule
+/// (computed here by hand), beside a plain block of the same tokens; a query that folds
+/// nothing matches only the plain one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_0_34_lookahead_blocks_are_their_own_blocks() {
+    let env = TestEnv::start().unwrap();
+    let indexer = IndexerProcess::start(&env, "a", NO_SNAPSHOTS).unwrap();
+    let e = Engine::Vllm034;
+    let mut publisher = EnginePublisher::start(EngineOptions::new(e)).unwrap();
+    let bridged = bridge(&env, &publisher).await;
+    let nats = env.nats.connect().await.unwrap();
+    let names = Names::new(&env.namespace);
+    let t = tokens(100, 2);
+    let ahead = |hashes: &[u64], next: &[[u32; 2]]| {
+        let mut s = stored(e, hashes, None, &t, "GPU", None);
+        s["lookahead_token_ids"] = json!(next);
+        s
+    };
+    // Two continuations of the same two blocks, then the plain blocks on rank 1.
+    publisher
+        .publish(0, json!([ahead(&[1, 2], &[[104, 105], [900, 901]])]))
+        .unwrap();
+    publisher
+        .publish(0, json!([ahead(&[1, 3], &[[104, 105], [700, 701]])]))
+        .unwrap();
+    publisher
+        .publish(1, json!([stored(e, &[10, 11], None, &t, "GPU", None)]))
+        .unwrap();
+    let seed = seed_for_lora(None);
+    let local = local_block_hashes(&t, BS as usize, seed);
+    let fold = |tokens_hash: u64, next: [u32; 2]| {
+        let mut bytes = tokens_hash.to_le_bytes().to_vec();
+        bytes.push(0x07);
+        bytes.extend_from_slice(&2u32.to_le_bytes());
+        for t in next {
+            bytes.push(0x03);
+            bytes.extend_from_slice(&u64::from(t).to_le_bytes());
+        }
+        xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, seed)
+    };
+    let block = |n: u64, tokens_hash: u64| StoredBlock {
+        block_hash: hv(e, n),
+        tokens_hash,
+    };
+    let expected = reference(&[
+        (
+            0,
+            KvEventData::Stored {
+                parent_hash: None,
+                blocks: vec![
+                    block(1, fold(local[0], [104, 105])),
+                    block(2, fold(local[1], [900, 901])),
+                ],
+                tier: StorageTier::Device,
+            },
+        ),
+        (
+            0,
+            KvEventData::Stored {
+                parent_hash: Some(hv(e, 1)),
+                blocks: vec![block(3, fold(local[1], [700, 701]))],
+                tier: StorageTier::Device,
+            },
+        ),
+        (1, chain(e, &[10, 11], None, &t, StorageTier::Device, None)),
+    ]);
+    wait_digest(&indexer, expected.digest(), "lookahead blocks").await;
+    let probes = [probe("the plain prompt", t.clone(), None, &[(1, 2, 0)])];
+    check_queries(&nats, &names, &indexer, &expected, &probes, "lookahead").await;
+    drop(bridged);
 }

@@ -38,6 +38,9 @@ fn state(load: Vec<(u64, u64, f64)>) -> EngineState {
         chunk_delay: Duration::from_millis(5),
         max_context: 4096,
         abort_after: None,
+        prefix_cache: Vec::new(),
+        reset_succeeds: true,
+        resets: 0,
     }
 }
 
@@ -343,7 +346,7 @@ async fn a_vllm_engine_registers_reports_serves_and_comes_back_after_failing() {
     let (_, metrics) = bridge.get("/metrics").await.unwrap();
     for line in [
         "kvroute_bridge_registrations_total{engine=\"vllm-42\",event=\"registered\"} 1",
-        "kvroute_bridge_registrations_total{engine=\"vllm-42\",event=\"new_incarnation\"} 1",
+        "kvroute_bridge_registrations_total{engine=\"vllm-42\",event=\"recovered\"} 1",
         "kvroute_bridge_registrations_total{engine=\"vllm-42\",event=\"deregistered\"} 1",
         "kvroute_bridge_requests_total{engine=\"vllm-42\",outcome=\"bad_request\"} 3",
         "kvroute_bridge_requests_total{engine=\"vllm-42\",outcome=\"ok\"} 2",

@@ -40,6 +40,16 @@ const VLLM_DEFAULTED: [(&str, &str); 3] = [
     ("BlockRemoved", "group_idx locality ownership"),
     ("AllBlocksCleared", ""),
 ];
+/// vLLM 0.34 adds `lookahead_token_ids` (default None) to `BlockStored`.
+const VLLM034_DEFAULTED: [(&str, &str); 3] = [
+    (
+        "BlockStored",
+        "extra_keys group_idx kv_cache_spec_kind kv_cache_spec_sliding_window locality \
+         ownership session_id lookahead_token_ids",
+    ),
+    ("BlockRemoved", "group_idx locality ownership"),
+    ("AllBlocksCleared", ""),
+];
 const SGLANG_DEFAULTED: [(&str, &str); 3] = [
     ("BlockStored", "medium cache_salt session_id lora_name"),
     ("BlockRemoved", "medium"),
@@ -87,6 +97,22 @@ fn vllm_cases() -> Vec<Case> {
             keys: "type",
         },
     ]
+}
+
+/// vLLM 0.34: 0.32's cases, and a store with hash lookahead (two tokens after each block).
+fn vllm_034_cases() -> Vec<Case> {
+    let mut cases = vllm_cases();
+    let tokens: Vec<u32> = (0..32).collect();
+    cases.push(Case {
+        event: json!({
+            "type": "BlockStored", "block_hashes": [21, 22], "parent_block_hash": 20,
+            "token_ids": tokens, "block_size": 16, "lora_id": null, "medium": "GPU",
+            "lora_name": null, "group_idx": 0, "lookahead_token_ids": [[16, 17], [32, 33]],
+        }),
+        keys: "type block_hashes parent_block_hash token_ids block_size lora_id medium \
+               lora_name group_idx lookahead_token_ids",
+    });
+    cases
 }
 
 /// SGLang 0.5.23: hashes are signed 64-bit; `medium` and the newer fields have defaults.
@@ -168,7 +194,7 @@ fn omitted_defaults(shapes: &Value, event: &Value) -> Vec<String> {
 fn check_values(engine: Engine, events: &[Mp]) {
     let tag = |i: usize| field(&events[i], "type").as_str().unwrap().to_owned();
     assert_eq!(
-        (0..events.len()).map(tag).collect::<Vec<_>>(),
+        (0..5).map(tag).collect::<Vec<_>>(),
         [
             "BlockStored",
             "BlockStored",
@@ -188,7 +214,7 @@ fn check_values(engine: Engine, events: &[Mp]) {
     assert_eq!(tokens, (0..32).collect::<Vec<_>>());
     assert!(field(stored, "lora_id").is_nil(), "None is written as nil");
     match engine {
-        Engine::Vllm => {
+        Engine::Vllm | Engine::Vllm034 => {
             // Above i64::MAX: a bridge must read vLLM's integer hashes as u64.
             let h = hashes(stored);
             assert_eq!((h[0].as_u64(), h[0].as_i64()), (Some(u64::MAX), None));
@@ -215,6 +241,21 @@ fn check_values(engine: Engine, events: &[Mp]) {
                 field(&events[3], "medium").is_nil(),
                 "medium has no default"
             );
+            if engine == Engine::Vllm034 {
+                let ahead: Vec<Vec<u64>> = field(&events[5], "lookahead_token_ids")
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|l| {
+                        l.as_array()
+                            .unwrap()
+                            .iter()
+                            .map(|t| t.as_u64().unwrap())
+                            .collect()
+                    })
+                    .collect();
+                assert_eq!(ahead, [[16, 17], [32, 33]]);
+            }
         }
         Engine::Sglang => {
             // Negative: a bridge must read SGLang's hashes as i64.
@@ -252,7 +293,7 @@ fn wire_format(engine: Engine, cases: Vec<Case>, defaulted: &[(&str, &str)]) {
     let mut publisher = start(options(engine));
     let root = workspace_root().join(".tools/engines").join(engine.name());
     let module = match engine {
-        Engine::Vllm => "vllm/distributed/kv_events.py",
+        Engine::Vllm | Engine::Vllm034 => "vllm/distributed/kv_events.py",
         Engine::Sglang => "sglang/srt/disaggregation/kv_events.py",
     };
     assert_eq!(
@@ -338,6 +379,11 @@ fn vllm_wire_format() {
 }
 
 #[test]
+fn vllm_0_34_wire_format() {
+    wire_format(Engine::Vllm034, vllm_034_cases(), &VLLM034_DEFAULTED);
+}
+
+#[test]
 fn sglang_wire_format() {
     wire_format(Engine::Sglang, sglang_cases(), &SGLANG_DEFAULTED);
 }
@@ -399,7 +445,7 @@ fn replay_after_a_drop(engine: Engine) {
     }]);
     let stored = match engine {
         // vLLM's BlockStored has no default for medium and lora_name.
-        Engine::Vllm => {
+        Engine::Vllm | Engine::Vllm034 => {
             let mut s = stored;
             s[0]["medium"] = json!("GPU");
             s[0]["lora_name"] = Value::Null;
@@ -469,6 +515,11 @@ fn replay_after_a_drop(engine: Engine) {
 #[test]
 fn vllm_replay_after_a_drop() {
     replay_after_a_drop(Engine::Vllm);
+}
+
+#[test]
+fn vllm_0_34_replay_after_a_drop() {
+    replay_after_a_drop(Engine::Vllm034);
 }
 
 #[test]

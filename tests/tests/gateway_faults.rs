@@ -520,3 +520,53 @@ async fn a_whole_answer_whose_body_stalls_is_a_504() {
     );
     wait_nothing_in_flight(&gateway).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_after_the_last_token_before_done_is_a_success() {
+    let stack = GatewayStack::start(1, |_| {}).await.unwrap();
+    let engine = play(Play::FinishWithoutDone).await;
+    let _card = register(&stack.env, http_card(904, "finishing", &engine.url))
+        .await
+        .unwrap();
+    let gateway = stack.gateway("g", &[]).unwrap();
+    let r = reqwest::Client::new()
+        .post(gateway.url("/v1/completions"))
+        .json(&completion("finishing", &[3, 1, 4, 1, 5], true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut body = r.bytes_stream();
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("\"finish_reason\":\"length\"") {
+        let chunk = tokio::time::timeout(Duration::from_secs(5), body.next())
+            .await
+            .expect("the last token arrives")
+            .unwrap()
+            .unwrap();
+        got.extend_from_slice(&chunk);
+    }
+    drop(body); // the client has its answer and leaves before `data: [DONE]`
+    wait_until("the engine's connection closed", || {
+        engine.gone.load(Ordering::SeqCst)
+    })
+    .await;
+    wait_nothing_in_flight(&gateway).await;
+    let (_, metrics) = kvroute_tests::http_get(gateway.port, "/metrics").unwrap();
+    let sample = |name: &str| match kvroute_tests::sample_value(&metrics, name, &[]) {
+        Ok(v) => v,
+        Err(kvroute_tests::SampleError::Absent(_)) => 0.0,
+        Err(e) => panic!("{name}: {e}"),
+    };
+    assert_eq!(
+        sample("kvroute_gateway_upstream_failures_total{reason=\"client_gone\"}"),
+        0.0,
+        "not an upstream failure"
+    );
+    assert_eq!(
+        sample(
+            "kvroute_gateway_requests_total{endpoint=\"completions\",model=\"finishing\",status=\"200\"}"
+        ),
+        1.0
+    );
+}

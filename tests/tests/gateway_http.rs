@@ -227,7 +227,8 @@ async fn the_selection_api_selects_reserves_and_releases() {
     .await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["worker_id"], 100);
-    assert_eq!(v["request_blocks"], 10);
+    // 40 tokens are 10 blocks of 4, of which an engine can reuse 9: it computes the last token.
+    assert_eq!(v["request_blocks"], 9);
     assert_eq!(v["http_url"], stack.endpoints[0].url());
     assert!(v.get("reservation_id").is_none());
     // A plain selection holds no load.
@@ -548,4 +549,54 @@ async fn every_worker_overloaded_is_503_with_retry_after() {
         waited >= Duration::from_millis(300) && waited < Duration::from_secs(3),
         "{waited:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_selection_api_answers_only_workers_with_an_http_url_unless_asked() {
+    let stack = GatewayStack::start(1, |_| {}).await.unwrap();
+    // A worker of the same model reached only over NATS (no http_url in its card).
+    let mut card = kvroute_tests::http_card(950, STACK_MODEL, "http://unused");
+    card.http_url = None;
+    let _nats_only = kvroute_tests::register(&stack.env, card).await.unwrap();
+    let gateway = stack.gateway("g", &[]).unwrap();
+    let http = reqwest::Client::new();
+    let select = async |extra: Value| {
+        let mut body = json!({"model": STACK_MODEL, "token_ids": prompt(7, 16),
+            "policy": "round-robin"});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let r = http
+            .post(gateway.url("/v1/select"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(status, 200, "{v}");
+        v["worker_id"].as_u64().unwrap()
+    };
+    for _ in 0..6 {
+        assert_eq!(
+            select(json!({})).await,
+            100,
+            "only the worker with an http_url"
+        );
+    }
+    let mut chosen = Vec::new();
+    for _ in 0..6 {
+        chosen.push(select(json!({"http_only": false})).await);
+    }
+    assert!(chosen.contains(&950), "any worker when asked: {chosen:?}");
+    // Only NATS workers allowed: nothing to answer over HTTP.
+    let r = http
+        .post(gateway.url("/v1/select"))
+        .json(&json!({"model": STACK_MODEL, "token_ids": prompt(7, 16), "allowed_workers": [950]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "no_http_worker", "{v}");
 }

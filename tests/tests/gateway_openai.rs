@@ -103,6 +103,76 @@ async fn the_official_openai_client_works_unchanged_through_two_gateways() {
         })
         .sum();
     assert_eq!(turns, 14.0, "2 chats + 3 conversations x 4 turns");
+    for g in [&a, &b] {
+        assert_eq!(
+            g.metric("kvroute_gateway_prompt_token_mismatches_total{model=\"m\"}"),
+            0.0,
+            "the engines tokenize as the gateway does"
+        );
+    }
+}
+
+/// Engines tokenizing with another tokenizer than the gateway's (here llama3's against
+/// chatml's): the router hashes tokens the engines never cache, every overlap is 0, and only
+/// the engines' `usage.prompt_tokens` shows it. The gateway counts each such answer, whole or
+/// streamed with usage, and warns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_tokenizes_otherwise_is_counted_as_a_mismatch() {
+    let stack = GatewayStack::start(1, |c| {
+        c.face.engine_tokenizer = Some(model_dir("llama3"));
+    })
+    .await
+    .unwrap();
+    let flag = format!("{STACK_MODEL}={}", model_dir("chatml").display());
+    let gateway = stack.gateway("a", &["--model", &flag]).unwrap();
+    let http = reqwest::Client::new();
+    let messages =
+        json!([{"role": "user", "content": "How many tokens is this prompt, by your count?"}]);
+    let mismatches =
+        || gateway.metric("kvroute_gateway_prompt_token_mismatches_total{model=\"m\"}");
+    // The guard records at its drop, just after the body's end.
+    let counted = |n: f64| async move {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while mismatches() < n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} of {n}",
+                mismatches()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let whole = http
+        .post(gateway.url("/v1/chat/completions"))
+        .json(&json!({"model": STACK_MODEL, "messages": messages, "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(whole.status(), 200);
+    let body: serde_json::Value = whole.json().await.unwrap();
+    assert!(
+        body["usage"]["prompt_tokens"].as_u64().unwrap() > 0,
+        "{body}"
+    );
+    counted(1.0).await;
+    let streamed = http
+        .post(gateway.url("/v1/chat/completions"))
+        .json(&json!({
+            "model": STACK_MODEL, "messages": messages, "max_tokens": 2, "stream": true,
+            "stream_options": {"include_usage": true}
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(streamed.status(), 200);
+    let text = streamed.text().await.unwrap();
+    assert!(text.contains("\"prompt_tokens\""), "{text}");
+    counted(2.0).await;
+    assert_eq!(mismatches(), 2.0);
+    assert!(
+        gateway.log().contains("tokenizes differently"),
+        "warned once"
+    );
 }
 
 #[test]

@@ -10,7 +10,7 @@ use kvroute_common::messages::{
     IndexQuery, IndexQueryResponse, KvEvent, KvEventBatch, SchemaVersion,
 };
 use kvroute_common::{Names, WorkerId};
-use kvroute_tests::{IndexerProcess, SimWorker, TestEnv, expected_index, stored};
+use kvroute_tests::{IndexerProcess, SimWorker, TestEnv, expected_index, labelled, stored};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -358,7 +358,11 @@ async fn garbage_and_oversize_messages_are_counted_and_change_nothing() {
     ] {
         assert!(
             text.contains(&format!(
-                "kvroute_indexer_bad_messages_total{{reason=\"{reason}\"}} 1"
+                "{} 1\n",
+                labelled(
+                    kvroute_indexer::service::metrics::labels::BAD_MESSAGES,
+                    reason
+                )
             )),
             "{reason} not counted:\n{text}"
         );

@@ -12,10 +12,15 @@ use kvroute_common::codec::{decode, encode};
 use kvroute_common::messages::{
     IndexQuery, IndexQueryResponse, SelectResponse, StorageTier, WorkerCard,
 };
+use kvroute_common::ops::watchdog;
 use kvroute_common::{Names, WorkerId};
+use kvroute_indexer::service::metrics as im;
+use kvroute_router::service::metrics::labels::OVERLAP_FALLBACKS;
+use kvroute_router::service::overlap::Fallback;
+use kvroute_tests::labelled;
 use kvroute_tests::{
-    IndexerProcess, LoadPlan, LoadReport, PromptWorker, RouterProcess, TestEnv, http_get,
-    prompt_workers, request, select, select_until_overlap, steady_load, worker_card,
+    IndexerProcess, LoadPlan, LoadReport, PromptWorker, RouterProcess, TestEnv, continuing,
+    http_get, prompt_workers, request, select, select_until_overlap, steady_load, worker_card,
 };
 use nix::sys::signal::Signal;
 
@@ -55,20 +60,10 @@ async fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
 }
 
 fn fallbacks_total(router: &RouterProcess) -> f64 {
-    [
-        "timeout",
-        "no_responders",
-        "not_ready",
-        "indexer_error",
-        "failed",
-    ]
-    .iter()
-    .map(|r| {
-        router.metric(&format!(
-            "kvroute_router_overlap_fallbacks_total{{reason=\"{r}\"}}"
-        ))
-    })
-    .sum()
+    Fallback::ALL
+        .iter()
+        .map(|r| router.metric(&labelled(OVERLAP_FALLBACKS, r.reason())))
+        .sum()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -102,7 +97,8 @@ async fn a_stopped_indexer_costs_only_the_ping_deadline_of_fallbacks() {
     // this test reads it for.
     let router = RouterProcess::start(&env, "r1", &["--predicted-overlap-ttl-ms", "0"]).unwrap();
     let fleet = Arc::new(fleet);
-    let prompts = Arc::new(prompts);
+    // Sent one token longer than stored, so every stored block counts as overlap.
+    let prompts = Arc::new(prompts.iter().map(|p| continuing(p)).collect::<Vec<_>>());
     let nats = env.nats.connect().await.unwrap();
     let client = Arc::new(SelectClient::new(nats, &names, RetryPolicy::SELECT));
     let plan = |secs| LoadPlan {
@@ -160,7 +156,7 @@ async fn a_stopped_indexer_costs_only_the_ping_deadline_of_fallbacks() {
         ix2.is_ready()
     })
     .await;
-    let leaves = ix2.metric("kvroute_indexer_queue_group_leaves_total{reason=\"lagging\"}");
+    let leaves = ix2.metric(&labelled(im::labels::GROUP_LEAVES, watchdog::LEFT_LAGGING));
     assert!(leaves >= 1.0, "ix-2's watchdog never stepped it out");
 }
 
@@ -233,7 +229,7 @@ async fn an_indexer_bootstrapping_again_answers_nothing_until_it_is_ready() {
     // No predicted overlap: a reply's overlap then comes from the index alone, which is what
     // this test reads it for.
     let router = RouterProcess::start(&env, "r1", &["--predicted-overlap-ttl-ms", "0"]).unwrap();
-    let req = request("m", first.clone());
+    let req = request("m", continuing(&first));
     select_until_overlap(&nats, &names, &req, BLOCKS, Duration::from_secs(30)).await;
 
     // Stop the replica until the server drops its connection (its consumer's pending pulls go
@@ -262,7 +258,7 @@ async fn an_indexer_bootstrapping_again_answers_nothing_until_it_is_ready() {
         || ix.log().contains("bootstrapping again"),
     )
     .await;
-    let ok_before = ix.metric("kvroute_indexer_queries_total{result=\"ok\"}");
+    let ok_before = ix.metric(&labelled(im::labels::QUERIES, im::labels::QUERY_OK));
     let query = IndexQuery {
         model: "m".into(),
         block_hashes: Some(kvroute_common::hashing::local_block_hashes(
@@ -313,7 +309,7 @@ async fn an_indexer_bootstrapping_again_answers_nothing_until_it_is_ready() {
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(checked < 200, "never ready again:\n{}", ix.log());
     }
-    let ok_after = ix.metric("kvroute_indexer_queries_total{result=\"ok\"}");
+    let ok_after = ix.metric(&labelled(im::labels::QUERIES, im::labels::QUERY_OK));
     eprintln!(
         "while bootstrapping again: {checked} rounds of queries, {fallbacks} router fallbacks, {} ok answers",
         ok_after - ok_before
@@ -357,7 +353,7 @@ async fn while_one_indexer_bootstraps_again_routers_use_the_ready_one() {
     // No predicted overlap: a reply's overlap then comes from the index alone, which is what
     // this test reads it for.
     let router = RouterProcess::start(&env, "r1", &["--predicted-overlap-ttl-ms", "0"]).unwrap();
-    let req = request("m", first.clone());
+    let req = request("m", continuing(&first));
     select_until_overlap(&nats, &names, &req, BLOCKS, Duration::from_secs(30)).await;
 
     // Only ix-1 misses the purged part of the log: ix-2 keeps consuming throughout.
@@ -390,7 +386,7 @@ async fn while_one_indexer_bootstraps_again_routers_use_the_ready_one() {
     // Selections keep the overlap: the router's queries are answered by ix-2 alone. A query
     // already delivered to ix-1 as it turned not ready is answered `not_ready` and retried on
     // another replica within the same deadline.
-    let ok2_before = ix2.metric("kvroute_indexer_queries_total{result=\"ok\"}");
+    let ok2_before = ix2.metric(&labelled(im::labels::QUERIES, im::labels::QUERY_OK));
     let fallbacks_before = fallbacks_total(&router);
     let (mut rounds, mut load_only) = (0, 0);
     while !ix1.is_ready() {
@@ -405,7 +401,7 @@ async fn while_one_indexer_bootstraps_again_routers_use_the_ready_one() {
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(rounds < 200, "ix-1 never ready again:\n{}", ix1.log());
     }
-    let ok2 = ix2.metric("kvroute_indexer_queries_total{result=\"ok\"}") - ok2_before;
+    let ok2 = ix2.metric(&labelled(im::labels::QUERIES, im::labels::QUERY_OK)) - ok2_before;
     let fallbacks = fallbacks_total(&router) - fallbacks_before;
     eprintln!(
         "while ix-1 bootstrapped again: {rounds} selections, {load_only} on load alone, \

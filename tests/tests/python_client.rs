@@ -7,7 +7,10 @@ use std::process::{Command, Output};
 
 use kvroute_common::codec::decode;
 use kvroute_common::hashing::{BlockHashes, seed_for_lora};
+use kvroute_common::messages::BindingState;
 use kvroute_common::messages::{SelectRequest, SessionTrigger};
+use kvroute_router::service::metrics as rm;
+use kvroute_tests::labelled;
 use kvroute_tests::workspace_root;
 
 fn script() -> std::path::PathBuf {
@@ -115,6 +118,24 @@ async fn without_a_router_the_client_fails_in_one_line() {
     assert_eq!(out.status.code(), Some(1), "{lines:?}");
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert!(lines[0].contains("cannot connect to NATS"), "{lines:?}");
+    // Without --nats-url the client reads KVROUTE_NATS_URL, as kvroute's processes do.
+    let url = format!("nats://127.0.0.1:{}", kvroute_tests::free_port());
+    let env_url = url.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("python3")
+            .arg(script())
+            .env("KVROUTE_NATS_URL", env_url)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let lines = stderr_lines(&out);
+    assert_eq!(out.status.code(), Some(1), "{lines:?}");
+    assert!(
+        lines[0].contains(&format!("cannot connect to NATS at {url}")),
+        "{lines:?}"
+    );
 }
 
 /// An error reply fails the client (status 1, the code and message on stderr); a session is
@@ -156,7 +177,7 @@ async fn error_replies_fail_and_a_session_is_sent_and_bound() {
     let workers = summary["workers"].as_array().unwrap();
     assert!(workers.iter().all(|w| w == &workers[0]), "{summary}");
     assert_eq!(
-        router.metric("kvroute_router_sessions_total{binding=\"kept\"}"),
+        router.metric(&labelled(rm::labels::SESSIONS, BindingState::Kept.as_str())),
         2.0
     );
     // The session's last selection releases the binding.

@@ -89,6 +89,19 @@ fn args(env: &TestEnv, trace: &Path, extra: &[&str]) -> ReplayArgs {
     ReplayArgs::try_parse_from(all).unwrap()
 }
 
+/// The `kvroute-replay` binary on `trace` against `env`'s servers (model `m`, settle 100 ms),
+/// with `extra` flags.
+fn replay_command(env: &TestEnv, trace: &Path, extra: &[&str]) -> std::process::Command {
+    let bin = kvroute_tests::kvroute_bin("kvroute-mocker", "kvroute-replay").unwrap();
+    let mut command = std::process::Command::new(bin);
+    command
+        .args(env.server_args())
+        .args(["--trace", &trace.display().to_string()])
+        .args(["--limit", "0", "--model", "m", "--settle-ms", "100"])
+        .args(extra);
+    command
+}
+
 #[tokio::test]
 async fn kv_selection_beats_round_robin_and_the_report_is_written() {
     let env = TestEnv::start().unwrap();
@@ -243,33 +256,22 @@ async fn a_run_whose_requests_fail_exits_non_zero() {
     let fleet = start_fleet(&env, &names, 1, 50.0).await;
     let dir = tempfile::tempdir().unwrap();
     let trace = write_trace(dir.path(), 20, 4, 10);
-    let bin = kvroute_tests::kvroute_bin("kvroute-mocker", "kvroute-replay").unwrap();
-    let mut args = env.server_args();
-    args.extend(
-        [
-            "--trace",
-            &trace.display().to_string(),
-            "--limit",
-            "0",
-            "--model",
-            "m",
+    let mut command = replay_command(
+        &env,
+        &trace,
+        &[
             "--quiet",
             "--modes",
             "kv",
-            "--settle-ms",
-            "100",
             "--select-attempts",
             "2",
             "--select-attempt-timeout-ms",
             "100",
-        ]
-        .map(str::to_owned),
+        ],
     );
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(bin).args(args).output().unwrap()
-    })
-    .await
-    .unwrap();
+    let out = tokio::task::spawn_blocking(move || command.output().unwrap())
+        .await
+        .unwrap();
     fleet.shutdown().await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{stderr}");
@@ -284,6 +286,60 @@ async fn a_run_whose_requests_fail_exits_non_zero() {
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
+}
+
+/// SIGTERM stops a run early: the binary sends no more requests, waits for those it sent,
+/// prints its report (exit 0) with the rest counted as not sent, and runs no later mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_the_run_and_reports_what_ran() {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+
+    let env = TestEnv::start().unwrap();
+    let names = Names::new(&env.namespace);
+    // Real time (speedup 1): 200 requests 100 ms apart, a 20-s run, stopped after ~10.
+    let fleet = start_fleet(&env, &names, 2, 1.0).await;
+    let dir = tempfile::tempdir().unwrap();
+    let trace = write_trace(dir.path(), 200, 8, 100);
+    let child = replay_command(
+        &env,
+        &trace,
+        &["--json", "--selector", "local", "--modes", "kv,round-robin"],
+    )
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .spawn()
+    .unwrap();
+    let started = std::time::Instant::now();
+    while fleet.metrics().requests_received.get() < 10 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the replay sends its first requests"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
+    let stopped = std::time::Instant::now();
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    let took = stopped.elapsed();
+    let received = fleet.metrics().requests_received.get();
+    fleet.shutdown().await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        took < Duration::from_secs(5),
+        "it stops within a request's time, not the run's: {took:?}"
+    );
+    assert!(stderr.contains("stopping"), "{stderr}");
+    let report: RunReport = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report.modes.len(), 1, "round-robin did not run: {report:?}");
+    let m = &report.modes[0];
+    assert_eq!(m.completed + m.errors + m.not_sent, 200, "{m:?}");
+    assert_eq!(m.errors, 0, "{m:?}");
+    assert_eq!(m.completed, received, "every request sent was waited for");
+    assert!(m.not_sent > 100, "{m:?}");
 }
 
 /// A generated session trace through a `kvroute-router`: with sessions sent, every later turn
@@ -328,8 +384,9 @@ async fn sessions_sent_stick_to_one_worker_through_the_router() {
     // Each mode's sessions were new to the router (bindings outlive a mode; the replay scopes
     // the ids), and every later turn kept its binding.
     let binding = |state: &str| {
-        router.metric(&format!(
-            "kvroute_router_sessions_total{{binding=\"{state}\"}}"
+        router.metric(&kvroute_tests::labelled(
+            kvroute_router::service::metrics::labels::SESSIONS,
+            state,
         ))
     };
     // A first turn whose attempt expired after its binding was committed (a loaded machine)

@@ -10,11 +10,15 @@ use std::time::Duration;
 
 use kvroute_common::Names;
 use kvroute_common::messages::{Pin, SelectRequest, SessionContext};
+use kvroute_router::service::metrics as rm;
+use kvroute_tests::series;
 use kvroute_tests::{
     IndexerProcess, RouterProcess, TestEnv, expect_worker, fleet_worker, prompt_workers, request,
     send_select, workspace_root,
 };
 use uuid::Uuid;
+const PARTITION: &[(&str, &str)] = &[("model", "m"), ("role", "aggregated")];
+const CLASS_0: &[(&str, &str)] = &[("model", "m"), ("role", "aggregated"), ("class", "0")];
 
 fn prompt(i: u32) -> Vec<u32> {
     (0..64).map(|t| i * 1_000 + t).collect()
@@ -72,7 +76,7 @@ async fn session_serial_defers_a_sessions_second_request_and_steers_it_to_its_wo
         "deferred while the session's first request runs"
     );
     assert_eq!(
-        router.metric("kvroute_router_queue_deferred{model=\"m\",role=\"aggregated\"}"),
+        router.metric(&series(rm::names::QUEUE_DEFERRED, PARTITION)),
         1.0
     );
 
@@ -110,9 +114,7 @@ async fn session_serial_defers_a_sessions_second_request_and_steers_it_to_its_wo
         "the classifier's target (learned from Sent) was honoured"
     );
     assert_eq!(
-        router.metric(
-            "kvroute_router_queue_dispatched_total{model=\"m\",role=\"aggregated\",class=\"0\"}"
-        ),
+        router.metric(&series(rm::names::QUEUE_DISPATCHED, CLASS_0)),
         1.0
     );
     // Another session is not held back by this one.

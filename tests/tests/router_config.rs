@@ -44,6 +44,8 @@ async fn the_example_policy_selected_through_yaml_changes_the_outcome() {
     }
     let tokens = prompt(1, 8);
     workers[1].store_prompt(&tokens).await;
+    // Asked one token longer than stored: all 8 stored blocks count as overlap.
+    let tokens = kvroute_tests::continuing(&tokens);
     let nats = env.nats.connect().await.unwrap();
 
     // The built-in default follows the cache: worker 2.

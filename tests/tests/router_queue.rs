@@ -12,12 +12,16 @@ use kvroute_common::client::{RetryPolicy, SelectClient, SelectFailure};
 use kvroute_common::messages::{ErrorCode, SelectRequest, SelectResponse, WorkerRole};
 use kvroute_common::{RequestId, WorkerId};
 use kvroute_router::decide::owner::owner;
+use kvroute_router::service::metrics as rm;
 use kvroute_tests::{
     IndexerProcess, RouterProcess, TestEnv, expect_worker, fleet_worker, prompt_workers, request,
     send_select, wait_routers_registered,
 };
+use kvroute_tests::{labelled, series};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
+const PARTITION: &[(&str, &str)] = &[("model", "m"), ("role", "aggregated")];
+const CLASS_0: &[(&str, &str)] = &[("model", "m"), ("role", "aggregated"), ("class", "0")];
 
 /// One request keeps a worker busy: 1,040 prompt tokens of prefill against a threshold of
 /// 1,000.
@@ -120,7 +124,7 @@ async fn queued_requests_run_in_priority_order_one_per_freed_slot() {
         answered(&pending).is_empty(),
         "every worker is busy: they wait"
     );
-    let depth = "kvroute_router_queue_depth{model=\"m\",role=\"aggregated\",class=\"0\"}";
+    let depth = &series(rm::names::QUEUE_DEPTH, CLASS_0);
     assert_eq!(router.metric(depth), 6.0);
 
     // Free one slot at a time: larger priority first, FCFS among equals, each on the worker
@@ -133,12 +137,10 @@ async fn queued_requests_run_in_priority_order_one_per_freed_slot() {
         assert_eq!(reply.worker_id, worker_id, "served on the freed worker");
         running.push((reply.request_id, reply.worker_id));
     }
-    let dispatched =
-        "kvroute_router_queue_dispatched_total{model=\"m\",role=\"aggregated\",class=\"0\"}";
+    let dispatched = &series(rm::names::QUEUE_DISPATCHED, CLASS_0);
     assert_eq!(router.metric(dispatched), 6.0);
     assert_eq!(router.metric(depth), 0.0);
-    let waits =
-        "kvroute_router_queue_wait_seconds_count{model=\"m\",role=\"aggregated\",class=\"0\"}";
+    let waits = &series(&format!("{}_count", rm::names::QUEUE_WAIT_SECONDS), CLASS_0);
     assert_eq!(router.metric(waits), 6.0);
 }
 
@@ -178,11 +180,10 @@ async fn deadlines_expire_a_full_queue_refuses_and_a_stopped_router_answers_its_
         waited >= Duration::from_millis(600) && waited < Duration::from_millis(2_000),
         "{waited:?}"
     );
-    let timeouts =
-        "kvroute_router_queue_timeouts_total{model=\"m\",role=\"aggregated\",class=\"0\"}";
+    let timeouts = &series(rm::names::QUEUE_TIMEOUTS, CLASS_0);
     assert_eq!(router.metric(timeouts), 2.0);
     assert_eq!(
-        router.metric("kvroute_router_queue_full_total{model=\"m\",role=\"aggregated\"}"),
+        router.metric(&series(rm::names::QUEUE_FULL, PARTITION)),
         1.0
     );
 
@@ -273,7 +274,7 @@ async fn two_replicas_never_dispatch_two_queued_requests_onto_one_freed_slot() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(answered(&pending).is_empty());
     assert_eq!(
-        other.metric("kvroute_router_forwards_total{outcome=\"queued\"}"),
+        other.metric(&labelled(rm::labels::FORWARDS, rm::labels::FORWARD_QUEUED)),
         3.0,
         "the other replica's three went to the owner's queue"
     );

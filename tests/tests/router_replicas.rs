@@ -15,6 +15,8 @@ use kvroute_common::messages::{
     SelectReply, SelectRequest, SelectResponse, StorageTier, WorkerRole,
 };
 use kvroute_router::decide::owner::owner;
+use kvroute_router::service::metrics as rm;
+use kvroute_tests::labelled;
 use kvroute_tests::{
     IndexerProcess, RouterProcess, TestEnv, prompt_workers, request, wait_routers_registered,
 };
@@ -133,7 +135,12 @@ async fn a_burst_over_four_replicas_lands_as_on_one_and_survives_its_owner() {
     let owner_id = owner(ids, "m", WorkerRole::Aggregated).unwrap();
     let forwarded: f64 = routers
         .iter()
-        .map(|r| r.metric("kvroute_router_forwards_total{outcome=\"answered\"}"))
+        .map(|r| {
+            r.metric(&labelled(
+                rm::labels::FORWARDS,
+                rm::labels::FORWARD_ANSWERED,
+            ))
+        })
         .sum();
     assert_eq!(forwarded, (BURST - BURST / 4) as f64);
 
@@ -175,7 +182,12 @@ async fn a_burst_over_four_replicas_lands_as_on_one_and_survives_its_owner() {
     let before: f64 = routers
         .iter()
         .filter(|r| r.router_id != owner_id)
-        .map(|r| r.metric("kvroute_router_forwards_total{outcome=\"answered\"}"))
+        .map(|r| {
+            r.metric(&labelled(
+                rm::labels::FORWARDS,
+                rm::labels::FORWARD_ANSWERED,
+            ))
+        })
         .sum();
     let replies = burst(&nats, &names, &survivors, 20_000).await;
     assert_eq!(replies.len(), BURST);
@@ -183,7 +195,12 @@ async fn a_burst_over_four_replicas_lands_as_on_one_and_survives_its_owner() {
     let after: f64 = routers
         .iter()
         .filter(|r| r.router_id != owner_id)
-        .map(|r| r.metric("kvroute_router_forwards_total{outcome=\"answered\"}"))
+        .map(|r| {
+            r.metric(&labelled(
+                rm::labels::FORWARDS,
+                rm::labels::FORWARD_ANSWERED,
+            ))
+        })
         .sum();
     let position = survivors.iter().position(|id| *id == next).unwrap();
     let decided_by_next = (0..BURST).filter(|i| i % 3 == position).count();

@@ -12,6 +12,8 @@ use kvroute_common::events_stream::{StreamArgs, ensure_events_stream};
 use kvroute_common::messages::{
     Decision, SchemaVersion, SelectReply, SelectRequest, SelectResponse, now_ms,
 };
+use kvroute_router::service::metrics as rm;
+use kvroute_tests::labelled;
 use kvroute_tests::{RouterProcess, TestEnv, prompt_workers, request};
 use uuid::Uuid;
 
@@ -72,7 +74,7 @@ async fn a_request_past_its_deadline_is_dropped_without_a_decision() {
             .is_empty()
     );
     assert_eq!(
-        router.metric("kvroute_router_expired_requests_total{stage=\"intake\"}"),
+        router.metric(&labelled(rm::labels::EXPIRED, rm::labels::EXPIRED_INTAKE)),
         1.0
     );
     // One with time left is served as usual.

@@ -10,10 +10,13 @@ use kvroute_common::codec::encode;
 use kvroute_common::messages::{
     ErrorCode, Pin, SelectReply, SelectRequest, SelectResponse, WorkerRole,
 };
+use kvroute_router::service::metrics as rm;
+use kvroute_router::service::overlap::Fallback;
 use kvroute_tests::{
-    IndexerProcess, PromptWorker, RouterProcess, TestEnv, prompt_workers, request, select,
-    select_raw, worker_card,
+    IndexerProcess, PromptWorker, RouterProcess, TestEnv, continuing, prompt_workers, request,
+    select, select_raw, worker_card,
 };
+use kvroute_tests::{labelled, series};
 
 fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
     (0..blocks * 16).map(|i| seed * 100_000 + i).collect()
@@ -57,7 +60,7 @@ async fn remote_overlap_sends_a_prompt_to_the_worker_holding_it() {
     let nats = env.nats.connect().await.unwrap();
     let tokens = prompt(1, 8);
     fleet[1].store_prompt(&tokens).await;
-    let reply = select_until_overlap(&nats, &names, &request("m", tokens.clone()), 8).await;
+    let reply = select_until_overlap(&nats, &names, &request("m", continuing(&tokens)), 8).await;
     assert_eq!(reply.worker_id, 2);
     assert_eq!(reply.request_blocks, 8);
     assert_eq!(reply.router_id, "r1");
@@ -65,7 +68,7 @@ async fn remote_overlap_sends_a_prompt_to_the_worker_holding_it() {
     assert_eq!(reply.request_subject, names.worker_requests(2));
     assert!(reply.cost.total.is_finite() && !reply.cost.terms.is_empty());
     assert!(router.metric("kvroute_router_overlap_blocks_total") >= 8.0);
-    assert!(router.metric("kvroute_router_decisions_total{worker=\"2/0\"}") >= 1.0);
+    assert!(router.metric(&series(rm::names::DECISIONS, &[("worker", "2/0")])) >= 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -80,12 +83,12 @@ async fn local_overlap_follows_the_log_without_an_indexer() {
     indexer.stop().unwrap();
     let router = RouterProcess::start(&env, "r1", &["--overlap-mode", "local"]).unwrap();
     let nats = env.nats.connect().await.unwrap();
-    let reply = select_until_overlap(&nats, &names, &request("m", first), 6).await;
+    let reply = select_until_overlap(&nats, &names, &request("m", continuing(&first)), 6).await;
     assert_eq!(reply.worker_id, 3);
     // Events published after startup arrive through the replica's consumer.
     let second = prompt(2, 5);
     fleet[0].store_prompt(&second).await;
-    let reply = select_until_overlap(&nats, &names, &request("m", second), 5).await;
+    let reply = select_until_overlap(&nats, &names, &request("m", continuing(&second)), 5).await;
     assert_eq!(reply.worker_id, 1);
     // The local replica applied the whole log: its sequence is the stream's last.
     let last_seq = async_nats::jetstream::new(nats.clone())
@@ -109,7 +112,10 @@ async fn local_overlap_follows_the_log_without_an_indexer() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(
-        router.metric("kvroute_router_overlap_fallbacks_total{reason=\"no_responders\"}"),
+        router.metric(&labelled(
+            rm::labels::OVERLAP_FALLBACKS,
+            Fallback::NoResponders.reason()
+        )),
         0.0
     );
 }
@@ -124,7 +130,7 @@ async fn local_replica_reports_the_indexers_applied_seq_and_digest() {
     let nats = env.nats.connect().await.unwrap();
     let tokens = prompt(3, 4);
     fleet[1].store_prompt(&tokens).await;
-    select_until_overlap(&nats, &names, &request("m", tokens), 4).await;
+    select_until_overlap(&nats, &names, &request("m", continuing(&tokens)), 4).await;
     // The log is quiet now: the replica and the indexer applied the same prefix of it.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
@@ -210,7 +216,12 @@ async fn equal_overlap_spreads_by_load_through_one_replica_or_two() {
         "both replicas answered"
     );
     assert!(a.metric("kvroute_router_decisions_applied_total") >= 40.0);
-    assert!(a.metric("kvroute_router_overlap_fallbacks_total{reason=\"no_responders\"}") >= 1.0);
+    assert!(
+        a.metric(&labelled(
+            rm::labels::OVERLAP_FALLBACKS,
+            Fallback::NoResponders.reason()
+        )) >= 1.0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -419,9 +430,14 @@ async fn malformed_and_oversize_requests_get_error_replies() {
         code(select_raw(&nats, &names, bytes).await.unwrap()),
         ErrorCode::TooLarge
     );
-    assert!(router.metric("kvroute_router_errors_total{code=\"bad_request\"}") >= 5.0);
+    assert!(
+        router.metric(&labelled(
+            rm::labels::ERRORS,
+            ErrorCode::BadRequest.as_str()
+        )) >= 5.0
+    );
     assert_eq!(
-        router.metric("kvroute_router_errors_total{code=\"too_large\"}"),
+        router.metric(&labelled(rm::labels::ERRORS, ErrorCode::TooLarge.as_str())),
         1.0
     );
     // A good request still works afterwards.

@@ -11,6 +11,8 @@ use kvroute_common::messages::{
     BindingState, IndexQuery, IndexQueryResponse, SelectReply, SelectRequest, SelectResponse,
     SessionContext,
 };
+use kvroute_router::service::metrics as rm;
+use kvroute_tests::labelled;
 use kvroute_tests::{
     IndexerProcess, PromptWorker, RouterProcess, TestEnv, request, select, worker_card,
 };
@@ -151,8 +153,8 @@ async fn racing_first_requests_of_a_session_land_on_one_worker() {
         }
     }
     assert!(across_replicas > 0, "some races spanned both replicas");
-    let kept = a.metric("kvroute_router_sessions_total{binding=\"kept\"}")
-        + b.metric("kvroute_router_sessions_total{binding=\"kept\"}");
+    let kept = a.metric(&labelled(rm::labels::SESSIONS, BindingState::Kept.as_str()))
+        + b.metric(&labelled(rm::labels::SESSIONS, BindingState::Kept.as_str()));
     assert_eq!(kept, 20.0, "every race had one winner and one adopter");
 }
 
@@ -225,5 +227,10 @@ async fn soft_sessions_follow_the_policy_and_departed_workers_rebind() {
         (rebound.worker_id, rebound.binding),
         (1, Some(BindingState::Rebound))
     );
-    assert!(hard.metric("kvroute_router_sessions_total{binding=\"rebound\"}") >= 1.0);
+    assert!(
+        hard.metric(&labelled(
+            rm::labels::SESSIONS,
+            BindingState::Rebound.as_str()
+        )) >= 1.0
+    );
 }

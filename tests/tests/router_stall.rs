@@ -12,7 +12,10 @@ use futures::StreamExt;
 use kvroute_common::client::{RetryPolicy, SelectClient};
 use kvroute_common::codec::decode;
 use kvroute_common::messages::Decision;
+use kvroute_common::ops::watchdog;
 use kvroute_common::{DecisionId, Names, RequestId};
+use kvroute_router::service::metrics as rm;
+use kvroute_tests::labelled;
 use kvroute_tests::{LoadPlan, RouterProcess, TestEnv, prompt_workers, steady_load};
 use nix::sys::signal::Signal;
 
@@ -127,8 +130,8 @@ async fn a_stopped_router_loses_no_selection_and_charges_none_twice() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let expired = r2.metric("kvroute_router_expired_requests_total{stage=\"intake\"}");
-    let leaves = r2.metric("kvroute_router_queue_group_leaves_total{reason=\"lagging\"}");
+    let expired = r2.metric(&labelled(rm::labels::EXPIRED, rm::labels::EXPIRED_INTAKE));
+    let leaves = r2.metric(&labelled(rm::labels::GROUP_LEAVES, watchdog::LEFT_LAGGING));
     let reconnects = r2.metric("kvroute_router_nats_reconnects_total");
     // Requests delivered to r2 before the server dropped it are dropped when it runs again, if
     // the socket still holds them (that depends on how the kernel closed it); each one it

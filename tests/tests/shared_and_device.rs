@@ -13,6 +13,8 @@ use kvroute_common::messages::{
     StorageTier,
 };
 use kvroute_mocker::fleet::{EngineArgs, Fleet, FleetConfig};
+use kvroute_router::service::metrics as rm;
+use kvroute_tests::series;
 use kvroute_tests::{IndexerProcess, RouterProcess, TestEnv, prompt_workers, request, select};
 
 fn yaml(env: &TestEnv, name: &str, text: &str) -> String {
@@ -56,7 +58,8 @@ async fn shared_tier_blocks_earn_every_worker_the_shared_cache_credit() {
     let nats = env.nats.connect().await.unwrap();
     // Worker 1 holds the first 8 blocks of a 10-block prompt on its device and wrote them to
     // the shared tier; it is busy, so worker 2 gets the request either way.
-    let tokens: Vec<u32> = (0..10 * 16).collect();
+    // One token more than 10 blocks: an engine can reuse all 10 (it computes the last token).
+    let tokens: Vec<u32> = (0..10 * 16 + 1).collect();
     fleet[0].store_prompt(&tokens[..8 * 16]).await;
     fleet[0]
         .store_prompt_in(&tokens[..8 * 16], StorageTier::Shared)
@@ -102,12 +105,12 @@ async fn shared_tier_blocks_earn_every_worker_the_shared_cache_credit() {
         shared.overlap_blocks.is_empty(),
         "worker 2 holds nothing itself"
     );
-    // The default multiplier (0) gives no credit: 64 · (10 + 10), the first decision's 10
-    // blocks being queued on worker 2 now (the router charged it).
+    // The default multiplier (0) gives no credit: 64 · (10 + 161 / 16), the first decision's
+    // 161 tokens being queued on worker 2 now (the router charged it).
     let plain = ok(select(&nats, &names, &with("plain")).await.unwrap());
     assert_eq!(
         (plain.worker_id, plain.cost.terms["prefill"]),
-        (2, 1280.0),
+        (2, 1284.0),
         "{plain:?}"
     );
     // Worker 1's own device prefix covers the shared one: no shared credit on top of it.
@@ -118,8 +121,9 @@ async fn shared_tier_blocks_earn_every_worker_the_shared_cache_credit() {
     });
     let on_1 = ok(select(&nats, &names, &pinned).await.unwrap());
     assert_eq!(on_1.overlap_blocks.get(&StorageTier::Device), Some(&8));
-    // 64 · max(10 − 3 · 8, 0) = 0, with or without the multiplier.
-    assert_eq!(on_1.cost.terms["prefill"], 0.0);
+    // 64 · max(10 − 1 · 8, 0) = 128: the 2 blocks it must still compute, with or without the
+    // multiplier (a credit above 1 offsets only queued prefill, and worker 1 has none).
+    assert_eq!(on_1.cost.terms["prefill"], 128.0);
 }
 
 const DEVICE_AWARE: &str = "worker_selection:
@@ -212,7 +216,7 @@ async fn a_mixed_fleet_splits_in_the_ratio_of_the_device_groups_capacities() {
     );
     // Within each group the least-loaded rank: every rank serves.
     assert_eq!(per_worker.len(), 4, "{per_worker:?}");
-    assert!(router.metric("kvroute_router_decisions_total{worker=\"11/0\"}") >= 1.0);
+    assert!(router.metric(&series(rm::names::DECISIONS, &[("worker", "11/0")])) >= 1.0);
     accelerators.shutdown().await;
     cpus.shutdown().await;
 }

@@ -104,6 +104,19 @@ fn every_binary_reports_bad_usage_in_one_line_with_status_2() {
 }
 
 #[test]
+fn every_binary_prints_its_own_name_and_version() {
+    for (bin, _) in BINS {
+        let out = run(bin, &["--version"], &[]);
+        assert_eq!(out.code, 0, "{bin} --version: {out:?}");
+        assert_eq!(
+            out.stdout.trim_end(),
+            format!("{bin} {}", env!("CARGO_PKG_VERSION")),
+            "{bin} --version"
+        );
+    }
+}
+
+#[test]
 fn booleans_take_1_and_0_and_empty_variables_mean_unset() {
     // Accepted: the process goes on to connect (and exits 4, NATS being unreachable).
     let nats = format!("nats://127.0.0.1:{}", free_port());

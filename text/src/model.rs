@@ -24,6 +24,8 @@ pub struct ModelText {
     eos_token: Option<String>,
     /// transformers' `clean_up_tokenization_spaces` on decode (which it skips for BPE models).
     clean_up_spaces: bool,
+    /// Every token stands for at most this many bytes of text (`None`: no sound bound).
+    max_bytes_per_token: Option<usize>,
 }
 
 impl ModelText {
@@ -87,7 +89,9 @@ impl ModelText {
             templates.insert(template_name.clone(), template);
         }
         let is_bpe = matches!(tokenizer.get_model(), ModelWrapper::BPE(_));
+        let max_bytes_per_token = crate::bound::max_bytes_per_token(&tokenizer);
         Ok(ModelText {
+            max_bytes_per_token,
             name: name.to_owned(),
             bos_token: config.token("bos_token").map(str::to_owned),
             eos_token: config.token("eos_token").map(str::to_owned),
@@ -110,6 +114,13 @@ impl ModelText {
             .encode_fast(text, add_special_tokens)
             .map_err(|e| TextError::Tokenizer(e.to_string()))?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// The fewest tokens a text of `bytes` bytes can have (0 when the tokenizer allows no sound
+    /// bound): a text whose bound is above a limit is over it without being tokenized.
+    pub fn min_tokens(&self, bytes: usize) -> usize {
+        self.max_bytes_per_token
+            .map_or(0, |per| bytes.div_ceil(per))
     }
 
     /// The text of `ids`, special tokens skipped; ids the vocabulary lacks are skipped too.

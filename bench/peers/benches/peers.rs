@@ -1,7 +1,7 @@
 //! kvroute's radix index side by side with the indexes of NVIDIA Dynamo's router
 //! (`dynamo-kv-router`: RadixTree, ConcurrentRadixTreeCompressed, PositionalIndexer) and of the
 //! SGLang model gateway (`kv-index`: ChainIndex), on the same Mooncake-trace events and queries.
-//! Prints one table (BENCHMARKS.md, "Radix index (issue 3)"). Run: `cd bench/peers && cargo bench`.
+//! Prints one table (BENCHMARKS.md, "Radix index"). Run: `cd bench/peers && cargo bench`.
 
 mod adapters;
 

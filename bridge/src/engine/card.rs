@@ -107,6 +107,7 @@ pub fn build_card(
         request_subject: names.worker_requests(worker_id),
         software_version,
         http_url: Some(spec.engine_url.trim().trim_end_matches('/').to_owned()),
+        kv_events: spec.kv_events,
     })
 }
 
@@ -156,6 +157,19 @@ mod tests {
         assert_eq!(card.taints, ["gpu-h100"]);
         assert_eq!(card.request_subject, names().worker_requests(s.worker_id()));
         assert_eq!(card.http_url.as_deref(), Some("http://10.0.0.7:30000"));
+        assert!(card.kv_events);
+    }
+
+    #[test]
+    fn an_engine_without_events_registers_so() {
+        let s: EngineSpec = serde_norway::from_str(
+            "engine: vllm\nengine_url: http://10.0.0.7:8000\nkv_events: false\n",
+        )
+        .unwrap();
+        s.validate("engines[0]").unwrap();
+        let card = build_card(&s, &info(), &[0], &names()).unwrap();
+        assert!(!card.kv_events);
+        assert_eq!(card.http_url.as_deref(), Some("http://10.0.0.7:8000"));
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! A healthy engine that is not registered is registered; `failures_limit` consecutive failed
 //! probes deregister it. An engine that was deemed down (that many failures in a row, whether
 //! or not it was registered) may have restarted with an empty cache, so its next registration
-//! is a new incarnation. The shell carries out the [`Action`] and keeps the returned state if it
+//! says so (`was_down`), and the relay checks the engine's incarnation
+//! ([`crate::relay::Relay::check_incarnation`]). The shell carries out the [`Action`] and keeps the returned state if it
 //! succeeded; a registration can fail (facts missing, NATS or etcd errors), and then the shell
 //! keeps [`HealthState::registration_failed`], so the rule asks again at the next probe.
 
@@ -13,8 +14,8 @@ pub struct HealthState {
     pub registered: bool,
     /// Consecutive failed probes.
     pub failures: u32,
-    /// The engine was deemed down since its last registration: register it as a new
-    /// incarnation (its cache is gone).
+    /// The engine was deemed down since its last registration: it may have restarted (its
+    /// next registration checks its incarnation).
     pub restarted: bool,
 }
 
@@ -34,9 +35,10 @@ impl HealthState {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
     Nothing,
-    /// Register the engine (a new `WorkerAgent`); `new_incarnation`: clear the relay first.
+    /// Register the engine (a new `WorkerAgent`); `was_down`: it was deemed down since its last registration,
+    /// so the relay checks whether it kept its cache.
     Register {
-        new_incarnation: bool,
+        was_down: bool,
     },
     /// Deregister it (revoke the lease, stop load and requests).
     Deregister,
@@ -55,7 +57,7 @@ pub fn step(state: HealthState, probe_ok: bool, failures_limit: u32) -> (HealthS
             Action::Nothing
         } else {
             Action::Register {
-                new_incarnation: state.restarted,
+                was_down: state.restarted,
             }
         };
         return (next, action);
@@ -136,7 +138,7 @@ mod tests {
             let ok = rng.chance(if failing { 10 } else { 90 });
             let expected = if ok && !model.registered {
                 Action::Register {
-                    new_incarnation: model.down_since_registration(limit as usize),
+                    was_down: model.down_since_registration(limit as usize),
                 }
             } else if !ok && model.registered && model.trailing_failures() + 1 == limit as usize {
                 Action::Deregister
@@ -193,8 +195,8 @@ mod tests {
         // The sequences exercise every transition.
         let count = |a: Action| trace.iter().filter(|(_, x)| *x == a).count();
         assert!(count(Action::Deregister) > 100);
-        for new_incarnation in [false, true] {
-            assert!(count(Action::Register { new_incarnation }) > 100);
+        for was_down in [false, true] {
+            assert!(count(Action::Register { was_down }) > 100);
         }
     }
 
@@ -236,41 +238,26 @@ mod tests {
             s = next;
             actions.push(a);
         }
-        assert_eq!(
-            actions[0],
-            Action::Register {
-                new_incarnation: false
-            }
-        );
+        assert_eq!(actions[0], Action::Register { was_down: false });
         assert!(actions[1..].iter().all(|a| *a == Action::Nothing));
         assert!(s.registered);
     }
 
     #[test]
-    fn down_then_up_is_a_new_incarnation_even_if_never_registered() {
+    fn down_then_up_is_a_was_down_even_if_never_registered() {
         let mut s = HealthState::default();
         for _ in 0..3 {
             s = step(s, false, 3).0;
         }
         assert!(s.restarted && !s.registered);
         let (s2, a) = step(s, true, 3);
-        assert_eq!(
-            a,
-            Action::Register {
-                new_incarnation: true
-            }
-        );
+        assert_eq!(a, Action::Register { was_down: true });
         assert!(!s2.restarted);
         // Registration failed: the next success asks again, still as a new incarnation, and
         // the failure run starts afresh.
         let kept = s.registration_failed();
         assert_eq!(kept.failures, 0);
-        assert_eq!(
-            step(kept, true, 3).1,
-            Action::Register {
-                new_incarnation: true
-            }
-        );
+        assert_eq!(step(kept, true, 3).1, Action::Register { was_down: true });
         assert_eq!(step(kept, false, 3).1, Action::Nothing);
         // Registered and failing: deregistered exactly at the limit, once.
         let mut s = s2;

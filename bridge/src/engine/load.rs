@@ -20,8 +20,10 @@ use kvroute_common::messages::{SchemaVersion, WorkerLoad, now_ms};
 use kvroute_common::{DpRank, WorkerId};
 
 use super::report::Reporter;
+use super::silence::{Silence, SilenceWatch};
 use crate::engine_http::{EngineClient, EngineLoad};
 use crate::metrics::{BridgeMetrics, names};
+use crate::relay::Relay;
 
 /// The capacity a rank's report is measured against (the card's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +92,10 @@ pub struct LoadTask {
     pub ranks: Vec<DpRank>,
     pub capacity: Capacity,
     pub interval: Duration,
+    /// The engine's event relay (its batch counts, for the silent-events check).
+    pub relay: Relay,
+    /// Where the events are expected, as the warning names it.
+    pub events_endpoint: String,
     pub seqs: Arc<LoadSeqs>,
     pub reporter: Reporter,
     pub metrics: Arc<BridgeMetrics>,
@@ -101,6 +107,7 @@ impl LoadTask {
         let mut tick = tokio::time::interval(self.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut silent_ranks: Vec<DpRank> = Vec::new();
+        let mut silence = SilenceWatch::new(&self.ranks, self.capacity.block_size);
         loop {
             tick.tick().await;
             let loads = match self.client.load(&self.ranks).await {
@@ -114,6 +121,12 @@ impl LoadTask {
             };
             self.metrics.inc(names::LOAD_POLLS, &self.label, None, "ok");
             let ts = now_ms();
+            let batches = self.relay.batches_received();
+            // An engine without KV events is silent by design.
+            for (rank, load) in loads.iter().filter(|_| self.relay.subscribed()) {
+                let received = batches.iter().find(|(r, _)| r == rank).map_or(0, |b| b.1);
+                self.check_silence(&mut silence, *rank, received, load);
+            }
             for (rank, load) in loads {
                 if !load.is_known() {
                     // Publishing zeros would call a busy rank idle.
@@ -151,6 +164,33 @@ impl LoadTask {
     }
 }
 
+impl LoadTask {
+    fn check_silence(
+        &self,
+        watch: &mut SilenceWatch,
+        rank: DpRank,
+        batches: u64,
+        load: &EngineLoad,
+    ) {
+        let computed = load.computed_prompt_tokens();
+        let Silence::Silent { tokens, first } = watch.observe(rank, batches, computed) else {
+            return;
+        };
+        self.metrics
+            .inc(names::EVENTS_MISSING, &self.label, Some(rank), "");
+        if first {
+            tracing::warn!(
+                engine = self.label,
+                dp_rank = rank,
+                tokens,
+                batches,
+                "the engine computed {tokens} prompt tokens (vllm:prefix_cache_queries - hits) but no KV event batch arrived meanwhile: routing cannot see its cache. Check {} against the engine's --kv-events-config (endpoint, topic; enable_kv_cache_events true) and that it runs with --enable-prefix-caching",
+                self.events_endpoint
+            );
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,6 +209,7 @@ mod tests {
             waiting_uncached_tokens: Some(3072),
             used_tokens: Some(8193),
             total_tokens: Some(16000),
+            ..EngineLoad::default()
         };
         let w = worker_load(7, 1, 3, 1234, &load, CAP);
         assert_eq!((w.worker_id, w.dp_rank, w.seq, w.ts), (7, 1, 3, 1234));

@@ -76,6 +76,7 @@ pub fn load(loads: &Value, ranks: &[DpRank]) -> Vec<(DpRank, EngineLoad)> {
                 waiting_uncached_tokens: uint(e, "num_waiting_uncached_tokens"),
                 used_tokens: uint(e, "num_used_tokens"),
                 total_tokens: uint(e, "max_total_num_tokens").filter(|&t| t > 0),
+                ..EngineLoad::default()
             });
             (rank, load)
         })
@@ -183,6 +184,7 @@ pub(crate) mod tests {
                     waiting_uncached_tokens: Some(3072),
                     used_tokens: Some(8192),
                     total_tokens: Some(425984),
+                    ..EngineLoad::default()
                 }
             )
         );

@@ -13,13 +13,16 @@ pub const WAITING: &str = "vllm:num_requests_waiting";
 pub const KV_USAGE: &str = "vllm:kv_cache_usage_perc";
 /// The name of [`KV_USAGE`] before vLLM 0.10.
 pub const KV_USAGE_OLD: &str = "vllm:gpu_cache_usage_perc";
+/// Counters of prompt tokens looked up in the prefix cache, and of those found.
+pub const PREFIX_QUERIES: &str = "vllm:prefix_cache_queries_total";
+pub const PREFIX_HITS: &str = "vllm:prefix_cache_hits_total";
 /// An info gauge (always 1): every `CacheConfig` field is a label, values as Python's `str()`.
 pub const CACHE_CONFIG: &str = "vllm:cache_config_info";
 
 fn wanted(name: &str) -> bool {
     matches!(
         name,
-        RUNNING | WAITING | KV_USAGE | KV_USAGE_OLD | CACHE_CONFIG
+        RUNNING | WAITING | KV_USAGE | KV_USAGE_OLD | CACHE_CONFIG | PREFIX_QUERIES | PREFIX_HITS
     )
 }
 
@@ -70,6 +73,8 @@ pub fn load(page: &Exposition<'_>, ranks: &[DpRank]) -> Vec<(DpRank, EngineLoad)
                 running: count(RUNNING),
                 waiting: count(WAITING),
                 kv_usage,
+                prefix_cache_queries: count(PREFIX_QUERIES),
+                prefix_cache_hits: count(PREFIX_HITS),
                 ..EngineLoad::default()
             };
             (rank, load)
@@ -109,10 +114,13 @@ mod tests {
                     running: Some(3),
                     waiting: Some(2),
                     kv_usage: Some(0.25),
+                    prefix_cache_queries: Some(42120),
                     ..EngineLoad::default()
                 }
             )
         );
+        assert_eq!(loads[0].1.computed_prompt_tokens(), Some(42120));
+        assert_eq!(loads[1].1.computed_prompt_tokens(), None);
         assert_eq!(
             (loads[1].1.running, loads[1].1.waiting, loads[1].1.kv_usage),
             (Some(1), Some(0), Some(0.0625))

@@ -354,6 +354,76 @@ fn the_bound_evicts_the_oldest_and_says_so() {
     assert_resync_equals_live(&m, &t.events);
 }
 
+/// A chain longer than one `KvEventBatch` holds (30,000 blocks: ~1.26 MB as one event) is split
+/// across events, live and in the resync, each of which encodes within the batch limit.
+#[test]
+fn a_chain_longer_than_one_message_is_split_across_events() {
+    use kvroute_common::codec::encode;
+    use kvroute_common::messages::{KvEvent, KvEventBatch};
+    let n = 30_000u64;
+    let hashes: Vec<u64> = (1..=n).collect();
+    let tokens: Vec<u32> = (0..n as u32 * BS).collect();
+    let mut m = RankMirror::new(100_000);
+    let mut live = run(&mut m, &[stored(&hashes, None, &tokens)]).events;
+    live.extend(run(&mut m, &[removed(&hashes[..20_000], "GPU")]).events);
+    for events in [&live, &m.chains()] {
+        assert!(events.len() >= 4, "{} events", events.len());
+        for (i, data) in events.iter().enumerate() {
+            let batch = KvEventBatch {
+                v: KvEventBatch::required_version(&[]),
+                worker_id: 1,
+                dp_rank: 0,
+                events: vec![KvEvent {
+                    event_id: i as u64,
+                    data: data.clone(),
+                }],
+                ts: 0,
+            };
+            encode(&batch).expect("each event fits a KvEventBatch");
+        }
+    }
+    assert_resync_equals_live(&m, &live);
+    assert_eq!(m.len(), 10_000);
+}
+
+/// Hash lookahead: one engine block per (prefix, tokens, next tokens); the same tokens with
+/// another continuation are another block, and each differs from the plain block.
+#[test]
+fn lookahead_tokens_fold_into_the_tokens_hash() {
+    let with = |hash: u64, ahead: &[u32]| {
+        let mut e = stored(&[hash], None, &[1, 2]);
+        if let EngineEvent::Stored(s) = &mut e {
+            s.lookahead_token_ids = vec![ahead.to_vec()];
+        }
+        e
+    };
+    let mut m = RankMirror::new(100);
+    let t = run(
+        &mut m,
+        &[with(10, &[3]), with(11, &[4]), stored(&[12], None, &[1, 2])],
+    );
+    let hashes: Vec<u64> = t
+        .events
+        .iter()
+        .map(|e| match e {
+            KvEventData::Stored { blocks, .. } => blocks[0].tokens_hash,
+            _ => panic!(),
+        })
+        .collect();
+    let local = local_block_hashes(&[1, 2], 2, BLOCK_HASH_SEED)[0];
+    assert_eq!(hashes[2], local);
+    assert_eq!(
+        hashes[0],
+        fold_extra(local, &lookahead_key(&[3]), BLOCK_HASH_SEED)
+    );
+    assert_ne!(hashes[0], hashes[1]);
+    assert_eq!(
+        lookahead_key(&[3]),
+        [7, 1, 0, 0, 0, 3, 3, 0, 0, 0, 0, 0, 0, 0]
+    );
+    assert_resync_equals_live(&m, &t.events);
+}
+
 #[test]
 fn all_blocks_cleared_empties_the_mirror() {
     let mut m = RankMirror::new(100);

@@ -238,6 +238,19 @@ impl<'a> Reader<'a> {
         Ok(out)
     }
 
+    /// nil, or a list of token lists (`lookahead_token_ids`).
+    pub(super) fn token_lists(&mut self) -> Result<Option<Vec<Vec<u32>>>, WireError> {
+        if self.is_nil()? {
+            return Ok(None);
+        }
+        let n = self.array_len()?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            out.push(self.token_list()?);
+        }
+        Ok(Some(out))
+    }
+
     pub(super) fn uint_or_nil(&mut self) -> Result<Option<u64>, WireError> {
         if self.is_nil()? {
             return Ok(None);

@@ -144,6 +144,7 @@ fn positional_events_per_engine_with_extra_slots() {
         Value::Nil,
         Value::Nil,
         Value::Nil,
+        Value::Nil,
         s("a slot from the future"),
     ]);
     let removed = Value::Array(vec![
@@ -385,4 +386,43 @@ proptest::proptest! {
         let cut = cut % full.len();
         proptest::prop_assert!(decode_batch(EngineKind::Vllm, &full[..cut]).is_err());
     }
+}
+
+/// vLLM 0.34's `lookahead_token_ids`, by name and in its positional slot (after `session_id`);
+/// a list that does not match the blocks skips the event.
+#[test]
+fn vllm_0_34_lookahead_token_ids() {
+    let mut named = vllm_stored(ints(&[1, 2]), Value::Nil, &[1, 2, 3, 4]);
+    if let Value::Map(m) = &mut named {
+        m.push((
+            s("lookahead_token_ids"),
+            Value::Array(vec![ints(&[3, 4]), ints(&[5, 6])]),
+        ));
+    }
+    let mut positional = vec![
+        s("BlockStored"),
+        ints(&[1, 2]),
+        Value::Nil,
+        ints(&[1, 2, 3, 4]),
+        Value::from(2),
+    ];
+    // lora_id .. session_id (slots 4 to 13), then lookahead_token_ids in slot 14.
+    positional.extend(std::iter::repeat_n(Value::Nil, 10));
+    positional.push(Value::Array(vec![ints(&[3, 4]), ints(&[5, 6])]));
+    let mut short = named.clone();
+    if let Value::Map(m) = &mut short {
+        m.last_mut().unwrap().1 = Value::Array(vec![ints(&[3, 4])]);
+    }
+    let batch = Value::Array(vec![
+        Value::F64(1.0),
+        Value::Array(vec![named, Value::Array(positional), short]),
+        Value::from(0),
+    ]);
+    let b = decode_batch(EngineKind::Vllm, &bytes(&batch)).unwrap();
+    assert_eq!(b.events.len(), 2);
+    for e in &b.events {
+        let EngineEvent::Stored(st) = e else { panic!() };
+        assert_eq!(st.lookahead_token_ids, vec![vec![3, 4], vec![5, 6]]);
+    }
+    assert_eq!(b.skipped, vec!["lookahead_length"]);
 }

@@ -16,7 +16,8 @@ const MAX_RESPONSE: u64 = 4 * 1024 * 1024;
 
 const USAGE: &str = "usage: kvroute-probe http://HOST:PORT/PATH [--print]
   GET the URL; exit 0 on status 200, 1 otherwise (2: bad usage).
-  --print  write the response body to stdout";
+  --print    write the response body to stdout
+  --version  print the version";
 
 fn main() -> ExitCode {
     let mut url = None;
@@ -33,6 +34,10 @@ fn main() -> ExitCode {
             "--print" => print = true,
             "-h" | "--help" => {
                 println!("{USAGE}");
+                return ExitCode::SUCCESS;
+            }
+            "-V" | "--version" => {
+                println!("{BIN} {}", env!("CARGO_PKG_VERSION"));
                 return ExitCode::SUCCESS;
             }
             _ if url.is_none() => url = Some(arg),

@@ -203,6 +203,13 @@ pub enum BindingState {
 }
 
 impl BindingState {
+    pub const ALL: [BindingState; 4] = [
+        BindingState::New,
+        BindingState::Kept,
+        BindingState::Rebound,
+        BindingState::Released,
+    ];
+
     /// The state as on the wire (also the metrics label).
     pub fn as_str(self) -> &'static str {
         match self {

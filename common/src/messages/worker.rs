@@ -91,10 +91,23 @@ pub struct WorkerCard {
     /// requests only on NATS (kvroute-mocker). Set by kvroute-bridge.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub http_url: Option<String>,
+    /// Whether the worker publishes KV events. A worker that does not (an engine without an
+    /// event socket) is routed in approximate mode: every router predicts its cache from the
+    /// published decisions. Absent (an older card) means true; written only when false.
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub kv_events: bool,
 }
 
 fn one() -> u32 {
     1
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 /// A card field whose value no worker can have.

@@ -165,21 +165,51 @@ impl<T: Clone> Family<T> {
     }
 }
 
+/// A one-label counter family whose label takes only the values the code lists (a reason, an
+/// outcome, an error code): the contract with dashboards and tests. The family is registered
+/// with every value present at 0, and counting another value is a bug (a debug assertion);
+/// the tests' metric readers refuse a value that is not listed, so a misspelt label cannot
+/// read as 0.
+#[derive(Debug, Clone, Copy)]
+pub struct OneOf {
+    /// The family's name as exposed (counters with their `_total`).
+    pub family: &'static str,
+    pub label: &'static str,
+    /// Every value the code counts.
+    pub values: fn() -> Vec<&'static str>,
+}
+
+impl OneOf {
+    /// Whether the code counts `value` under this family.
+    pub fn allows(&self, value: &str) -> bool {
+        (self.values)().contains(&value)
+    }
+}
+
 /// Counters keyed by one label value (e.g. a reason or an error code).
 #[derive(Debug)]
-pub struct CounterVec(Family<Counter>);
+pub struct CounterVec {
+    family: Family<Counter>,
+    /// The values the code may count, when the family is [`OneOf`].
+    allowed: Option<Vec<&'static str>>,
+}
 
 impl CounterVec {
     pub fn inc(&self, label: &str) {
         self.add(label, 1);
     }
     pub fn add(&self, label: &str, n: u64) {
-        self.0.with(&[label]).add(n);
+        debug_assert!(
+            self.allowed.as_ref().is_none_or(|a| a.contains(&label)),
+            "label value {label:?} is not one of {:?}: add it to the family's OneOf",
+            self.allowed
+        );
+        self.family.with(&[label]).add(n);
     }
     pub fn get(&self, label: &str) -> u64 {
-        self.0
+        self.family
             .inner
-            .get(&self.0.key(&[label]))
+            .get(&self.family.key(&[label]))
             .map_or(0, |c| c.get())
     }
 }
@@ -230,7 +260,24 @@ impl Registry {
     ) -> Arc<CounterVec> {
         let f = Family::new(&[label], Counter::default);
         self.add(name, help, Declared(f.inner.clone()));
-        Arc::new(CounterVec(f))
+        Arc::new(CounterVec {
+            family: f,
+            allowed: None,
+        })
+    }
+
+    /// A [`OneOf`] family: every listed value present at 0 from the start, no other counted.
+    pub fn counter_one_of(&self, spec: OneOf, help: &'static str) -> Arc<CounterVec> {
+        let f = Family::new(&[spec.label], Counter::default);
+        self.add(spec.family, help, Declared(f.inner.clone()));
+        let values = (spec.values)();
+        for value in &values {
+            f.with(&[value]);
+        }
+        Arc::new(CounterVec {
+            family: f,
+            allowed: Some(values),
+        })
     }
     pub fn histogram(&self, name: &'static str, help: &'static str) -> Arc<Histogram> {
         let h = Histogram::latency();
@@ -340,6 +387,33 @@ mod tests {
         assert!(text.contains("# TYPE kv_fallbacks counter\n"), "{text}");
         assert!(text.contains("# TYPE kv_depth gauge\n"), "{text}");
         assert!(!text.contains("kv_fallbacks_total{"), "{text}");
+    }
+
+    #[test]
+    fn a_one_of_family_renders_its_values_at_zero_and_counts_only_them() {
+        const SPEC: OneOf = OneOf {
+            family: "kv_outcomes_total",
+            label: "outcome",
+            values: || vec!["ok", "failed"],
+        };
+        let r = Registry::default();
+        let outcomes = r.counter_one_of(SPEC, "Outcomes.");
+        outcomes.inc("ok");
+        let text = r.render();
+        assert!(
+            text.contains("kv_outcomes_total{outcome=\"ok\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kv_outcomes_total{outcome=\"failed\"} 0\n"),
+            "{text}"
+        );
+        assert!(SPEC.allows("failed") && !SPEC.allows("fail"));
+        if cfg!(debug_assertions) {
+            let misspelt =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| outcomes.inc("fail")));
+            assert!(misspelt.is_err(), "a value outside the list must not count");
+        }
     }
 
     #[test]

@@ -12,7 +12,7 @@ pub mod watchdog;
 pub use http::{HttpHandler, HttpResponse, ListenError, serve_http};
 pub use membership::{Membership, serve_membership};
 pub use metrics::{
-    Counter, CounterVec, Family, Gauge, Histogram, OPENMETRICS_CONTENT_TYPE, Registry,
+    Counter, CounterVec, Family, Gauge, Histogram, OPENMETRICS_CONTENT_TYPE, OneOf, Registry,
 };
 pub use watchdog::{
     InFlight, InFlightGuard, WatchdogConfig, WatchdogMetrics, spawn_watchdog, watchdog_observer,

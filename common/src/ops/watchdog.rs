@@ -195,6 +195,15 @@ pub fn spawn_watchdog(
     (rx, task)
 }
 
+/// The reasons of a queue-group leave (the `reason` label of each process's leaves metric).
+pub const LEFT_LAGGING: &str = "lagging";
+pub const LEFT_NOT_READY: &str = "not_ready";
+
+/// Every leave reason: the values of a process's [`WatchdogMetrics::leaves`] family.
+pub fn leave_reasons() -> Vec<&'static str> {
+    vec![LEFT_LAGGING, LEFT_NOT_READY]
+}
+
 /// The series a watchdog's samples update (each process registers its own names).
 #[derive(Debug, Clone)]
 pub struct WatchdogMetrics {
@@ -231,9 +240,9 @@ pub fn watchdog_observer(
         }
         if serving && !sample.serve {
             metrics.leaves.inc(if sample.lagging {
-                "lagging"
+                LEFT_LAGGING
             } else {
-                "not_ready"
+                LEFT_NOT_READY
             });
         }
         serving = sample.serve;

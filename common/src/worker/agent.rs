@@ -42,7 +42,8 @@ pub struct WorkerAgent {
 
 impl WorkerAgent {
     /// Starts publishing (every rank begins with `Cleared` as event 0, announcing a fresh
-    /// cache), the resync responder, and the registration in etcd.
+    /// cache), the resync responder, and the registration in etcd. A worker whose card says
+    /// `kv_events: false` publishes no events: no `Cleared`, and a resync is answered without.
     pub async fn start(
         nats: async_nats::Client,
         etcd: etcd_client::Client,
@@ -53,9 +54,10 @@ impl WorkerAgent {
     ) -> anyhow::Result<Self> {
         let js = jetstream::new(nats.clone());
         let publisher = EventPublisher::start(js, names, card.worker_id, config.publisher);
-        for rank in card.dp_ranks() {
+        for rank in card.dp_ranks().filter(|_| card.kv_events) {
             publisher.publish(rank, vec![KvEventData::Cleared]);
         }
+        let kv_events = card.kv_events;
         let mut requests = nats.subscribe(names.worker_resync(card.worker_id)).await?;
         let resync_task = {
             let publisher = publisher.clone();
@@ -64,8 +66,10 @@ impl WorkerAgent {
             tokio::spawn(async move {
                 while let Some(msg) = requests.next().await {
                     tracing::info!(worker_id, "resync requested");
-                    resync.resync(&publisher);
-                    publisher.flush().await;
+                    if kv_events {
+                        resync.resync(&publisher);
+                        publisher.flush().await;
+                    }
                     if let Some(reply) = msg.reply {
                         let _ = nats.publish(reply, "ok".into()).await;
                     }

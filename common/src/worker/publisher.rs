@@ -2,18 +2,28 @@
 //!
 //! `publish` assigns each event its `event_id` (+1 per dp rank) and queues it, synchronously and
 //! under one lock, so the order callers publish in is the order in the log. One background task
-//! drains the queue: it coalesces queued events of a rank into a batch, publishes it with a
-//! JetStream message id derived from its event ids, and waits for the ack before the next
-//! batch. A failed publish is retried with the same bytes and message id until acked, so the
-//! stream's duplicate window drops a retry of a batch that did land (no duplicates) and nothing
-//! behind it overtakes it (no reordering). Indexers also skip event ids they have applied.
+//! drains the queue: it coalesces queued events of a rank into a batch and publishes it with a
+//! JetStream message id derived from its event ids, keeping up to `max_in_flight` acks
+//! outstanding (one connection delivers them to the stream in order). While acks are awaited,
+//! a batch goes out only once full, so a busy publisher sends few, full messages and an idle
+//! one sends at once. A failed publish stops
+//! the pipeline: the acks still outstanding are awaited, then the failed batches are published
+//! again in order with the same bytes and message ids, one at a time until acked, so the
+//! stream's duplicate window drops a retry of a batch that did land (no duplicates). A later
+//! batch can land before an earlier one only if the stream refused the earlier one while taking
+//! the later (counted: `publish_reordered`); readers then see a gap, resync the worker and skip
+//! the late batch's event ids as already passed. Indexers also skip event ids they have applied.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, message::PublishMessage};
+use futures::StreamExt;
+use futures::stream::FuturesOrdered;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::codec::{EncodeError, encode};
@@ -31,6 +41,8 @@ pub struct PublisherConfig {
     pub max_queued_events: u64,
     /// How long to wait for one JetStream ack before retrying.
     pub ack_timeout: Duration,
+    /// Most batches published whose acks are awaited at once.
+    pub max_in_flight: usize,
     /// Wait between retries.
     pub retry_interval: Duration,
 }
@@ -41,6 +53,7 @@ impl Default for PublisherConfig {
             max_batch_events: 512,
             max_queued_events: 1_000_000,
             ack_timeout: Duration::from_secs(2),
+            max_in_flight: 32,
             retry_interval: Duration::from_millis(200),
         }
     }
@@ -54,6 +67,8 @@ pub struct PublisherStats {
     pub publish_failures: AtomicU64,
     pub events_dropped: AtomicU64,
     pub events_queued: AtomicU64,
+    /// Batches that landed after later ones (the stream refused them while taking the later).
+    pub publish_reordered: AtomicU64,
 }
 
 enum Command {
@@ -186,51 +201,252 @@ async fn run(
     mut rx: mpsc::UnboundedReceiver<Command>,
     stats: Arc<PublisherStats>,
 ) {
-    let mut pending: Option<Command> = None;
     // Event ids restart at 0 with every publisher (a new incarnation of the worker), so the
     // message ids carry this publisher's own random token: JetStream's duplicate window must
     // drop retries of one publisher's batches, never a restarted worker's first batches.
     let incarnation = format!("{worker_id}-{:08x}", uuid::Uuid::new_v4().as_u128() as u32);
+    let mut p = Pipeline {
+        js,
+        subject,
+        worker_id,
+        incarnation,
+        config,
+        stats,
+        ready: VecDeque::new(),
+        flight: VecDeque::new(),
+        acks: FuturesOrdered::new(),
+        made: 0,
+        acked: 0,
+        flushes: VecDeque::new(),
+        pending: None,
+        building: None,
+    };
     loop {
-        let cmd = match pending.take() {
-            Some(cmd) => cmd,
-            None => match rx.recv().await {
-                Some(cmd) => cmd,
+        if p.flight.is_empty() {
+            // Nothing in flight: what is being built goes now.
+            p.seal();
+        }
+        p.send_ready().await;
+        if let Some(cmd) = p.pending.take() {
+            p.take(cmd, &mut rx);
+            continue;
+        }
+        if p.flight.is_empty() {
+            match rx.recv().await {
+                Some(cmd) => p.take(cmd, &mut rx),
                 None => return,
+            }
+            continue;
+        }
+        if !p.ready.is_empty() {
+            // The window is full: the oldest ack first.
+            let outcome = p.acks.next().await;
+            p.acked_or_retried(outcome).await;
+            continue;
+        }
+        tokio::select! {
+            biased;
+            cmd = rx.recv() => match cmd {
+                Some(cmd) => p.take(cmd, &mut rx),
+                None => {
+                    p.seal();
+                    loop {
+                        p.send_ready().await;
+                        if p.flight.is_empty() {
+                            return;
+                        }
+                        let outcome = p.acks.next().await;
+                        p.acked_or_retried(outcome).await;
+                    }
+                }
             },
-        };
-        let (dp_rank, mut events) = match cmd {
+            outcome = p.acks.next() => p.acked_or_retried(outcome).await,
+        }
+    }
+}
+
+/// One encoded batch: its message id, bytes and event count.
+type Chunk = (String, bytes::Bytes, u64);
+
+/// An awaited ack: whether the stream already had the message (a duplicate), within the ack
+/// timeout (counted from the send).
+type AckFuture = Pin<Box<dyn Future<Output = anyhow::Result<bool>> + Send>>;
+
+/// The publishing task's state: batches encoded but not sent (`ready`), and those sent whose
+/// acks are awaited, oldest first (`flight`, `acks`).
+struct Pipeline {
+    js: jetstream::Context,
+    subject: String,
+    worker_id: WorkerId,
+    incarnation: String,
+    config: PublisherConfig,
+    stats: Arc<PublisherStats>,
+    ready: VecDeque<Chunk>,
+    flight: VecDeque<Chunk>,
+    acks: FuturesOrdered<AckFuture>,
+    /// Batches made so far, and acknowledged so far (a flush waits for a count).
+    made: u64,
+    acked: u64,
+    flushes: VecDeque<(u64, oneshot::Sender<()>)>,
+    /// A command taken out of the queue while coalescing, handled next.
+    pending: Option<Command>,
+    /// Events of one rank being coalesced into the next batch. While acks are awaited a batch
+    /// is sent only once full (or when a flush or another rank's events come), so a busy
+    /// publisher sends full batches and an idle one sends at once.
+    building: Option<(DpRank, Vec<KvEvent>)>,
+}
+
+impl Pipeline {
+    /// Adds a command's events to the batch being built (with what is already queued for the
+    /// same rank), or registers a flush.
+    fn take(&mut self, cmd: Command, rx: &mut mpsc::UnboundedReceiver<Command>) {
+        let (dp_rank, events) = match cmd {
             Command::Flush(done) => {
-                let _ = done.send(());
-                continue;
+                self.seal();
+                if self.acked >= self.made {
+                    let _ = done.send(());
+                } else {
+                    self.flushes.push_back((self.made, done));
+                }
+                return;
             }
             Command::Events { dp_rank, events } => (dp_rank, events),
         };
-        // Coalesce what is already queued for the same rank.
-        while events.len() < config.max_batch_events {
+        if self.building.as_ref().is_some_and(|(r, _)| *r != dp_rank) {
+            self.seal();
+        }
+        let max = self.config.max_batch_events.max(1);
+        let building = &mut self.building.get_or_insert_with(|| (dp_rank, Vec::new())).1;
+        building.extend(events);
+        while building.len() < max {
             match rx.try_recv() {
                 Ok(Command::Events {
                     dp_rank: r,
                     events: more,
-                }) if r == dp_rank => events.extend(more),
+                }) if r == dp_rank => building.extend(more),
                 Ok(other) => {
-                    pending = Some(other);
+                    self.pending = Some(other);
                     break;
                 }
                 Err(_) => break,
             }
         }
+        if building.len() >= max || self.pending.is_some() {
+            self.seal();
+        }
+    }
+
+    /// Encodes the batch being built into `ready`.
+    fn seal(&mut self) {
+        let Some((dp_rank, events)) = self.building.take() else {
+            return;
+        };
         let n = events.len() as u64;
-        for chunk in split_for_wire(
-            worker_id,
-            &incarnation,
+        let chunks = split_for_wire(
+            self.worker_id,
+            &self.incarnation,
             dp_rank,
             events,
-            config.max_batch_events,
-        ) {
-            publish_until_acked(&js, &subject, &chunk, &config, &stats).await;
+            self.config.max_batch_events,
+        );
+        // Events that could not be encoded at all are no longer queued.
+        let kept: u64 = chunks.iter().map(|c| c.2).sum();
+        self.stats
+            .events_queued
+            .fetch_sub(n - kept, Ordering::Relaxed);
+        self.made += chunks.len() as u64;
+        self.ready.extend(chunks);
+    }
+
+    /// Sends ready batches while fewer than `max_in_flight` acks are awaited.
+    async fn send_ready(&mut self) {
+        while self.flight.len() < self.config.max_in_flight.max(1) {
+            let Some(chunk) = self.ready.pop_front() else {
+                return;
+            };
+            let ack = send(&self.js, &self.subject, &chunk, self.config.ack_timeout).await;
+            self.flight.push_back(chunk);
+            self.acks.push_back(ack);
         }
-        stats.events_queued.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    /// Handles the oldest ack. On a failure, every later batch in flight is awaited too, then
+    /// the failed ones are published again in order, one at a time until acked: the stream's
+    /// duplicate window drops those that did land, and nothing is sent meanwhile.
+    async fn acked_or_retried(&mut self, outcome: Option<anyhow::Result<bool>>) {
+        let Some(outcome) = outcome else { return };
+        let chunk = self.flight.pop_front().expect("a batch per ack");
+        let Err(first_error) = outcome else {
+            return self.done(&chunk);
+        };
+        let mut failed = vec![(chunk, first_error)];
+        let mut later_landed = false;
+        while let Some(outcome) = self.acks.next().await {
+            let chunk = self.flight.pop_front().expect("a batch per ack");
+            match outcome {
+                Ok(_) => {
+                    later_landed = true;
+                    self.done(&chunk);
+                }
+                Err(e) => failed.push((chunk, e)),
+            }
+        }
+        for (i, (chunk, error)) in failed.into_iter().enumerate() {
+            self.stats.publish_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(subject = self.subject, msg_id = chunk.0, error = %error, "publishing KV events failed; retrying in order");
+            let duplicate =
+                publish_until_acked(&self.js, &self.subject, &chunk, &self.config, &self.stats)
+                    .await;
+            // Only the first failure can have been overtaken without the stream holding it:
+            // readers then see a gap at the later batch (and resync) and skip this one.
+            if i == 0 && later_landed && !duplicate {
+                self.stats.publish_reordered.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    subject = self.subject,
+                    msg_id = chunk.0,
+                    "a KV event batch landed after later ones; indexers will resync this worker"
+                );
+            }
+            self.done(&chunk);
+        }
+    }
+
+    fn done(&mut self, (_, _, count): &Chunk) {
+        self.acked += 1;
+        let stats = &self.stats;
+        stats.events_published.fetch_add(*count, Ordering::Relaxed);
+        stats.batches_published.fetch_add(1, Ordering::Relaxed);
+        stats.events_queued.fetch_sub(*count, Ordering::Relaxed);
+        while self.flushes.front().is_some_and(|(n, _)| *n <= self.acked) {
+            if let Some((_, done)) = self.flushes.pop_front() {
+                let _ = done.send(());
+            }
+        }
+    }
+}
+
+/// Sends one batch; its ack to await (a send that failed at once is a failed ack).
+async fn send(
+    js: &jetstream::Context,
+    subject: &str,
+    (msg_id, bytes, _): &Chunk,
+    ack_timeout: Duration,
+) -> AckFuture {
+    let publish = PublishMessage::build()
+        .payload(bytes.clone())
+        .message_id(msg_id);
+    match js.send_publish(subject.to_owned(), publish).await {
+        Ok(ack) => {
+            let ack = tokio::time::timeout(ack_timeout, ack);
+            Box::pin(async move {
+                match ack.await {
+                    Ok(Ok(ack)) => Ok(ack.duplicate),
+                    Ok(Err(e)) => Err(e.into()),
+                    Err(_) => Err(anyhow::anyhow!("no ack within {ack_timeout:?}")),
+                }
+            })
+        }
+        Err(e) => Box::pin(std::future::ready(Err(e.into()))),
     }
 }
 
@@ -282,13 +498,14 @@ fn split_for_wire(
     out
 }
 
+/// Publishes `chunk` until acked; whether the stream already had it (a duplicate).
 async fn publish_until_acked(
     js: &jetstream::Context,
     subject: &str,
-    (msg_id, bytes, count): &(String, bytes::Bytes, u64),
+    (msg_id, bytes, _): &Chunk,
     config: &PublisherConfig,
     stats: &PublisherStats,
-) {
+) -> bool {
     let mut attempt = 0u64;
     loop {
         let publish = PublishMessage::build()
@@ -303,11 +520,7 @@ async fn publish_until_acked(
         }
         .await;
         match result {
-            Ok(_) => {
-                stats.events_published.fetch_add(*count, Ordering::Relaxed);
-                stats.batches_published.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
+            Ok(ack) => return ack.duplicate,
             Err(e) => {
                 stats.publish_failures.fetch_add(1, Ordering::Relaxed);
                 // Log the first failure and then every 50th, so an outage does not flood logs.

@@ -55,6 +55,7 @@ fn card(worker_id: u64) -> WorkerCard {
         request_subject: format!("worker.{worker_id}"),
         software_version: String::new(),
         http_url: None,
+        kv_events: true,
     }
 }
 

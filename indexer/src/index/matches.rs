@@ -7,6 +7,20 @@
 //! own tiers count only from the first block on. A worker that continued a conversation
 //! another worker wrote to the store announces only the new blocks, and the chain still
 //! reaches them.
+//!
+//! Considered instead: the store as one fleet-wide holder (a reserved pair every worker's
+//! shared events apply to). Rejected: workers name blocks by their own hashes (a hash one
+//! engine stored another cannot remove), a store's parent need not be in the store, and the
+//! per-pair rules (event ids, `Cleared`, worker removal, resyncs) would have no owner. What the
+//! chosen way costs: a departed worker's announcements go with it (the prefix under-counts,
+//! never over-counts), and the chain is not scoped by model (models whose prompts hash alike
+//! would credit each other's stores). The shared tier is a fourth tier bit in an owner's mask,
+//! which leaves room for 2^28 (worker, rank) pairs.
+//!
+//! The walk's buffers are a per-thread scratch reused by the next query on that thread (no
+//! allocation per query once warm); nothing in it outlives a query. Rows come out sorted by
+//! (worker, rank) through a per-pair rank the view keeps incrementally (a full sort per new
+//! pair made restoring 10,000 workers quadratic).
 
 use std::sync::atomic::Ordering;
 

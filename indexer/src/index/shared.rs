@@ -1,15 +1,18 @@
 //! [`SharedIndex`]: one writer applying events while many readers match, across threads, with
 //! readers that never wait for the writer and snapshots that never make the writer wait.
 //!
-//! Design (measured alternatives in ARCHITECTURE.md, "Radix index"): the writer's side (the
-//! pairs' maps, each block's node, the extents) exists once, behind the writer's mutex; readers
+//! Design (alternatives measured by `benches/concurrency.rs`; BENCHMARKS.md, "Readers and
+//! snapshots under a writer"): the writer's side (the pairs' maps, each block's node, the
+//! extents) exists once, behind the writer's mutex; readers
 //! use two [`View`]s of the tree, each behind its own reader-writer lock, and an atomic naming
 //! the *front* view. The block hashes live in the arena both views share; the views themselves
 //! are small (runs, owners, edges). A write runs the core on the back view, recording its
 //! [`Op`]s, makes that view the front, then replays the ops on the old front. The writer holds
 //! at most one view's lock at a time and never the front's while it is current, so a reader's
 //! read lock is free at once; a reader that finds its view taken (just after a flip) reads the
-//! other, which is then the front.
+//! other, which is then the front. The writer may wait for readers: its replay onto the old
+//! front waits for queries that began before the flip (microseconds, or a time slice when such
+//! a reader loses its core).
 //!
 //! A snapshot [pins](SharedIndex::try_pin) the back view: while pinned the writer applies to the
 //! front only and queues the ops for the pinned view, which catches up a bounded amount per

@@ -23,6 +23,13 @@ pub enum BadEntry {
 }
 
 impl BadEntry {
+    /// Every [`BadEntry::reason`].
+    pub fn reasons() -> Vec<&'static str> {
+        let mut all = DecodeError::REASONS.to_vec();
+        all.extend(["worker_mismatch", "unknown_subject"]);
+        all
+    }
+
     pub fn reason(&self) -> &'static str {
         match self {
             BadEntry::Decode(e) => e.reason(),

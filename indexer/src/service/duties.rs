@@ -44,6 +44,12 @@ pub enum StepDown {
 }
 
 impl StepDown {
+    pub const ALL: [StepDown; 3] = [
+        StepDown::LeaseDeadline,
+        StepDown::LeaseLost,
+        StepDown::Shutdown,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             StepDown::LeaseDeadline => "lease_deadline",
@@ -310,6 +316,10 @@ impl LeaderDuties {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the tests pick their own now; the duties never read one"
+)]
 mod tests {
     use super::*;
 

@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use super::bootstrap::newest_usable_snapshot;
-use super::ingest::{LogMessage, spawn_consumer};
+use super::ingest::{LogMessage, poll_stream_end, spawn_consumer};
 use super::snapshots::SnapshotStore;
 use crate::index::{IndexConfig, OverlapScores, SharedIndex};
 use crate::replica::{Continuity, ReplicaState, continuity};
@@ -111,7 +111,7 @@ async fn follow(
 ) {
     loop {
         shared.ready.store(false, Ordering::Release);
-        let Some((mut stream, state, start)) = bootstrap(&js, &names, &config).await else {
+        let Some((stream, state, start)) = bootstrap(&js, &names, &config).await else {
             tokio::time::sleep(RETRY).await;
             continue;
         };
@@ -125,6 +125,7 @@ async fn follow(
         let (tx, mut log) = mpsc::channel::<LogMessage>(8192);
         let consumer = spawn_consumer(names.clone(), nats.clone(), stream.clone(), start, tx);
         let mut state = state;
+        let (stream_end, poll) = poll_stream_end(stream.clone(), TICK);
         let mut tick = tokio::time::interval(TICK);
         // Runs until the log skips messages this replica had not applied.
         loop {
@@ -140,14 +141,17 @@ async fn follow(
                     shared.applied_seq.store(state.applied_seq(), Ordering::Release);
                 }
                 _ = tick.tick() => {
-                    if let Ok(Ok(info)) = tokio::time::timeout(Duration::from_secs(1), stream.info()).await {
-                        let lag = info.state.last_sequence.saturating_sub(state.applied_seq());
+                    // 0: the stream has not answered since this bootstrap; readiness stays.
+                    let end = *stream_end.borrow();
+                    if end > 0 {
+                        let lag = end.saturating_sub(state.applied_seq());
                         shared.ready.store(lag <= config.ready_max_lag, Ordering::Release);
                     }
                 }
             }
         }
         consumer.abort();
+        poll.abort();
     }
 }
 

@@ -2,6 +2,8 @@
 //! every message on this task (so decoding overlaps the main loop's applying) and hands it to
 //! the main loop. If the consumer fails (for example while NATS restarts),
 //! it is recreated from the next sequence not yet handed over, so nothing is skipped.
+//! [`poll_stream_end`] asks the stream for its last sequence on a task of its own, so that the
+//! loops judging their lag never wait on the JetStream API.
 
 use std::time::Duration;
 
@@ -9,7 +11,7 @@ use async_nats::jetstream::consumer::{DeliverPolicy, pull};
 use async_nats::jetstream::stream::Stream;
 use futures::StreamExt;
 use kvroute_common::names::Names;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use crate::replica::{BadEntry, LogEntry, decode_entry};
 
@@ -18,6 +20,33 @@ use crate::replica::{BadEntry, LogEntry, decode_entry};
 pub struct LogMessage {
     pub seq: u64,
     pub entry: Result<LogEntry, BadEntry>,
+}
+
+/// How long one question about the stream's state may take before the poll asks again.
+const INFO_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The stream's last sequence, asked every `every` on a task of its own (a slow or lost answer
+/// of the JetStream API delays only that task); the receiver holds the newest answer (0 before
+/// the first). The task ends when every receiver is gone, or when the handle is aborted.
+pub fn poll_stream_end(
+    mut stream: Stream,
+    every: Duration,
+) -> (watch::Receiver<u64>, tokio::task::JoinHandle<()>) {
+    let (tx, rx) = watch::channel(0);
+    let task = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if tx.is_closed() {
+                return;
+            }
+            if let Ok(Ok(info)) = tokio::time::timeout(INFO_TIMEOUT, stream.info()).await {
+                tx.send_replace(info.state.last_sequence);
+            }
+        }
+    });
+    (rx, task)
 }
 
 /// Consumes from `start_seq` until `tx` closes. `client` is the connection the stream was

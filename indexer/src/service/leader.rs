@@ -5,6 +5,12 @@
 //! leader's *term*, and the campaign reports with it until when the lease may be trusted
 //! ([`LeaseFence`]), so the leader stops acting before its lease can expire on the server.
 
+#![allow(
+    clippy::disallowed_types,
+    clippy::disallowed_methods,
+    reason = "a shell: stamps the lease grant it hands the duties"
+)]
+
 use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};

@@ -12,7 +12,7 @@ mod duties;
 mod follower;
 pub mod ingest;
 mod leader;
-mod metrics;
+pub mod metrics;
 mod serve;
 mod snapshots;
 
@@ -170,6 +170,8 @@ pub async fn run(
         });
     }
 
+    // Lives as long as the receiver: the process.
+    let (stream_end, _poll) = ingest::poll_stream_end(stream.clone(), TICK);
     let duties = LeaderDuties::new(config.duties());
     let mut replica = IndexerProcess {
         config,
@@ -187,6 +189,7 @@ pub async fn run(
         cards_loaded: false,
         awaiting_resync_until: None,
         stream_last_seq: 0,
+        stream_end,
         start_seq: 1,
         bad_logged: 0,
     };
@@ -264,6 +267,8 @@ struct IndexerProcess {
     /// not ready until the applied sequence reaches it.
     awaiting_resync_until: Option<u64>,
     stream_last_seq: u64,
+    /// The stream's last sequence, polled off this loop ([`ingest::poll_stream_end`]).
+    stream_end: watch::Receiver<u64>,
     /// Where the current consumer started (the bootstrap's choice).
     start_seq: u64,
     bad_logged: u64,
@@ -312,10 +317,10 @@ impl IndexerProcess {
                 }
                 Input::Worker(event) => self.on_worker_event(event),
                 Input::Leader(lease) => {
-                    let actions = self.duties.on_lease(lease, Instant::now());
+                    let actions = self.duties.on_lease(lease, clock_now());
                     self.execute(actions);
                 }
-                Input::Tick => self.on_tick().await,
+                Input::Tick => self.on_tick(),
                 Input::Status(reply) => {
                     let _ = reply.send(self.status());
                 }
@@ -342,7 +347,7 @@ impl IndexerProcess {
             applied_seq: self.state.applied_seq(),
             digest: self.state.digest(),
             ready: self.ready,
-            leader: self.duties.leading(Instant::now()).is_some(),
+            leader: self.duties.leading(clock_now()).is_some(),
             entries: self.state.index().stats().entries as u64,
             stream_last_seq: self.stream_last_seq,
         }
@@ -387,7 +392,7 @@ impl IndexerProcess {
         for (w, rank, expected, got) in &r.gaps {
             tracing::warn!(worker_id = w, dp_rank = rank, expected, got, "event gap");
         }
-        let now = Instant::now();
+        let now = clock_now();
         let asks: Vec<Action> = r
             .needs_resync
             .iter()
@@ -460,7 +465,7 @@ impl IndexerProcess {
                 drop(cards);
                 let action = self
                     .duties
-                    .on_worker_deleted(worker_id, revision, Instant::now());
+                    .on_worker_deleted(worker_id, revision, clock_now());
                 self.execute(action.into_iter().collect());
             }
             WorkerEvent::Invalid { key, reason, error } => {
@@ -508,11 +513,9 @@ impl IndexerProcess {
         });
     }
 
-    async fn on_tick(&mut self) {
-        if let Ok(Ok(info)) = tokio::time::timeout(Duration::from_secs(1), self.stream.info()).await
-        {
-            self.stream_last_seq = info.state.last_sequence;
-        }
+    fn on_tick(&mut self) {
+        // The poll's newest answer (never older than the bootstrap's: the stream only grows).
+        self.stream_last_seq = self.stream_last_seq.max(*self.stream_end.borrow());
         let lag = self
             .stream_last_seq
             .saturating_sub(self.state.applied_seq());
@@ -527,7 +530,7 @@ impl IndexerProcess {
         m.index_evicted.set(stats.anomalies.evicted_entries as i64);
         m.removed_workers_tracked
             .set(self.state.tracker().removed_count() as i64);
-        let now = Instant::now();
+        let now = clock_now();
         if let Some(age) = self.duties.snapshot_age(now) {
             m.snapshot_age_seconds.set(age.as_secs() as i64);
         }
@@ -611,4 +614,13 @@ impl IndexerProcess {
             let _ = tx.send(Input::SnapshotDone(result)).await;
         });
     }
+}
+
+/// The main loop's clock, read here and handed to the duties (a core: no clock of its own).
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the shell reads the clock for the cores"
+)]
+fn clock_now() -> Instant {
+    Instant::now()
 }

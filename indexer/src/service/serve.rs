@@ -3,6 +3,12 @@
 //! otherwise is answered `not_ready`, one past its deadline is dropped), the digest subject
 //! (every replica answers), and the HTTP endpoints.
 
+#![allow(
+    clippy::disallowed_types,
+    clippy::disallowed_methods,
+    reason = "a shell: times each query"
+)]
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -196,13 +202,13 @@ async fn handle_query(
     let started = Instant::now();
     let _in_flight = in_flight.enter();
     let label = match answer(shared, &msg.payload) {
-        Answer::Expired => "expired",
+        Answer::Expired => super::metrics::labels::QUERY_EXPIRED,
         Answer::Reply(response) => {
             if let (Some(reply), Ok(bytes)) = (msg.reply, encode(&response)) {
                 let _ = nats.publish(reply, bytes).await;
             }
             match &response {
-                IndexQueryResponse::Ok(_) => "ok",
+                IndexQueryResponse::Ok(_) => super::metrics::labels::QUERY_OK,
                 IndexQueryResponse::Error(e) => e.code.as_str(),
             }
         }

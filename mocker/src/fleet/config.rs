@@ -169,6 +169,11 @@ pub struct FleetConfig {
     /// view's models, `--track-output-blocks` and `--prefill-load-model decay`).
     #[arg(long, env = "KVROUTE_MOCKER_NO_LOAD_REPORTS")]
     pub no_load_reports: bool,
+    /// Publish no KV events, like an engine without an event socket: the workers' cards say
+    /// `kv_events: false`, and routers predict their caches from their own decisions
+    /// (approximate mode).
+    #[arg(long, env = "KVROUTE_MOCKER_NO_KV_EVENTS")]
+    pub no_kv_events: bool,
     /// Address for /metrics, /healthz and /readyz (e.g. 127.0.0.1:9300; the indexer's default
     /// is 9100 and the router's 9200); off when absent: no HTTP endpoint at all.
     #[arg(long, env = "KVROUTE_MOCKER_HTTP_ADDR")]
@@ -197,6 +202,7 @@ impl Default for FleetConfig {
             lease_ttl_secs: 10,
             load_interval_ms: 200,
             no_load_reports: false,
+            no_kv_events: false,
             http_addr: None,
             no_create_stream: false,
             stream: StreamArgs::default(),

@@ -47,6 +47,8 @@ struct Core {
     engine: Engine,
     clock: SimClock,
     pending: HashMap<RequestId, Pending>,
+    /// Whether the worker publishes its KV events (not with `--no-kv-events`).
+    kv_events: bool,
 }
 
 #[derive(Debug)]
@@ -70,6 +72,9 @@ impl SharedCore {
 impl ResyncSource for SharedCore {
     fn resync(&self, publisher: &EventPublisher) {
         let core = self.lock();
+        if !core.kv_events {
+            return;
+        }
         let mut events = vec![KvEventData::Cleared];
         events.extend(core.engine.kv_snapshot());
         publisher.publish(DP_RANK, events);
@@ -87,6 +92,8 @@ pub(crate) struct WorkerSettings {
     pub shared: Option<Arc<std::sync::Mutex<SharedStore>>>,
     /// Publish no load reports (`--no-load-reports`).
     pub no_load_reports: bool,
+    /// Publish no KV events (`--no-kv-events`).
+    pub no_kv_events: bool,
 }
 
 impl WorkerSettings {
@@ -127,6 +134,7 @@ pub(crate) fn new_core(settings: &WorkerSettings) -> Arc<SharedCore> {
         engine: settings.engine(),
         clock: SimClock::start(settings.speedup),
         pending: HashMap::new(),
+        kv_events: !settings.no_kv_events,
     })))
 }
 
@@ -294,9 +302,11 @@ impl Worker {
             if let Some(mut store) = self.settings.store() {
                 store.forget(self.worker_id);
             }
-            self.publisher.publish(DP_RANK, vec![KvEventData::Cleared]);
+            if core.kv_events {
+                self.publisher.publish(DP_RANK, vec![KvEventData::Cleared]);
+                self.metrics.kv_events.inc();
+            }
         }
-        self.metrics.kv_events.inc();
         self.publisher.flush().await;
         tracing::info!(worker_id = self.worker_id, "cache reset");
         if let Some(reply) = msg.reply {
@@ -317,7 +327,7 @@ impl Worker {
                     events.extend(store.write(self.worker_id, hashes));
                 }
             }
-            if !events.is_empty() {
+            if !events.is_empty() && core.kv_events {
                 self.metrics.kv_events.add(events.len() as u64);
                 self.publisher.publish(DP_RANK, events);
             }

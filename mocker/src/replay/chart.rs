@@ -227,6 +227,7 @@ mod tests {
             speedup: 1.0,
             ttft_floor_ms: None,
             session_oracle: None,
+            selection_measured: Default::default(),
             oracle: OracleHitRates {
                 block_size: 64,
                 capacity_blocks: 2048,

@@ -16,6 +16,9 @@ use super::chart::DEFAULT_FONT;
 pub enum Mode {
     /// The router's configured (KV-aware) policy.
     Kv,
+    /// `kvroute-sim` only: the configured policy over workers that publish no KV events
+    /// (approximate mode: the routers predict their caches from the decisions).
+    KvApprox,
     RoundRobin,
     Random,
     LeastBusy,
@@ -27,6 +30,7 @@ impl Mode {
     pub fn as_str(self) -> &'static str {
         match self {
             Mode::Kv => "kv",
+            Mode::KvApprox => "kv-approx",
             Mode::RoundRobin => "round-robin",
             Mode::Random => "random",
             Mode::LeastBusy => "least-busy",
@@ -36,7 +40,7 @@ impl Mode {
     /// The `policy` a selection request asks the router for (`None`: the configured one).
     pub fn router_policy(self) -> Option<&'static str> {
         match self {
-            Mode::Kv => None,
+            Mode::Kv | Mode::KvApprox => None,
             other => Some(other.as_str()),
         }
     }
@@ -55,6 +59,13 @@ impl Mode {
                 .build_named(name, WorkerRole::Aggregated, model)
                 .ok_or_else(|| anyhow::anyhow!("no policy named {name:?} is registered"))??,
         })
+    }
+}
+
+impl Mode {
+    /// Whether the mode's workers publish KV events (all but `kv-approx`'s).
+    pub fn kv_events(self) -> bool {
+        self != Mode::KvApprox
     }
 }
 
@@ -78,6 +89,10 @@ pub enum SelectorKind {
 /// Replays a Mooncake trace through kvroute's routers onto a (mocker) fleet, once per routing
 /// mode, and reports cache hits against the oracles, latency, throughput, load spread and
 /// errors.
+///
+/// SIGTERM or Ctrl-C stops a run early: nothing more is sent, the requests sent are waited for,
+/// and the report covers what ran (the rest counted as not sent; later modes do not run). A
+/// second signal ends the process at once (status 130).
 #[derive(Debug, Clone, clap::Parser)]
 #[command(name = "kvroute-replay", version)]
 pub struct ReplayArgs {
@@ -207,6 +222,12 @@ fn positive(field: &'static str, value: f64) -> Result<(), ConfigError> {
 impl ReplayArgs {
     pub fn validate(&self) -> Result<(), ConfigError> {
         validate_run(&self.trace, self.time_scale, &self.modes)?;
+        if self.modes.contains(&Mode::KvApprox) {
+            return Err(ConfigError::new(
+                "modes",
+                "kv-approx is kvroute-sim's; against live routers run kvroute-mocker --no-kv-events and the kv mode",
+            ));
+        }
         if let Some(d) = self.target_duration_secs {
             positive("target-duration-secs", d)?;
         }
@@ -307,6 +328,7 @@ mod tests {
             "target-duration-secs"
         );
         assert_eq!(field(&["--modes", "kv,kv"]), "modes");
+        assert_eq!(field(&["--modes", "kv,kv-approx"]), "modes");
         assert_eq!(field(&["--speedup", "0"]), "speedup");
         assert_eq!(
             field(&["--max-error-fraction", "1.5"]),

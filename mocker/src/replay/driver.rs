@@ -3,7 +3,8 @@
 //!
 //! Arrivals are simulated times; the driver sends at `start + arrival / speedup` of wall time.
 //! A request that fails anywhere (selection refused, worker gone, timeout, error reply) is
-//! counted by kind and the replay goes on.
+//! counted by kind and the replay goes on. Once `stop` turns true, requests not yet sent are
+//! counted as not sent and those already sent are waited for (up to their timeout).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +14,7 @@ use kvroute_common::codec::{decode, encode};
 use kvroute_common::messages::{GenerateRequest, GenerateResponse, SelectRequest};
 use kvroute_common::trace::TraceRequest;
 use kvroute_common::{Names, WorkerId};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use super::config::Mode;
@@ -71,15 +72,19 @@ enum Outcome {
     Failed {
         kind: String,
     },
+    /// The run was stopped before the request's arrival.
+    NotSent,
 }
 
-/// Replays `plan` once through `selector`; `progress` sees the totals after every request.
+/// Replays `plan` once through `selector`, until `stop` turns true; `progress` sees the totals
+/// after every request.
 pub async fn drive<S: Selector>(
     plan: &Plan,
     settings: &DriveSettings,
     selector: Arc<S>,
     nats: async_nats::Client,
     names: &Names,
+    stop: &watch::Receiver<bool>,
     mut progress: impl FnMut(&Tally),
 ) -> ModeReport {
     let mut recorder = ModeRecorder::new(settings.mode.as_str(), settings.workers.clone())
@@ -99,9 +104,17 @@ pub async fn drive<S: Selector>(
         };
         let at = start + arrival.div_f64(settings.speedup);
         let tx = tx.clone();
+        let stop = stop.clone();
         tokio::spawn(async move {
-            tokio::time::sleep_until(at).await;
-            let _ = tx.send(task.run().await);
+            tokio::select! {
+                biased;
+                () = stopped(stop) => {
+                    let _ = tx.send(Outcome::NotSent);
+                }
+                () = tokio::time::sleep_until(at) => {
+                    let _ = tx.send(task.run().await);
+                }
+            }
         });
     }
     drop(tx);
@@ -128,10 +141,20 @@ pub async fn drive<S: Selector>(
                 tally.errors += 1;
                 recorder.record_error(&kind);
             }
+            Outcome::NotSent => recorder.record_not_sent(),
         }
         progress(&tally);
     }
     recorder.finish(duration)
+}
+
+/// Resolves once `stop` turns true; never, if its sender is gone first (the run's owner no
+/// longer able to stop it).
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    let closed = stop.wait_for(|stopped| *stopped).await.is_err();
+    if closed {
+        std::future::pending::<()>().await;
+    }
 }
 
 struct RequestTask<S> {

@@ -10,9 +10,8 @@
 //! refuses a policy file configuring one).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use futures::FutureExt as _;
 use kvroute_common::hashing::BlockHashes;
 use kvroute_common::messages::{
     ErrorCode, LifecycleKind, RequestLifecycle, SchemaVersion, SelectError, SelectReply,
@@ -22,8 +21,10 @@ use kvroute_common::{Names, Namespace, WorkerId};
 use kvroute_router::decide::candidates::Partition;
 use kvroute_router::decide::load_view::models::LoadModels;
 use kvroute_router::decide::load_view::{LoadView, LoadViewConfig};
-use kvroute_router::decide::prompt::prompt;
-use kvroute_router::decide::{DecideInput, Decided, Owned, PartitionPolicy, decide_request};
+use kvroute_router::decide::prompt::Prepared;
+use kvroute_router::decide::selection::{Context, Selection, Start};
+use kvroute_router::decide::{Decided, Owned, PartitionPolicy};
+use kvroute_router::drive::{self, Ended};
 use kvroute_router::pipeline::WorkerInputs;
 use kvroute_router::registry::{ResolvedPolicies, RouterPluginRegistry, WorkerSelectionConfig};
 use kvroute_router::select::SelectionSettings;
@@ -44,6 +45,7 @@ const VIEW: LoadViewConfig = LoadViewConfig {
     prediction_max_age_ms: 600_000,
     // The overlap offered is already what was sent, at once: nothing to predict.
     predicted_overlap_ttl_ms: 0,
+    approx_cache_ttl_ms: 0,
     models: LoadModels::OFF,
 };
 
@@ -124,11 +126,14 @@ impl LocalSelector {
                 "no registered worker serves this model".into(),
             ));
         };
-        let partition = Partition {
+        let partition = Arc::new(Partition {
             block_size: first.block_size,
             cards,
-        };
-        let prompt = prompt(request, &partition).map_err(|e| refused(e.code(), e.to_string()))?;
+        });
+        let request_id = request.request_id.unwrap_or_else(uuid::Uuid::new_v4);
+        let prepared = Prepared::new(request.clone(), request_id, partition)
+            .map_err(|e| refused(e.code(), e.to_string()))?;
+        let partition = &prepared.partition;
         let sequence = request.token_ids.as_deref().map(|tokens| {
             BlockHashes::of_tokens(
                 tokens,
@@ -151,12 +156,35 @@ impl LocalSelector {
                 ))
             }
         };
-        let mut overlap = SignalSnapshot::new();
-        if policy.inputs.contains(WorkerInputs::CACHE)
-            && let Some(sequence) = &sequence
-        {
+        let context = Context {
+            settings: &self.settings,
+            names: &self.names,
+            router_id: "local",
+            sessions: *self.sessions.config(),
+        };
+        let start = Start {
+            decision_id: uuid::Uuid::new_v4(),
+            reads_cache: policy.inputs.contains(WorkerInputs::CACHE),
+            overlap: None,
+            target: None,
+            queues: false,
+        };
+        let now = now_ms();
+        let mut decision_state = Owned {
+            policy,
+            view: &mut state.view,
+            now_ms: now,
+        };
+        let (selection, need) = Selection::start(&prepared, context, start, &mut decision_state);
+        let workers = &state.workers;
+        // It offers what it sent: each worker's approximate cache.
+        let overlap = || {
+            let mut overlap = SignalSnapshot::new();
+            let Some(sequence) = &sequence else {
+                return overlap;
+            };
             for card in &partition.cards {
-                let device = state.workers[&card.worker_id].cache.peek(sequence) as u32;
+                let device = workers[&card.worker_id].cache.peek(sequence) as u32;
                 if device > 0 {
                     overlap = overlap.with_overlap(
                         WorkerRank::new(card.worker_id, 0),
@@ -167,30 +195,19 @@ impl LocalSelector {
                     );
                 }
             }
+            overlap
+        };
+        let decided = match drive::now(
+            selection,
+            need,
+            &mut decision_state,
+            self.sessions.store(),
+            overlap,
+        ) {
+            Ended::Reply(decided) => decided,
+            Ended::Join(_) => unreachable!("the local selector queues nothing"),
         }
-        let request_id = request.request_id.unwrap_or_else(uuid::Uuid::new_v4);
-        let input = DecideInput {
-            request,
-            request_id,
-            decision_id: uuid::Uuid::new_v4(),
-            prompt: &prompt,
-            partition: &partition,
-            overlap: &overlap,
-            settings: &self.settings,
-            names: &self.names,
-            router_id: "local",
-            selection_target: None,
-        };
-        let now = now_ms();
-        let mut decision_state = Owned {
-            policy,
-            view: &mut state.view,
-            now_ms: now,
-        };
-        let decided = decide_request(&mut decision_state, &self.sessions, &input, now)
-            .now_or_never()
-            .expect("the in-memory session store answers at once")
-            .map_err(|e| SelectFailure::Refused(e.to_select_error(Some(request_id))))?;
+        .map_err(|e| SelectFailure::Refused(e.to_select_error(Some(request_id))))?;
         match decided {
             Decided::New(new) => {
                 if let (Some(sequence), Some(worker)) =
@@ -270,6 +287,7 @@ mod tests {
             request_subject: format!("w{worker_id}"),
             software_version: String::new(),
             http_url: None,
+            kv_events: true,
         }
     }
 

@@ -33,7 +33,32 @@ pub struct RunReport {
     /// The finite oracle on the turns after a session's first (a trace with sessions only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_oracle: Option<SessionOracle>,
+    /// What the modes' `selection_latency_us` measured.
+    #[serde(default)]
+    pub selection_measured: SelectionMeasured,
     pub modes: Vec<ModeReport>,
+}
+
+/// What a report's selection latency is the time of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SelectionMeasured {
+    /// `kvroute-replay`: the client's round trip through NATS to a router and back (the
+    /// router's own decision is part of it; its `kvroute_router_selection_seconds` has it alone).
+    #[default]
+    NatsRoundTrip,
+    /// `kvroute-sim`: the decision alone, in process (no network).
+    InProcess,
+}
+
+impl SelectionMeasured {
+    /// The table's note on the column.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::NatsRoundTrip => "the client's round trip through NATS to a router and back",
+            Self::InProcess => "the decision alone, in process (no network)",
+        }
+    }
 }
 
 impl RunReport {
@@ -93,6 +118,10 @@ pub struct ModeReport {
     pub mode: String,
     pub completed: u64,
     pub errors: u64,
+    /// Requests never sent: the run was stopped (SIGTERM / Ctrl-C) before their arrival. They
+    /// are neither completed nor errors.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub not_sent: u64,
     /// Errors by kind.
     pub errors_by_kind: BTreeMap<String, u64>,
     pub prompt_tokens: u64,
@@ -161,6 +190,7 @@ pub struct ModeRecorder {
     /// one counts in the spread.
     per_worker: BTreeMap<WorkerId, (u64, u64)>,
     errors: BTreeMap<String, u64>,
+    not_sent: u64,
     selection_retries: u64,
     sessions: Option<SessionRecorder>,
 }
@@ -178,6 +208,7 @@ impl ModeRecorder {
             output_tokens: 0,
             per_worker: workers.into_iter().map(|w| (w, (0, 0))).collect(),
             errors: BTreeMap::new(),
+            not_sent: 0,
             selection_retries: 0,
             sessions: None,
         }
@@ -224,6 +255,11 @@ impl ModeRecorder {
         *self.errors.entry(kind.to_owned()).or_default() += 1;
     }
 
+    /// Counts a request the run was stopped before sending.
+    pub fn record_not_sent(&mut self) {
+        self.not_sent += 1;
+    }
+
     /// `duration`: simulated time from the first arrival to the last completion.
     pub fn finish(self, duration: Duration) -> ModeReport {
         let secs = duration.as_secs_f64();
@@ -236,6 +272,7 @@ impl ModeRecorder {
             completed,
             errors: self.errors.values().sum(),
             errors_by_kind: self.errors,
+            not_sent: self.not_sent,
             prompt_tokens: self.prompt_tokens,
             cached_prompt_tokens: self.cached_tokens,
             output_tokens: self.output_tokens,
@@ -253,6 +290,10 @@ impl ModeRecorder {
             sessions: self.sessions.map(SessionRecorder::finish),
         }
     }
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[cfg(test)]
@@ -308,6 +349,7 @@ mod tests {
             },
             ttft_floor_ms: None,
             session_oracle: None,
+            selection_measured: SelectionMeasured::NatsRoundTrip,
             modes: vec![m],
         };
         let json = report.to_json();
@@ -335,6 +377,7 @@ mod tests {
             },
             ttft_floor_ms: None,
             session_oracle: None,
+            selection_measured: SelectionMeasured::NatsRoundTrip,
             modes,
         }
     }

@@ -12,6 +12,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use kvroute_common::Names;
 use kvroute_common::trace::read_trace;
+use tokio::sync::watch;
 
 use super::chart::write_chart;
 use super::config::{OutputArgs, ReplayArgs, SelectorKind};
@@ -34,6 +35,16 @@ const RESET_TIMEOUT: Duration = Duration::from_secs(10);
 /// Runs every mode of `args` against the fleet and returns the report (prints nothing on
 /// stdout; see [`emit`]).
 pub async fn run(args: &ReplayArgs) -> anyhow::Result<RunReport> {
+    let (_never, stop) = watch::channel(false);
+    run_until(args, stop).await
+}
+
+/// [`run`], stopped early once `stop` turns true: the mode being driven sends no more
+/// requests, waits for those it sent and reports the rest as not sent; later modes do not run.
+pub async fn run_until(
+    args: &ReplayArgs,
+    stop: watch::Receiver<bool>,
+) -> anyhow::Result<RunReport> {
     args.validate()?;
     let trace = read_trace(&args.trace)?;
     let plan = Plan::new(
@@ -81,7 +92,12 @@ pub async fn run(args: &ReplayArgs) -> anyhow::Result<RunReport> {
     // run (their idle TTL), and the workers' caches are reset between modes.
     let run_id = &uuid::Uuid::new_v4().simple().to_string()[..8];
     let mut modes = Vec::new();
-    for &mode in &args.modes {
+    for (i, &mode) in args.modes.iter().enumerate() {
+        if *stop.borrow() {
+            let left: Vec<String> = args.modes[i..].iter().map(ToString::to_string).collect();
+            tracing::warn!(modes = %left.join(","), "stopped: these modes did not run");
+            break;
+        }
         let cards = read_cards(&mut etcd, &names, &args.model).await?;
         anyhow::ensure!(
             !cards.is_empty(),
@@ -105,7 +121,16 @@ pub async fn run(args: &ReplayArgs) -> anyhow::Result<RunReport> {
         let report = match args.selector {
             SelectorKind::Router => {
                 let selector = RouterSelector::new(nats.clone(), &names, args.select.policy());
-                run_mode(&plan, &settings, Arc::new(selector), &nats, &names, args).await
+                run_mode(
+                    &plan,
+                    &settings,
+                    Arc::new(selector),
+                    &nats,
+                    &names,
+                    args,
+                    &stop,
+                )
+                .await
             }
             SelectorKind::Local => {
                 let selector = Arc::new(LocalSelector::new(mode, &cards, args.seed));
@@ -113,7 +138,7 @@ pub async fn run(args: &ReplayArgs) -> anyhow::Result<RunReport> {
                 let watch = watch_cards(etcd.clone(), &names, args.model.clone(), move |c| {
                     watched.workers_changed(c)
                 });
-                let report = run_mode(&plan, &settings, selector, &nats, &names, args).await;
+                let report = run_mode(&plan, &settings, selector, &nats, &names, args, &stop).await;
                 watch.abort();
                 report
             }
@@ -138,6 +163,7 @@ pub async fn run(args: &ReplayArgs) -> anyhow::Result<RunReport> {
         oracle,
         ttft_floor_ms,
         session_oracle,
+        selection_measured: super::report::SelectionMeasured::NatsRoundTrip,
         modes,
     })
 }
@@ -149,13 +175,14 @@ async fn run_mode<S: Selector>(
     nats: &async_nats::Client,
     names: &Names,
     args: &ReplayArgs,
+    stop: &watch::Receiver<bool>,
 ) -> ModeReport {
     let progress = Progress::new(
         settings.mode.as_str(),
         plan.len() as u64,
         args.output.interactive(),
     );
-    let report = drive(plan, settings, selector, nats.clone(), names, |t| {
+    let report = drive(plan, settings, selector, nats.clone(), names, stop, |t| {
         progress.update(t)
     })
     .await;

@@ -18,19 +18,50 @@ fn of_bound(part: f64, whole: f64) -> String {
     }
 }
 
-/// Renders the report as a fixed-width table.
+/// A speedup as people write it: `20×`, `1409×`, `2.5×`.
+fn speedup(x: f64) -> String {
+    if x >= 100.0 || x.fract() == 0.0 {
+        format!("{x:.0}×")
+    } else {
+        format!("{x:.1}×")
+    }
+}
+
+/// The columns of the mode rows: name and width (the whole row fits 120 columns).
+const COLUMNS: [(&str, usize); 15] = [
+    ("mode", 12),
+    ("done", 6),
+    ("errors", 6),
+    ("hit", 6),
+    ("/fin", 6),
+    ("ttft p50", 8),
+    ("p90", 7),
+    ("p99", 7),
+    ("e2e p50", 8),
+    ("p99", 7),
+    ("req/s", 6),
+    ("tok/s", 6),
+    ("cv", 5),
+    ("sel p50", 7),
+    ("p99", 7),
+];
+
+/// Renders the report as a fixed-width table (at most 120 columns), with a closing line on what
+/// KV-aware routing gained when the run has `kv` and `round-robin`.
 pub fn render_table(report: &RunReport) -> String {
     let mut out = String::new();
     let o = &report.oracle;
     let _ = writeln!(
         out,
-        "trace {} — {} requests on {} workers × {} blocks of {} tokens, speedup {}",
-        report.trace,
+        "trace {} — {} requests on {} workers × {} blocks of {} tokens, {} speed",
+        std::path::Path::new(&report.trace)
+            .file_name()
+            .map_or(report.trace.as_str().into(), |n| n.to_string_lossy()),
         report.requests,
         report.workers,
         report.blocks_per_worker,
         report.block_size,
-        report.speedup
+        speedup(report.speedup)
     );
     let _ = writeln!(
         out,
@@ -48,28 +79,9 @@ pub fn render_table(report: &RunReport) -> String {
         );
     }
     out.push('\n');
-    let header = [
-        "mode",
-        "done",
-        "errors",
-        "hit",
-        "/inf",
-        "/fin",
-        "ttft p50",
-        "p90",
-        "p99",
-        "e2e p50",
-        "p99",
-        "req/s",
-        "out tok/s",
-        "load cv",
-        "select p50",
-        "p99",
-    ];
-    let widths = [12, 6, 6, 6, 6, 6, 9, 9, 9, 9, 9, 7, 9, 7, 10, 9];
     let row = |cells: &[String]| {
         let mut line = String::new();
-        for (i, (cell, w)) in cells.iter().zip(widths).enumerate() {
+        for (i, (cell, (_, w))) in cells.iter().zip(COLUMNS).enumerate() {
             if i == 0 {
                 let _ = write!(line, "{cell:<w$}");
             } else {
@@ -78,38 +90,21 @@ pub fn render_table(report: &RunReport) -> String {
         }
         line
     };
-    let _ = writeln!(out, "{}", row(&header.map(str::to_owned)));
-    let _ = writeln!(
-        out,
-        "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>29} {:>19} {:>7} {:>9} {:>7} {:>20}",
-        "",
-        "",
-        "",
-        "",
-        "",
-        "",
-        "(ms, simulated)",
-        "(ms, simulated)",
-        "",
-        "",
-        "(reqs)",
-        "(µs, wall)"
-    );
+    let _ = writeln!(out, "{}", row(&COLUMNS.map(|(name, _)| name.to_owned())));
     for m in &report.modes {
-        let ms = |x: f64| format!("{x:.1}");
+        let ms = |x: f64| format!("{x:.0}");
         let cells = [
             m.mode.clone(),
             m.completed.to_string(),
             m.errors.to_string(),
             pct(m.hit_rate),
-            of_bound(m.hit_rate, o.infinite),
             of_bound(m.hit_rate, o.finite),
             ms(m.ttft_ms.p50),
             ms(m.ttft_ms.p90),
             ms(m.ttft_ms.p99),
             ms(m.e2e_latency_ms.p50),
             ms(m.e2e_latency_ms.p99),
-            format!("{:.2}", m.requests_per_s),
+            format!("{:.1}", m.requests_per_s),
             format!("{:.0}", m.output_tokens_per_s),
             format!("{:.2}", m.load_cv_requests),
             format!("{:.0}", m.selection_latency_us.p50),
@@ -117,6 +112,13 @@ pub fn render_table(report: &RunReport) -> String {
         ];
         let _ = writeln!(out, "{}", row(&cells));
     }
+    let _ = writeln!(
+        out,
+        "hit: prompt tokens found cached; /fin: of the finite oracle's; ttft, e2e: ms of simulated \
+         time;\nreq/s, tok/s: requests and output tokens per simulated second; cv: spread of \
+         requests over workers;\nsel: the selection in µs of wall clock, {}",
+        report.selection_measured.describe()
+    );
     // The client's view of TTFT, when selections waited (a router's admission queue).
     if report
         .modes
@@ -145,7 +147,46 @@ pub fn render_table(report: &RunReport) -> String {
             .collect();
         let _ = writeln!(out, "errors in {}: {}", m.mode, kinds.join(", "));
     }
+    for m in report.modes.iter().filter(|m| m.not_sent > 0) {
+        let _ = writeln!(
+            out,
+            "stopped in {}: {} of {} requests not sent",
+            m.mode,
+            m.not_sent,
+            m.completed + m.errors + m.not_sent
+        );
+    }
+    if let Some(line) = gain(report) {
+        let _ = writeln!(out, "\n{line}");
+    }
     out
+}
+
+/// What KV-aware routing gained over round-robin in this run: hit rate, TTFT p90, and kv's share
+/// of the finite oracle; `None` without both modes.
+fn gain(report: &RunReport) -> Option<String> {
+    let mode = |name: &str| {
+        report
+            .modes
+            .iter()
+            .find(|m| m.mode == name && m.completed > 0)
+    };
+    let (kv, rr) = (mode("kv")?, mode("round-robin")?);
+    let ttft = if rr.ttft_ms.p90 > 0.0 {
+        format!("{:.2}×", kv.ttft_ms.p90 / rr.ttft_ms.p90)
+    } else {
+        "-".to_owned()
+    };
+    Some(format!(
+        "KV-aware routing (kv) against round-robin: hit rate {} vs {}, TTFT p90 {:.0} vs {:.0} ms \
+         ({ttft});\nkv reaches {} of the finite oracle's hit rate (one LRU cache as large as all \
+         the workers' together)",
+        pct(kv.hit_rate),
+        pct(rr.hit_rate),
+        kv.ttft_ms.p90,
+        rr.ttft_ms.p90,
+        of_bound(kv.hit_rate, report.oracle.finite)
+    ))
 }
 
 /// The session rows, when the trace has sessions: stickiness (mean share of a session's turns
@@ -212,6 +253,7 @@ mod tests {
             speedup: 10.0,
             ttft_floor_ms: None,
             session_oracle,
+            selection_measured: Default::default(),
             oracle: OracleHitRates {
                 block_size: 64,
                 capacity_blocks: 200,
@@ -253,11 +295,24 @@ mod tests {
         );
         let text = render_table(&report);
         let kv = text.lines().find(|l| l.starts_with("kv ")).unwrap();
+        assert!(kv.contains("25.0%") && kv.contains("100.0%"), "{text}");
+        assert!(kv.contains(" 12 ") && kv.contains("300"), "{text}");
         assert!(
-            kv.contains("25.0%") && kv.contains("50.0%") && kv.contains("100.0%"),
+            text.lines().all(|l| l.chars().count() <= 120),
+            "wider than 120 columns:\n{text}"
+        );
+        assert!(text.contains(", 10× speed"), "{text}");
+        assert!(
+            text.contains(
+                "KV-aware routing (kv) against round-robin: hit rate 25.0% vs 0.0%, TTFT p90 12 vs \
+                 12 ms (1.00×);\nkv reaches 100.0% of the finite oracle's hit rate"
+            ),
             "{text}"
         );
-        assert!(kv.contains("12.0") && kv.contains("300"), "{text}");
+        assert!(
+            text.contains("sel: the selection in µs of wall clock, the client's round trip"),
+            "{text}"
+        );
         assert!(
             text.contains("errors in round-robin: worker_timeout 1"),
             "{text}"

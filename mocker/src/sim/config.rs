@@ -36,7 +36,8 @@ pub struct SimArgs {
     /// Factor on the trace's arrival times (0.5 = twice the request rate).
     #[arg(long, env = "KVROUTE_SIM_TIME_SCALE", default_value_t = 1.0)]
     pub time_scale: f64,
-    /// Routing modes to simulate, comma-separated, in order.
+    /// Routing modes to simulate, comma-separated, in order (`kv-approx`: the `kv` policy over
+    /// workers that publish no KV events, predicted by the routers' approximate caches).
     #[arg(
         long,
         env = "KVROUTE_SIM_MODES",
@@ -111,6 +112,19 @@ pub struct SimArgs {
         default_value_t = 2000.0
     )]
     pub predicted_overlap_ttl_ms: f64,
+    /// The routers' `--approx-cache-ttl-ms`: how long a prefix decided for a worker without KV
+    /// events counts as held in its approximate cache (simulated milliseconds; 0 turns
+    /// approximate mode off).
+    #[arg(
+        long,
+        env = "KVROUTE_SIM_APPROX_CACHE_TTL_MS",
+        default_value_t = 600_000.0
+    )]
+    pub approx_cache_ttl_ms: f64,
+    /// The first N workers publish no KV events in every mode (a mixed fleet; the `kv-approx`
+    /// mode runs the whole fleet without them).
+    #[arg(long, env = "KVROUTE_SIM_NO_KV_EVENTS_WORKERS", default_value_t = 0)]
+    pub no_kv_events_workers: u32,
     /// The routers' `--track-output-blocks`: count predicted requests' output blocks from the
     /// simulated workers' `progress` events.
     #[arg(long = "track-output-blocks", env = "KVROUTE_SIM_TRACK_OUTPUT_BLOCKS")]
@@ -210,6 +224,12 @@ impl SimArgs {
                 format!("must be at most --workers ({})", self.workers),
             ));
         }
+        if self.no_kv_events_workers > self.workers {
+            return Err(ConfigError::new(
+                "no-kv-events-workers",
+                format!("must be at most --workers ({})", self.workers),
+            ));
+        }
         if !(self.cpu_slowdown.is_finite() && self.cpu_slowdown >= 1.0) {
             return Err(ConfigError::new("cpu-slowdown", "must be a number ≥ 1"));
         }
@@ -228,6 +248,7 @@ impl SimArgs {
                 self.predicted_overlap_ttl_ms,
                 false,
             ),
+            ("approx-cache-ttl-ms", self.approx_cache_ttl_ms, false),
             (
                 "prediction-max-age-secs",
                 self.prediction_max_age_secs,

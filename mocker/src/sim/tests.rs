@@ -52,6 +52,8 @@ fn settings(mode: Mode, routers: u32, seed: u64) -> SimSettings {
         prediction_confirm: Duration::from_secs(2),
         prediction_max_age: Duration::from_secs(600),
         predicted_overlap_ttl: Duration::from_secs(2),
+        approx_cache_ttl: Duration::from_secs(120),
+        no_kv_events_workers: 0,
         seed,
         send_sessions: true,
         sessions: Default::default(),
@@ -296,7 +298,7 @@ fn a_policy_file_with_a_request_classifier_is_refused_naming_it() {
         "classifier.yaml",
         "worker_selection: {aggregated: round-robin}\nrequest_classifier: {type: pass-through}\n",
     );
-    let err = load_policies(&with_classifier, &registry)
+    let err = load_policies(&with_classifier, &registry, "kvroute-sim")
         .unwrap_err()
         .to_string();
     assert!(err.starts_with("--policy-config "), "{err}");
@@ -308,7 +310,7 @@ fn a_policy_file_with_a_request_classifier_is_refused_naming_it() {
         "selection.yaml",
         "worker_selection: {aggregated: round-robin}\n",
     );
-    let policies = load_policies(&without, &registry).unwrap();
+    let policies = load_policies(&without, &registry, "kvroute-sim").unwrap();
     assert_eq!(
         policies
             .selection(kvroute_common::messages::WorkerRole::Aggregated)
@@ -316,4 +318,52 @@ fn a_policy_file_with_a_request_classifier_is_refused_naming_it() {
         "round-robin"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn approximate_mode_keeps_conversations_on_their_workers_without_events() {
+    // Turns 3 s apart: far beyond the predicted overlap's 2 s, and no sessions, so what brings
+    // a turn back to its worker is the approximate cache.
+    let plan = Plan::new(conversations(13, 6), 0, 1.0, None);
+    let run = |settings: SimSettings| {
+        let settings = SimSettings {
+            send_sessions: false,
+            ..settings
+        };
+        simulate(&plan, &settings, &builtins(), |_| {}).unwrap()
+    };
+    let kv = run(settings(Mode::Kv, 2, 1));
+    let approx = run(settings(Mode::KvApprox, 2, 1));
+    let rr = run(settings(Mode::RoundRobin, 2, 1));
+    assert_eq!((approx.completed, approx.errors), (78, 0), "{approx:?}");
+    assert!(
+        approx.hit_rate >= 0.85 * kv.hit_rate,
+        "kv-approx {} vs kv {}",
+        approx.hit_rate,
+        kv.hit_rate
+    );
+    assert!(rr.hit_rate < 0.5 * approx.hit_rate);
+    // Off (TTL 0), the same fleet is routed on load alone: a turn finds its conversation's
+    // blocks only when load happens to send it back.
+    let off = run(SimSettings {
+        approx_cache_ttl: Duration::ZERO,
+        ..settings(Mode::KvApprox, 2, 1)
+    });
+    assert!(
+        off.hit_rate < 0.75 * approx.hit_rate,
+        "off {} vs on {}",
+        off.hit_rate,
+        approx.hit_rate
+    );
+    // A mixed fleet (workers 1 and 2 without events, 3 and 4 with) does as well.
+    let mixed = run(SimSettings {
+        no_kv_events_workers: 2,
+        ..settings(Mode::Kv, 2, 1)
+    });
+    assert!(
+        mixed.hit_rate >= 0.85 * kv.hit_rate,
+        "mixed {} vs kv {}",
+        mixed.hit_rate,
+        kv.hit_rate
+    );
 }

@@ -2,9 +2,11 @@
 //! which the real components meet without NATS or etcd.
 //!
 //! - each worker is an [`Engine`] (the mocker's cache and batching model);
-//! - its KV events reach one shared [`RadixIndex`] (the indexer's) after `event_delay`;
+//! - its KV events reach one shared [`RadixIndex`] (the indexer's) after `event_delay`, unless
+//!   it publishes none (`kv-approx`, `--no-kv-events-workers`: the routers' approximate caches
+//!   then predict it);
 //! - each router replica has its own [`LoadView`] (the router service's) and its own policy
-//!   instance, and decides through the router's decision core ([`decide_request`]: the
+//!   instance, and decides through the router's selection machine (`kvroute_router::decide::selection`: the
 //!   service's own code) with the index's overlap; arrivals go to the replicas in turn;
 //! - a replica applies its own decision at once and the others' after `signal_delay`;
 //!   lifecycle events (`progress` ones only when the routers track output blocks) and load
@@ -18,9 +20,9 @@
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::FutureExt as _;
 use kvroute_common::hashing::BlockHashes;
 use kvroute_common::messages::{
     Decision, KvEventData, LifecycleKind, RequestLifecycle, SchemaVersion, SelectRequest,
@@ -31,8 +33,10 @@ use kvroute_indexer::index::{IndexConfig, RadixIndex};
 use kvroute_router::decide::candidates::Partition;
 use kvroute_router::decide::load_view::models::LoadModels;
 use kvroute_router::decide::load_view::{LoadView, LoadViewConfig};
-use kvroute_router::decide::prompt::Prompt;
-use kvroute_router::decide::{DecideInput, Decided, Owned, PartitionPolicy, decide_request};
+use kvroute_router::decide::prompt::{Prepared, Prompt};
+use kvroute_router::decide::selection::{Context, Selection, Start};
+use kvroute_router::decide::{Decided, Owned, PartitionPolicy};
+use kvroute_router::drive::{self, Ended};
 use kvroute_router::pipeline::WorkerInputs;
 use kvroute_router::registry::ResolvedPolicies;
 use kvroute_router::select::SelectionSettings;
@@ -74,6 +78,11 @@ pub struct SimSettings {
     pub prediction_max_age: Duration,
     /// The routers' predicted-overlap TTL (zero: off).
     pub predicted_overlap_ttl: Duration,
+    /// The routers' approximate-cache TTL for workers without KV events (zero: off).
+    pub approx_cache_ttl: Duration,
+    /// The first `no_kv_events_workers` workers publish no KV events in every mode (a mixed
+    /// fleet); in `kv-approx` none does.
+    pub no_kv_events_workers: u32,
     pub seed: u64,
     /// Send a row's `session_id` as the request's `SessionContext`.
     pub send_sessions: bool,
@@ -130,6 +139,7 @@ pub fn sim_cards(engine: &EngineConfig, workers: u32) -> Vec<WorkerCard> {
             request_subject: format!("sim.worker.{worker_id}"),
             software_version: format!("kvroute-sim {}", env!("CARGO_PKG_VERSION")),
             http_url: None,
+            kv_events: true,
         })
         .collect()
 }
@@ -208,7 +218,7 @@ struct World<'a> {
     shared: Option<SharedStore>,
     replicas: Vec<SimRouter>,
     /// Every worker, as the router's one partition.
-    partition: Partition,
+    partition: Arc<Partition>,
     selection_settings: SelectionSettings,
     names: Names,
     /// The replicas' shared session bindings.
@@ -238,6 +248,7 @@ pub fn simulate(
                 card.labels
                     .insert(DEVICE_LABEL.to_owned(), "cpu".to_owned());
             }
+            card.kv_events = settings.mode.kv_events() && i >= settings.no_kv_events_workers;
             SimWorker {
                 card,
                 engine: Engine::new(engine)
@@ -254,6 +265,7 @@ pub fn simulate(
         confirm_window_ms: millis(settings.prediction_confirm),
         prediction_max_age_ms: millis(settings.prediction_max_age),
         predicted_overlap_ttl_ms: millis(settings.predicted_overlap_ttl),
+        approx_cache_ttl_ms: millis(settings.approx_cache_ttl),
         models: settings.load_models,
     };
     let replicas = (0..settings.routers.max(1))
@@ -264,7 +276,11 @@ pub fn simulate(
                     StdRng::seed_from_u64(settings.seed ^ (u64::from(r) << 32)),
                     &SelectionSettings::default(),
                 ),
-                view: LoadView::new(view_config),
+                view: {
+                    let mut view = LoadView::new(view_config);
+                    view.set_workers(workers.iter().map(|w| &w.card));
+                    view
+                },
             })
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
@@ -278,10 +294,10 @@ pub fn simulate(
             workers.iter().map(|w| w.card.worker_id),
         )
         .with_sessions(plan.sessions.clone(), settings.send_sessions),
-        partition: Partition {
+        partition: Arc::new(Partition {
             cards: workers.iter().map(|w| w.card.clone()).collect(),
             block_size: settings.engine.block_size,
-        },
+        }),
         selection_settings: SelectionSettings::default(),
         names: Names::new(&Namespace::new("sim").expect("a valid namespace")),
         workers,
@@ -356,6 +372,8 @@ impl World<'_> {
                 self.schedule(now + self.settings.load_interval, Event::LoadTick(w));
                 return done;
             }
+            // A worker without KV events publishes none: the index never learns its cache.
+            Event::KvEvents(w, _) if !self.workers[w].card.kv_events => {}
             Event::KvEvents(w, events) => {
                 let worker_id = self.workers[w].card.worker_id;
                 for event in &events {
@@ -402,38 +420,40 @@ impl World<'_> {
         };
         let r = i % self.replicas.len();
         let started = Instant::now();
+        // The simulator's prompt counts the blocks of all its tokens (not the service's N − 1).
         let prompt = Prompt {
             hashes: hashes.local.clone(),
             tokens: tokens.len() as u64,
         };
-        let overlap = if self.replicas[r].policy.inputs.contains(WorkerInputs::CACHE) {
-            SignalSnapshot::from_matches(&self.index.find_matches(&hashes.local).matches)
-        } else {
-            SignalSnapshot::new()
-        };
+        let prepared = Prepared::with_prompt(request, request_id, self.partition.clone(), prompt);
         let router_id = format!("sim-router-{r}");
-        let input = DecideInput {
-            request: &request,
-            request_id,
-            decision_id: Uuid::from_u128((i as u128 + 1) << 64),
-            prompt: &prompt,
-            partition: &self.partition,
-            overlap: &overlap,
+        let context = Context {
             settings: &self.selection_settings,
             names: &self.names,
             router_id: &router_id,
-            selection_target: None,
+            sessions: *self.sessions.config(),
         };
         let replica = &mut self.replicas[r];
+        let start = Start {
+            decision_id: Uuid::from_u128((i as u128 + 1) << 64),
+            reads_cache: replica.policy.inputs.contains(WorkerInputs::CACHE),
+            overlap: None,
+            target: None,
+            queues: false,
+        };
         let mut state = Owned {
             policy: &mut replica.policy,
             view: &mut replica.view,
             now_ms: millis(now),
         };
-        // The in-memory session store answers at once, so the core's future is ready.
-        let decided = decide_request(&mut state, &self.sessions, &input, millis(now))
-            .now_or_never()
-            .expect("the in-memory session store never waits");
+        let (selection, need) = Selection::start(&prepared, context, start, &mut state);
+        let index = &self.index;
+        let decided = match drive::now(selection, need, &mut state, self.sessions.store(), || {
+            SignalSnapshot::from_matches(&index.find_matches(&prepared.prompt.hashes).matches)
+        }) {
+            Ended::Reply(decided) => decided,
+            Ended::Join(_) => unreachable!("the simulator queues nothing"),
+        };
         let selection_latency = started.elapsed();
         let new = match decided {
             Ok(Decided::New(new)) => new,

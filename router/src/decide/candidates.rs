@@ -52,6 +52,11 @@ impl Candidates {
         self.cards.is_empty()
     }
 
+    /// Every registered worker's card, by worker id.
+    pub fn cards(&self) -> impl Iterator<Item = &WorkerCard> {
+        self.cards.values()
+    }
+
     /// The workers of `model` in `role`.
     pub fn partition(&self, model: &str, role: WorkerRole) -> Option<Arc<Partition>> {
         self.partitions.get(&(model.to_owned(), role)).cloned()
@@ -148,6 +153,7 @@ mod tests {
             request_subject: format!("w.{id}"),
             software_version: String::new(),
             http_url: None,
+            kv_events: true,
         }
     }
 

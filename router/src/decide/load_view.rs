@@ -24,14 +24,15 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use kvroute_common::messages::{Decision, LifecycleKind, RequestLifecycle, WorkerLoad};
+use kvroute_common::messages::{Decision, LifecycleKind, RequestLifecycle, WorkerCard, WorkerLoad};
 use kvroute_common::{RequestId, WorkerId};
 
 use self::models::{
     DEFAULT_PREFILL_TOKENS_PER_SEC, LoadModels, MILLIBLOCKS, PrefillLoadModel, PrefillRate,
 };
 use self::predictions::Predictions;
-use super::predicted::PredictedOverlap;
+use super::approx::ApproxCache;
+use super::predicted::{PredictedOverlap, PromptPrefixes};
 use crate::signals::ObservedLoad;
 use crate::worker::WorkerRank;
 
@@ -66,6 +67,9 @@ pub struct LoadViewConfig {
     /// How long a decision's prompt counts as held by its rank ([`PredictedOverlap`]); 0: no
     /// predicted overlap.
     pub predicted_overlap_ttl_ms: u64,
+    /// How long a prefix decided for a worker without KV events counts as held in its
+    /// approximate cache after its last decision ([`ApproxCache`]); 0: approximate mode off.
+    pub approx_cache_ttl_ms: u64,
     /// Output blocks and prefill decay (both off by default).
     pub models: LoadModels,
 }
@@ -265,6 +269,8 @@ pub struct LoadView {
     settled_early_order: VecDeque<RequestId>,
     /// The prompts of recent decisions, as overlap their ranks are about to have.
     predicted: PredictedOverlap,
+    /// The predicted caches of workers without KV events.
+    approx: ApproxCache,
 }
 
 impl LoadView {
@@ -277,6 +283,7 @@ impl LoadView {
             settled_early: HashMap::new(),
             settled_early_order: VecDeque::new(),
             predicted: PredictedOverlap::new(config.predicted_overlap_ttl_ms),
+            approx: ApproxCache::new(config.approx_cache_ttl_ms),
         }
     }
 
@@ -322,6 +329,17 @@ impl LoadView {
         &self.predicted
     }
 
+    /// The approximate caches of workers without KV events.
+    pub fn approx(&self) -> &ApproxCache {
+        &self.approx
+    }
+
+    /// The registered workers are `cards`: those without KV events get approximate caches
+    /// (see [`ApproxCache::set_workers`]).
+    pub fn set_workers<'a>(&mut self, cards: impl IntoIterator<Item = &'a WorkerCard>) {
+        self.approx.set_workers(cards);
+    }
+
     /// The decision already made for `request_id` (by any replica), if remembered.
     pub fn decided(&self, request_id: &RequestId) -> Option<&Decision> {
         self.decided.get(request_id).map(|d| &*d.decision)
@@ -336,6 +354,16 @@ impl LoadView {
         ) {
             let rank = WorkerRank::new(d.worker_id, d.dp_rank);
             self.predicted.record(rank, &d.prefix_hashes, d.ts, now_ms);
+        }
+        // Every distinct decision is credited to its worker's approximate cache, a superseded
+        // one too: replicas that see a request's decisions in different orders then credit the
+        // same ones.
+        let rank = WorkerRank::new(d.worker_id, d.dp_rank);
+        if applied != Applied::Duplicate
+            && self.approx.tracks(rank)
+            && let Some(prompt) = PromptPrefixes::of_decision(&d.prefix_hashes, d.request_blocks)
+        {
+            self.approx.record(rank, &prompt, d.ts, now_ms);
         }
         applied
     }
@@ -583,6 +611,7 @@ impl LoadView {
     pub fn remove_worker(&mut self, worker_id: WorkerId) {
         self.ranks.retain(|rank, _| rank.worker_id != worker_id);
         self.predicted.remove_worker(worker_id);
+        self.approx.remove_worker(worker_id);
     }
 
     /// Drops every prediction added before `cutoff_ms`: after this replica lost its NATS
@@ -600,6 +629,7 @@ impl LoadView {
     /// nothing left.
     pub fn expire(&mut self, now_ms: u64) {
         self.predicted.expire(now_ms);
+        self.approx.expire(now_ms);
         let cutoff = now_ms.saturating_sub(self.config.prediction_max_age_ms);
         for rank in self.ranks.values_mut() {
             rank.retain(|p| p.added_ms > cutoff);

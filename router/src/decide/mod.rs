@@ -6,19 +6,21 @@
 //! the [`LoadView`]): it answers a request that already has a decision with that decision,
 //! drops one past its deadline, reads load from the view, runs router eligibility and the
 //! policy ([`crate::select::select_worker`]), builds the [`Decision`] and charges it to the
-//! view, so the next request of a burst sees it. [`decide_request`] adds sessions around it:
-//! the binding lookup and commit are the store's round trips and happen outside the critical
-//! section ([`crate::session::choose_in_session`]); a commit that lost a race withdraws the
-//! charge and decides again.
+//! view, so the next request of a burst sees it. [`selection::Selection`] runs a whole request
+//! as steps around it: the overlap, the session binding's read and commit (the store's round
+//! trips, outside the critical section), a commit that lost a race withdrawing the charge and
+//! deciding again, the queue or the reply.
 //!
-//! No I/O and no clock: the caller passes the overlap it fetched, the ids, and the time (read
-//! by the [`DecisionState`] when it takes its lock).
+//! No I/O and no clock: the caller answers the steps' I/O, and passes the ids and the time
+//! (read by the [`DecisionState`] when it takes its lock).
 
+pub mod approx;
 pub mod candidates;
 pub mod load_view;
 pub mod owner;
 pub mod predicted;
 pub mod prompt;
+pub mod selection;
 pub mod wire;
 
 use kvroute_common::Names;
@@ -30,10 +32,8 @@ use self::candidates::Partition;
 use self::load_view::{Applied, LoadView};
 use self::prompt::Prompt;
 use crate::pipeline::{WorkerInputs, WorkerSelectionPolicy};
-use crate::select::{
-    SelectFailure, SelectInput, Selection, SelectionSettings, choose_for_request, select_worker,
-};
-use crate::session::{Chooser, SessionRoute, SessionStore, SessionTable};
+use crate::select::{Chosen, SelectFailure, SelectInput, SelectionSettings, select_worker};
+use crate::session::SessionRoute;
 use crate::signals::{ObservedLoad, Overlap, SignalSnapshot, SignalSource};
 use crate::worker::{WorkerRank, WorkerTarget};
 
@@ -91,7 +91,7 @@ pub struct DecideInput<'a> {
 /// A new decision, charged to the load view; published once its binding (if any) is committed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewDecision {
-    pub selection: Selection,
+    pub selection: Chosen,
     pub decision: Decision,
     /// What charging it to the view did (`Added`, or `AlreadyCounted` when its worker had
     /// already reported the request).
@@ -133,6 +133,9 @@ pub trait DecisionState {
     /// Runs `f` with the partition's policy and the load view held, and the time at which
     /// they were taken.
     fn with<R>(&mut self, f: impl FnOnce(&mut PartitionPolicy, &mut LoadView, u64) -> R) -> R;
+
+    /// The time now, without taking anything (dates a session binding's read and commit).
+    fn now_ms(&self) -> u64;
 }
 
 /// The overlap the caller fetched grown by the predicted overlap, and the view's load at the
@@ -179,13 +182,13 @@ pub fn decide(
         (route, _) => route,
     };
     let reads_cache = policy.inputs.contains(WorkerInputs::CACHE);
-    let prefixes = (reads_cache && view.predicted().is_enabled())
+    let prefixes = (reads_cache && (view.predicted().is_enabled() || view.approx().is_enabled()))
         .then(|| predicted::PromptPrefixes::of(&input.prompt.hashes));
     let signals = Signals {
         overlap: input.overlap,
         predicted: prefixes
             .as_ref()
-            .map(|p| view.predicted().matches(p, now_ms))
+            .map(|p| predicted_overlap(view, p, now_ms))
             .unwrap_or_default(),
         view: policy.inputs.contains(WorkerInputs::LOAD).then_some(&*view),
         now_ms,
@@ -214,6 +217,23 @@ pub fn decide(
     })))
 }
 
+/// Each rank's predicted leading blocks of `prompt`: the recent decisions' (predicted overlap)
+/// or, for a worker without KV events, its approximate cache's, whichever is deeper.
+fn predicted_overlap(
+    view: &LoadView,
+    prompt: &predicted::PromptPrefixes,
+    now_ms: u64,
+) -> Vec<(WorkerRank, u32)> {
+    let mut found = view.predicted().matches(prompt, now_ms);
+    for (rank, blocks) in view.approx().matches(prompt, now_ms) {
+        match found.iter_mut().find(|(r, _)| *r == rank) {
+            Some((_, b)) => *b = (*b).max(blocks),
+            None => found.push((rank, blocks)),
+        }
+    }
+    found
+}
+
 fn known_reply(input: &DecideInput<'_>, known: &Decision) -> Decided {
     let subject = input
         .partition
@@ -225,61 +245,6 @@ fn known_reply(input: &DecideInput<'_>, known: &Decision) -> Decided {
             |c| c.request_subject.clone(),
         );
     Decided::Known(Box::new(wire::from_decision(known, subject)))
-}
-
-/// [`decide`] for a whole request: directly without a session; with one, between the binding's
-/// lookup and commit (outside `state`'s critical section). `now_ms` dates the session's lookup
-/// and commit.
-pub async fn decide_request<S: SessionStore, D: DecisionState>(
-    state: &mut D,
-    sessions: &SessionTable<S>,
-    input: &DecideInput<'_>,
-    now_ms: u64,
-) -> Result<Decided, SelectFailure> {
-    let mut chooser = Step { state, input };
-    choose_for_request(
-        sessions,
-        input.request,
-        &input.partition.cards,
-        now_ms,
-        &mut chooser,
-    )
-    .await
-}
-
-struct Step<'a, 'b, D> {
-    state: &'a mut D,
-    input: &'a DecideInput<'b>,
-}
-
-impl<D: DecisionState> Chooser for Step<'_, '_, D> {
-    type Choice = Decided;
-    type Error = SelectFailure;
-
-    fn choose(&mut self, route: SessionRoute) -> Result<Decided, SelectFailure> {
-        let input = self.input;
-        self.state
-            .with(|policy, view, now_ms| decide(policy, view, input, route, now_ms))
-    }
-
-    fn worker(&self, choice: &Decided) -> Option<WorkerRank> {
-        match choice {
-            Decided::New(new) => Some(new.selection.worker),
-            Decided::Known(_) | Decided::Expired => None,
-        }
-    }
-
-    fn bound(&mut self, choice: &mut Decided, state: Option<BindingState>) {
-        if let Decided::New(new) = choice {
-            new.bound(state);
-        }
-    }
-
-    fn withdraw(&mut self, choice: Decided) {
-        if let Decided::New(new) = choice {
-            self.state.with(|_, view, _| view.withdraw(&new.decision));
-        }
-    }
 }
 
 /// A [`DecisionState`] over state the caller owns outright (a simulator, a test): the clock
@@ -294,6 +259,10 @@ pub struct Owned<'a> {
 impl DecisionState for Owned<'_> {
     fn with<R>(&mut self, f: impl FnOnce(&mut PartitionPolicy, &mut LoadView, u64) -> R) -> R {
         f(self.policy, self.view, self.now_ms)
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.now_ms
     }
 }
 

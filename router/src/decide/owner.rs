@@ -2,6 +2,17 @@
 //! replicas registered in etcd. Every replica computes the same owner from the same set, and a
 //! replica leaving moves only its own partitions. The owner makes every decision of its
 //! partitions, so a burst spread over replicas is decided in one sequence, as by one router.
+//!
+//! Why owners: replicas that each decide a burst's requests before seeing the others'
+//! decisions pick the same least-loaded worker (TTFT p90 1.31× one replica's on the
+//! conversation trace; BENCHMARKS.md, "Router replicas: partition owners and predicted
+//! overlap"). Sharing state faster cannot close that window, and per-worker reservations by
+//! compare-and-set in JetStream KV would make every decision a replicated round trip with a
+//! retry loop under contention, for per-worker atomicity only. An owner costs one NATS hop for
+//! requests that arrive at another replica, and makes each partition's decisions one sequence
+//! under one policy lock. Its costs: a partition's decisions are bounded by one replica's CPU
+//! (replicas add throughput across partitions, not within one), and a dead owner's partitions
+//! are decided where requests arrive until its lease expires.
 
 use kvroute_common::messages::WorkerRole;
 use xxhash_rust::xxh3::xxh3_64;

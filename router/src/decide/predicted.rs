@@ -77,6 +77,33 @@ impl PromptPrefixes {
     pub fn hashes(&self) -> Vec<u64> {
         self.0.iter().map(|&(_, chain)| chain).collect()
     }
+
+    /// A decision's `prefix_hashes` with their depths, which follow from the prompt's length
+    /// in blocks (`request_blocks`); `None` when the count does not fit that length.
+    pub fn of_decision(prefix_hashes: &[u64], request_blocks: u32) -> Option<Self> {
+        let n = request_blocks as usize;
+        let mut depths: Vec<u32> = SCHEDULE
+            .iter()
+            .take_while(|&&d| d < n)
+            .map(|&d| d as u32)
+            .collect();
+        if n > 0 {
+            depths.push(request_blocks);
+        }
+        (depths.len() == prefix_hashes.len()).then(|| {
+            Self(
+                depths
+                    .into_iter()
+                    .zip(prefix_hashes.iter().copied())
+                    .collect(),
+            )
+        })
+    }
+
+    /// (depth in blocks, chain hash) pairs, in depth order.
+    pub fn depths(&self) -> &[(u32, u64)] {
+        &self.0
+    }
 }
 
 /// The chain hashes a decision carries for the prompt `hashes`.
@@ -240,6 +267,22 @@ mod tests {
         assert_eq!(prefix_hashes(&prompt(500, 500, 1)).len(), 32);
         assert_eq!(prefix_hashes(&prompt(9, 9, 1)).len(), 9);
         assert!(prefix_hashes(&[]).is_empty());
+    }
+
+    #[test]
+    fn a_decision_s_prefix_hashes_get_their_depths_back() {
+        for len in [1u64, 2, 8, 9, 16, 100, 512, 513] {
+            let p = PromptPrefixes::of(&prompt(len, len, 1));
+            let back = PromptPrefixes::of_decision(&p.hashes(), len as u32);
+            assert_eq!(back.as_ref(), Some(&p), "{len}");
+        }
+        let p = PromptPrefixes::of(&prompt(100, 100, 1));
+        assert_eq!(PromptPrefixes::of_decision(&p.hashes(), 200), None);
+        assert_eq!(PromptPrefixes::of_decision(&p.hashes(), 0), None);
+        assert_eq!(
+            PromptPrefixes::of_decision(&[], 0),
+            Some(PromptPrefixes::default())
+        );
     }
 
     #[test]

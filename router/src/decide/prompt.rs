@@ -1,5 +1,10 @@
-//! The prompt as a selection needs it: local block hashes at the partition's block size.
+//! The request as a selection needs it ([`Prepared`], built once per request and kept while it
+//! waits in a queue): the prompt's local block hashes at the partition's block size, of the
+//! blocks an engine can reuse.
 
+use std::sync::Arc;
+
+use kvroute_common::RequestId;
 use kvroute_common::hashing::{LocalBlockHash, local_block_hashes, seed_for_lora};
 use kvroute_common::messages::SelectRequest;
 
@@ -9,6 +14,10 @@ use crate::select::SelectFailure;
 /// The prompt as the selection needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Prompt {
+    /// The blocks an engine can reuse. From token ids: the full blocks of all tokens but the
+    /// last, since an engine always computes the last prompt token (vLLM and SGLang cap a hit at
+    /// length − 1 tokens, so a prompt of exactly N blocks reuses N − 1). From the caller's
+    /// hashes: those hashes.
     pub hashes: Vec<LocalBlockHash>,
     /// Prompt tokens (full blocks × block size when only hashes were given).
     pub tokens: u64,
@@ -20,13 +29,67 @@ impl Prompt {
     }
 }
 
+/// A request prepared for selection: its id, its partition's workers and its prompt hashed at
+/// their block size.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub request: SelectRequest,
+    pub request_id: RequestId,
+    pub partition: Arc<Partition>,
+    pub prompt: Prompt,
+}
+
+impl Prepared {
+    /// Hashes `request`'s prompt for `partition` (see [`prompt`]).
+    pub fn new(
+        request: SelectRequest,
+        request_id: RequestId,
+        partition: Arc<Partition>,
+    ) -> Result<Self, SelectFailure> {
+        let prompt = prompt(&request, &partition)?;
+        Ok(Self {
+            request,
+            request_id,
+            partition,
+            prompt,
+        })
+    }
+
+    /// A request whose prompt the caller hashed (tests, and `kvroute-sim`, whose prompt counts
+    /// the blocks of all its tokens).
+    pub fn with_prompt(
+        request: SelectRequest,
+        request_id: RequestId,
+        partition: Arc<Partition>,
+        prompt: Prompt,
+    ) -> Self {
+        Self {
+            request,
+            request_id,
+            partition,
+            prompt,
+        }
+    }
+
+    /// The same request over its partition's workers as they are now (a queued request's
+    /// turn): hashed again only when their block size changed.
+    pub fn refresh(&mut self, partition: Arc<Partition>) -> Result<(), SelectFailure> {
+        if partition.block_size != self.partition.block_size {
+            self.prompt = prompt(&self.request, &partition)?;
+        }
+        self.partition = partition;
+        Ok(())
+    }
+}
+
 /// Hashes the prompt with the partition's block size (or checks the caller's hashes used it).
 pub fn prompt(request: &SelectRequest, partition: &Partition) -> Result<Prompt, SelectFailure> {
     let block_size = partition.block_size;
     if let Some(tokens) = &request.token_ids {
         let seed = seed_for_lora(request.lora_name.as_deref());
+        let reusable = &tokens[..tokens.len().saturating_sub(1)];
         return Ok(Prompt {
-            hashes: local_block_hashes(tokens, block_size as usize, seed),
+            hashes: local_block_hashes(reusable, block_size as usize, seed),
             tokens: tokens.len() as u64,
         });
     }
@@ -65,6 +128,15 @@ mod tests {
         };
         let p = prompt(&request(), &partition).unwrap();
         assert_eq!((p.blocks(), p.tokens), (2, 40));
+        // Exactly 3 blocks: the last token is always computed, so 2 can be reused.
+        let mut r = request();
+        r.token_ids = Some((0..48).collect());
+        assert_eq!(prompt(&r, &partition).unwrap().blocks(), 2);
+        r.token_ids = Some((0..49).collect());
+        let p = prompt(&r, &partition).unwrap();
+        assert_eq!((p.blocks(), p.tokens), (3, 49));
+        r.token_ids = Some(vec![]);
+        assert_eq!(prompt(&r, &partition).unwrap().blocks(), 0);
         let mut r = request();
         r.token_ids = None;
         r.block_hashes = Some(vec![1, 2, 3]);

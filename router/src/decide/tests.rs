@@ -3,26 +3,28 @@
 
 use std::collections::BTreeMap;
 
-use futures::FutureExt as _;
 use futures::executor::block_on;
 use kvroute_common::Namespace;
 use kvroute_common::messages::{BindingState, SessionContext};
 use rand::SeedableRng;
 use uuid::Uuid;
 
+use super::selection::{Context, Selection, Start};
 use super::*;
 use crate::decide::load_view::LoadViewConfig;
+use crate::decide::prompt::Prepared;
+use crate::drive::{self, Ended};
 use crate::policies::default::DefaultPolicyParameters;
 use crate::session::{
-    AffinityMode, MemSessionStore, SessionBinding, SessionConfig, SessionError, StoreError,
-    Versioned, WriteOutcome,
+    AffinityMode, MemSessionStore, SessionBinding, SessionConfig, SessionError, SessionStore,
+    SessionTable, StoreError, Versioned, WriteOutcome,
 };
 use crate::testing::cards;
 
 struct Fixture {
     policy: PartitionPolicy,
     view: LoadView,
-    partition: Partition,
+    partition: std::sync::Arc<Partition>,
     settings: SelectionSettings,
     names: Names,
 }
@@ -45,12 +47,13 @@ impl Fixture {
                 confirm_window_ms: 1_000,
                 prediction_max_age_ms: 60_000,
                 predicted_overlap_ttl_ms,
+                approx_cache_ttl_ms: 120_000,
                 models: Default::default(),
             }),
-            partition: Partition {
+            partition: std::sync::Arc::new(Partition {
                 cards: cards(workers),
                 block_size: 16,
-            },
+            }),
             settings,
             names: Names::new(&Namespace::new("t").unwrap()),
         }
@@ -79,26 +82,42 @@ impl Fixture {
             hashes: (first..first + 32).collect(),
             tokens: 512,
         };
-        let input = DecideInput {
-            request,
-            request_id: request.request_id.unwrap(),
-            decision_id: Uuid::from_u128(request.request_id.unwrap().as_u128() | 1 << 100),
-            prompt: &prompt,
-            partition: &self.partition,
-            overlap,
+        let prepared = Prepared::with_prompt(
+            request.clone(),
+            request.request_id.unwrap(),
+            self.partition.clone(),
+            prompt,
+        );
+        let context = Context {
             settings: &self.settings,
             names: &self.names,
             router_id: "r1",
-            selection_target: None,
+            sessions: *sessions.config(),
+        };
+        let start = Start {
+            decision_id: Uuid::from_u128(request.request_id.unwrap().as_u128() | 1 << 100),
+            reads_cache: true,
+            overlap: Some(overlap.clone()),
+            target: None,
+            queues: false,
         };
         let mut state = Owned {
             policy: &mut self.policy,
             view: &mut self.view,
             now_ms,
         };
-        decide_request(&mut state, sessions, &input, now_ms)
-            .now_or_never()
-            .expect("no store here waits")
+        let (selection, need) = Selection::start(&prepared, context, start, &mut state);
+        let overlap_given = || std::future::ready(SignalSnapshot::new());
+        match block_on(drive::run(
+            selection,
+            need,
+            &mut state,
+            sessions.store(),
+            overlap_given,
+        )) {
+            Ended::Reply(decided) => decided,
+            Ended::Join(_) => unreachable!("nothing queues here"),
+        }
     }
 
     fn decide(&mut self, request: &SelectRequest, now_ms: u64) -> Result<Decided, SelectFailure> {
@@ -473,4 +492,84 @@ fn a_selection_target_is_the_policys_affinity_target_but_never_beats_a_pin() {
         cards(4)[0].worker_id,
         "without a target: the first row"
     );
+}
+
+/// A fleet of three whose workers 2 and 3 publish no KV events, with predicted overlap off:
+/// what decides where a prompt's next request goes is the approximate cache.
+fn mixed_fleet() -> Fixture {
+    let mut f = Fixture::predicting(3, 0);
+    let mut cards = cards(3);
+    for c in cards.iter_mut().filter(|c| c.worker_id != 1) {
+        c.kv_events = false;
+    }
+    f.view.set_workers(&cards);
+    f.partition = std::sync::Arc::new(Partition {
+        cards,
+        block_size: 16,
+    });
+    f
+}
+
+fn finished(d: &Decision) -> kvroute_common::messages::RequestLifecycle {
+    kvroute_common::messages::RequestLifecycle {
+        v: Default::default(),
+        request_id: d.request_id,
+        worker_id: d.worker_id,
+        dp_rank: 0,
+        ts: 0,
+        kind: kvroute_common::messages::LifecycleKind::Finished { output_tokens: 1 },
+    }
+}
+
+#[test]
+fn a_worker_without_events_that_served_a_prompt_wins_its_next_request_on_every_replica() {
+    let mut a = mixed_fleet();
+    let mut b = mixed_fleet();
+    // Worker 1 (with events) holds a prompt the index knows of; the first request of another
+    // prompt goes to a worker without events (worker 1 is the busiest), and its decision
+    // carries the prefix hashes although predicted overlap is off.
+    let busy = kvroute_common::messages::WorkerLoad {
+        v: Default::default(),
+        worker_id: 1,
+        dp_rank: 0,
+        seq: 1,
+        active_prefill_tokens: 0,
+        active_decode_blocks: 0,
+        active_requests: 4,
+        waiting_requests: 0,
+        kv_used_blocks: 0,
+        total_kv_blocks: 0,
+        ts: 0,
+        new_requests: None,
+    };
+    a.view.apply_report(&busy, 1_000);
+    b.view.apply_report(&busy, 1_000);
+    let first = new(a.decide_distinct(&request(1), 100, 1_000).unwrap()).decision;
+    assert_ne!(first.worker_id, 1);
+    assert!(!first.prefix_hashes.is_empty());
+    assert_eq!(b.view.apply_decision(&first, 1_005), Applied::Added);
+    for f in [&mut a, &mut b] {
+        f.view.apply_lifecycle(&finished(&first), 2_000);
+    }
+    // A minute later, long past any predicted overlap, both replicas send the prompt's next
+    // request to the worker that served it, which holds it whole.
+    for (i, f) in [&mut a, &mut b].into_iter().enumerate() {
+        let next = new(f
+            .decide_distinct(&request(10 + i as u128), 100, 61_000)
+            .unwrap());
+        assert_eq!(next.decision.worker_id, first.worker_id);
+        assert_eq!(next.decision.overlap_blocks, 32);
+        f.view.apply_lifecycle(&finished(&next.decision), 61_500);
+    }
+    // The worker with events still wins what its index says it holds.
+    let sessions = SessionTable::new(MemSessionStore::new(), SessionConfig::default());
+    let d = new(a
+        .decide_prompt(&sessions, &request(20), &prefix_on_1(), 0, 62_000)
+        .unwrap());
+    assert_eq!((d.decision.worker_id, d.decision.overlap_blocks), (1, 32));
+    // Past the TTL after the last decision, the prompt is forgotten.
+    let late = new(a
+        .decide_distinct(&request(30), 100, 61_000 + 120_000)
+        .unwrap());
+    assert_eq!(late.decision.overlap_blocks, 0);
 }

@@ -8,7 +8,7 @@ use kvroute_common::messages::{
 use kvroute_common::{DecisionId, RequestId};
 
 use super::DecideInput;
-use crate::select::Selection;
+use crate::select::Chosen;
 
 /// An error reply without per-worker reasons.
 pub fn error(code: ErrorCode, message: String, request_id: Option<RequestId>) -> SelectResponse {
@@ -22,7 +22,7 @@ pub fn error(code: ErrorCode, message: String, request_id: Option<RequestId>) ->
 }
 
 /// The decision record of `selection`, made for `input` at `now_ms`.
-pub fn decision(input: &DecideInput<'_>, selection: &Selection, now_ms: u64) -> Decision {
+pub fn decision(input: &DecideInput<'_>, selection: &Chosen, now_ms: u64) -> Decision {
     let request = input.request;
     let prompt = input.prompt;
     let overlap = selection.overlap.map_or(0, |o| o.device);
@@ -76,7 +76,7 @@ pub fn from_decision(d: &Decision, request_subject: String) -> SelectReply {
 
 /// The reply for a new selection.
 pub fn reply(
-    selection: &Selection,
+    selection: &Chosen,
     request_id: RequestId,
     decision_id: DecisionId,
     request_blocks: u32,

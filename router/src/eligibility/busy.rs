@@ -124,7 +124,7 @@ mod tests {
             active_prefill_tokens: prefill,
             active_decode_blocks: decode,
             active_requests: 1,
-            output_blocks: 0.0,
+            ..ObservedLoad::default()
         })
     }
 

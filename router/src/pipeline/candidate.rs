@@ -16,6 +16,9 @@ pub struct LoadSignals {
     pub decode_cost_blocks: f64,
     /// Requests currently active on the rank.
     pub active_requests: u64,
+    /// Waiting requests whose prompt tokens `active_prefill_tokens` does not count
+    /// ([`ObservedLoad::unsized_waiting_requests`]).
+    pub unsized_waiting_requests: u64,
 }
 
 impl LoadSignals {
@@ -26,6 +29,7 @@ impl LoadSignals {
             active_prefill_tokens: observed.active_prefill_tokens,
             decode_cost_blocks: observed.decode_blocks() + f64::from(request_blocks),
             active_requests: observed.active_requests,
+            unsized_waiting_requests: observed.unsized_waiting_requests,
         }
     }
 }

@@ -1,11 +1,24 @@
 //! `default`: the KV-cache-aware cost model.
 //!
 //! ```text
-//! prefill_blocks  = active_prefill_tokens / block_size + request_blocks
-//! adjusted        = max(prefill_blocks − credit·device − host_weight·host − disk_weight·disk
-//!                       − shared_cache_multiplier·shared_beyond_device, 0)
+//! queued_blocks   = active_prefill_tokens / block_size + unsized_waiting · request_blocks
+//! own             = max(request_blocks − min(credit, 1)·device − host_weight·host
+//!                       − disk_weight·disk − shared_cache_multiplier·shared_beyond_device, 0)
+//! adjusted        = own + max(queued_blocks − max(credit − 1, 0)·device, 0)
 //! cost            = (prefill_load_scale·adjusted + decode_blocks) · preferred_taint_multiplier
 //! ```
+//!
+//! This is routing-concepts' `adjusted_prefill_blocks = max(prefill_blocks − credit·overlap, 0)`
+//! with `prefill_blocks = queued_blocks + request_blocks`, unchanged for a credit in its range
+//! 0..=1. A credit above 1 is split: up to 1 per cached block offsets the request's own prefill,
+//! the rest only the queued prefill, each part clamped at 0 on its own. So a cached block
+//! always lowers the cost: a worker holding more of the prompt wins whenever load is otherwise
+//! equal. (With one clamp over the sum, credit 3 and no queued prefill, any worker holding a
+//! third of the prompt cost 0 prefill, the costs tied and a random worker won.)
+//!
+//! `unsized_waiting` is the rank's waiting requests whose tokens its report does not count
+//! (`ObservedLoad::unsized_waiting_requests`: vLLM reports waiting requests but not their
+//! tokens); each is charged as a prompt the size of this one.
 //!
 //! `decode_blocks` is the rank's active decode blocks plus the request's blocks. The overlap
 //! tiers are disjoint (the index counts each leading block in the best tier holding it), so no
@@ -22,8 +35,7 @@
 //! routing-concepts range of 0..=1: at 1 a cached prefix only offsets its own prefill, so a
 //! follow-up turn leaves its worker as soon as that worker has a little queued prefill, and the
 //! conversation ends up cached twice; at 3 a cached block also offsets two blocks of queued
-//! prefill. On the Mooncake conversation trace that raises the hit rate from 88 % to 95 % of
-//! the finite oracle with TTFT p50/p90/p99 no worse (BENCHMARKS.md, "Routing quality").
+//! prefill (BENCHMARKS.md, "Routing quality").
 
 use std::sync::Arc;
 
@@ -40,8 +52,8 @@ use crate::request::RequestContext;
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DefaultPolicyParameters {
-    /// Credit per device-resident overlap block, ≥ 0 (above 1 a cached block also offsets
-    /// queued prefill; the adjusted prefill is clamped at 0). Default 3.0.
+    /// Credit per device-resident overlap block, ≥ 0 (up to 1 offsets the request's own
+    /// prefill; the rest offsets queued prefill, clamped at 0). Default 3.0.
     pub overlap_score_credit: f64,
     /// Credit per overlap block whose best tier is host memory, 0..=1. Default 0.75.
     pub host_cache_hit_weight: f64,
@@ -165,13 +177,17 @@ impl WorkerScorer for PrefillCostScorer {
             group: WorkerInputs::LOAD,
         })?;
         let block_size = f64::from(context.block_size().max(1));
-        let prefill_blocks =
-            load.active_prefill_tokens as f64 / block_size + f64::from(context.request_blocks());
-        let credit = p.overlap_score_credit * f64::from(overlap.device)
+        let request_blocks = f64::from(context.request_blocks());
+        let queued_blocks = load.active_prefill_tokens as f64 / block_size
+            + load.unsized_waiting_requests as f64 * request_blocks;
+        let device = f64::from(overlap.device);
+        let own_credit = p.overlap_score_credit.min(1.0) * device
             + p.host_cache_hit_weight * f64::from(overlap.host)
             + p.disk_cache_hit_weight * f64::from(overlap.disk)
             + p.shared_cache_multiplier * f64::from(overlap.shared_beyond_device_blocks());
-        let adjusted = (prefill_blocks - credit).max(0.0);
+        let queued_credit = (p.overlap_score_credit - 1.0).max(0.0) * device;
+        let adjusted =
+            (request_blocks - own_credit).max(0.0) + (queued_blocks - queued_credit).max(0.0);
         Ok(p.prefill_load_scale * adjusted * taint_multiplier(candidate))
     }
 }
@@ -217,8 +233,7 @@ mod tests {
             Some(ObservedLoad {
                 active_prefill_tokens: prefill_tokens,
                 active_decode_blocks: decode,
-                active_requests: 0,
-                output_blocks: 0.0,
+                ..ObservedLoad::default()
             }),
             0,
         );
@@ -318,6 +333,88 @@ mod tests {
         };
         // 10 − 2 − 0.75·4 − 0.25·(6 − 2) = 4.
         assert_eq!(cost_with_shared(tiers, 0, 0.25), 4.0);
+    }
+
+    /// The default parameters' cost of one rank; `waiting` are unsized waiting requests.
+    fn default_cost(device_blocks: u32, prefill_tokens: u64, waiting: u64, decode: u64) -> f64 {
+        let card = card(1);
+        let ctx = RequestContext::new(12, 16);
+        let load = LoadSignals::project(
+            Some(ObservedLoad {
+                active_prefill_tokens: prefill_tokens,
+                active_decode_blocks: decode,
+                unsized_waiting_requests: waiting,
+                ..ObservedLoad::default()
+            }),
+            12,
+        );
+        let row = WorkerCandidate::new(WorkerRank::new(1, 0), &card)
+            .with_cache(device(device_blocks))
+            .with_load(load);
+        let mut policy = DefaultPolicyParameters::default().policy();
+        policy.score_exact(&ctx, row).unwrap().cost.total
+    }
+
+    #[test]
+    fn more_cached_prompt_costs_less_when_load_is_equal() {
+        // A 12-block prompt at the default credit 3. With one clamp over the sum every overlap
+        // of 4 blocks or more cost 0 prefill, so a worker holding 4 tied with one holding 12.
+        for (queued_tokens, waiting, decode) in [(0, 0, 0), (0, 0, 40), (16 * 5, 0, 7), (0, 2, 3)] {
+            let costs: Vec<f64> = (0..=12)
+                .map(|d| default_cost(d, queued_tokens, waiting, decode))
+                .collect();
+            assert!(
+                costs.windows(2).all(|w| w[1] < w[0]),
+                "queued {queued_tokens} waiting {waiting} decode {decode}: {costs:?}"
+            );
+        }
+        // Idle ranks: 64 per uncached block of the prompt, plus its 12 decode blocks.
+        assert_eq!(default_cost(4, 0, 0, 0), 64.0 * 8.0 + 12.0);
+        assert_eq!(default_cost(12, 0, 0, 0), 12.0);
+    }
+
+    #[test]
+    fn credit_above_one_offsets_queued_prefill_but_no_more() {
+        // 10 cached blocks at credit 3 also offset 20 blocks of queued prefill.
+        let queued = |blocks: u64| blocks * 16;
+        assert_eq!(default_cost(10, queued(15), 0, 0), 64.0 * 2.0 + 12.0);
+        assert_eq!(default_cost(10, queued(20), 0, 0), 64.0 * 2.0 + 12.0);
+        assert_eq!(default_cost(10, queued(25), 0, 0), 64.0 * 7.0 + 12.0);
+        // So a long cached prefix outweighs a short queue, not a long one.
+        let idle_uncached = default_cost(0, 0, 0, 0);
+        assert!(default_cost(10, queued(15), 0, 0) < idle_uncached);
+        assert!(default_cost(10, queued(40), 0, 0) > idle_uncached);
+    }
+
+    #[test]
+    fn unsized_waiting_requests_count_as_prompts_of_this_size() {
+        // 2 waiting requests of unknown size: 24 queued blocks, as if 24 blocks of tokens.
+        assert_eq!(default_cost(0, 0, 2, 0), default_cost(0, 24 * 16, 0, 0));
+        assert_eq!(default_cost(0, 0, 2, 0), 64.0 * 36.0 + 12.0);
+        // A cached prefix offsets them like any queued prefill.
+        assert_eq!(default_cost(12, 0, 2, 0), default_cost(12, 24 * 16, 0, 0));
+    }
+
+    #[test]
+    fn the_worker_holding_the_longer_prefix_wins_every_seed() {
+        let cards = [card(1), card(2), card(3)];
+        let ctx = RequestContext::new(12, 16);
+        for seed in 0..64 {
+            let rows = cards
+                .iter()
+                .zip([4, 11, 6])
+                .map(|(c, d)| {
+                    WorkerCandidate::new(WorkerRank::new(c.worker_id, 0), c)
+                        .with_cache(device(d))
+                        .with_load(LoadSignals::project(None, 12))
+                })
+                .collect();
+            let mut policy = DefaultPolicyParameters::default().policy();
+            let mut rng = rand::SeedableRng::seed_from_u64(seed);
+            let picked: &mut rand::rngs::StdRng = &mut rng;
+            let selection = policy.run(&ctx, rows, picked).unwrap();
+            assert_eq!(selection.row.worker().worker_id, 2, "seed {seed}");
+        }
     }
 
     #[test]

@@ -81,8 +81,7 @@ pub(crate) mod tests {
                 let load = ObservedLoad {
                     active_requests: *requests,
                     active_decode_blocks: *decode,
-                    active_prefill_tokens: 0,
-                    output_blocks: 0.0,
+                    ..ObservedLoad::default()
                 };
                 WorkerCandidate::new(WorkerRank::new(c.worker_id, 0), c)
                     .with_load(LoadSignals::project(Some(load), 1))

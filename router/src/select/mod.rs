@@ -56,7 +56,7 @@ pub enum SelectionPath {
 
 /// A successful selection.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Selection {
+pub struct Chosen {
     pub worker: WorkerRank,
     /// The chosen worker card's request subject.
     pub request_subject: String,
@@ -101,7 +101,7 @@ pub fn select_worker(
     policy: &mut WorkerSelectionPolicy,
     route: SessionRoute,
     rng: &mut dyn RngCore,
-) -> Result<Selection, SelectFailure> {
+) -> Result<Chosen, SelectFailure> {
     validate(input)?;
     let rules = Rules::from_request(input.request);
     let mut context =
@@ -135,7 +135,7 @@ fn try_exact(
     context: &RequestContext,
     target: WorkerTarget,
     rng: &mut dyn RngCore,
-) -> Option<Result<Selection, SelectFailure>> {
+) -> Option<Result<Chosen, SelectFailure>> {
     let mut rules = Rules::from_request(input.request);
     rules.exact = Some(target);
     let ranks = eligible(input, &rules).ok()?;
@@ -168,7 +168,7 @@ fn choose(
     ranks: &[EligibleRank<'_>],
     path: SelectionPath,
     rng: &mut dyn RngCore,
-) -> Result<Selection, SelectFailure> {
+) -> Result<Chosen, SelectFailure> {
     let rows = input.settings.rows(
         input.request,
         context,
@@ -181,7 +181,7 @@ fn choose(
         (SelectionPath::Exact, [only]) => policy.score_exact(context, *only)?,
         _ => policy.run(context, rows, rng)?,
     };
-    Ok(Selection {
+    Ok(Chosen {
         worker: row.worker(),
         request_subject: row.candidate().card().request_subject.clone(),
         overlap: row.cache().copied(),
@@ -202,7 +202,7 @@ pub async fn select<S: SessionStore>(
     sessions: &SessionTable<S>,
     now_ms: u64,
     rng: &mut (dyn RngCore + Send),
-) -> Result<Selection, SelectFailure> {
+) -> Result<Chosen, SelectFailure> {
     let mut chooser = PolicyOnly { input, policy, rng };
     choose_for_request(sessions, input.request, input.workers, now_ms, &mut chooser).await
 }
@@ -246,20 +246,20 @@ struct PolicyOnly<'a, 'b> {
 }
 
 impl Chooser for PolicyOnly<'_, '_> {
-    type Choice = Selection;
+    type Choice = Chosen;
     type Error = SelectFailure;
 
-    fn choose(&mut self, route: SessionRoute) -> Result<Selection, SelectFailure> {
+    fn choose(&mut self, route: SessionRoute) -> Result<Chosen, SelectFailure> {
         select_worker(self.input, self.policy, route, self.rng)
     }
 
-    fn worker(&self, choice: &Selection) -> Option<WorkerRank> {
+    fn worker(&self, choice: &Chosen) -> Option<WorkerRank> {
         Some(choice.worker)
     }
 
-    fn bound(&mut self, choice: &mut Selection, state: Option<BindingState>) {
+    fn bound(&mut self, choice: &mut Chosen, state: Option<BindingState>) {
         choice.binding = state;
     }
 
-    fn withdraw(&mut self, _choice: Selection) {}
+    fn withdraw(&mut self, _choice: Chosen) {}
 }

@@ -69,9 +69,9 @@ fn a_request_goes_to_the_worker_holding_its_prefix() {
     .unwrap();
     assert_eq!(s.worker, WorkerRank::new(3, 0));
     assert_eq!(s.overlap.unwrap().device, 8);
-    // prefill_load_scale 64 × max(10 request blocks − 3 × 8 cached, 0) + 10 decode blocks.
-    assert_eq!(s.cost.total, 10.0);
-    assert_eq!(s.cost.terms["prefill"], 0.0);
+    // prefill_load_scale 64 × (10 request blocks − 8 cached) + 10 decode blocks.
+    assert_eq!(s.cost.total, 138.0);
+    assert_eq!(s.cost.terms["prefill"], 128.0);
     assert_eq!(s.cost.terms["decode"], 10.0);
     assert_eq!(s.policy, "default");
     assert_eq!(s.path, SelectionPath::Policy);

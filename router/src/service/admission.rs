@@ -31,6 +31,7 @@ use super::Router;
 use super::classifying::Classifiers;
 use super::reply;
 use crate::classify::{Classification, ClassifyRequest, Verdict};
+use crate::decide::prompt::Prepared;
 use crate::decide::wire;
 use crate::queue::{AdmissionQueue, Left, Pushed, QueueConfig, QueueError, Ticket};
 use crate::signals::SignalSnapshot;
@@ -61,8 +62,8 @@ pub(super) type PartitionKey = (String, WorkerRole);
 /// One queued request.
 #[derive(Debug)]
 pub(super) struct Waiting {
-    /// Its latest attempt.
-    pub request: SelectRequest,
+    /// Its latest attempt, prepared (hashed) once.
+    pub prepared: Arc<Prepared>,
     /// Where its client waits for the answer.
     pub reply_to: async_nats::Subject,
     /// The overlap fetched for it, and when.
@@ -74,7 +75,7 @@ pub(super) struct Waiting {
 /// A queued request's turn: a copy of what deciding it needs.
 pub(super) struct Turn {
     pub id: RequestId,
-    pub request: SelectRequest,
+    pub prepared: Arc<Prepared>,
     pub overlap: Option<(SignalSnapshot, u64)>,
     pub target: Option<WorkerTarget>,
 }
@@ -167,7 +168,7 @@ impl Admission {
             .entry(key.clone())
             .or_insert_with(|| AdmissionQueue::new(config));
         let first_arrival = queue.get(&id).map_or(arrived_ms, |(_, t)| t.arrived_ms);
-        let request = &waiting.request;
+        let request = &waiting.prepared.request;
         let (class, due_ms, cost, deferred) = match entry {
             Entry::Default => (
                 0,
@@ -265,7 +266,7 @@ impl Admission {
                     let (w, _) = queue.get(&id)?;
                     Some(Turn {
                         id,
-                        request: w.request.clone(),
+                        prepared: w.prepared.clone(),
                         overlap: w.overlap.clone(),
                         target: w
                             .classify
@@ -391,8 +392,7 @@ impl Router {
             .filter(|(_, at)| now.saturating_sub(*at) <= OVERLAP_MAX_AGE_MS);
         let result = self
             .decide_queued(
-                &turn.request,
-                id,
+                &turn.prepared,
                 overlap.map(|(o, _)| o),
                 turn.target,
                 clock,
@@ -540,7 +540,7 @@ impl Router {
     }
 
     async fn hand_to(&self, owner: &str, left: &Left<Waiting>) -> bool {
-        let Ok(payload) = kvroute_common::codec::encode(&left.item.request) else {
+        let Ok(payload) = kvroute_common::codec::encode(&left.item.prepared.request) else {
             return false;
         };
         let mut headers = async_nats::HeaderMap::new();

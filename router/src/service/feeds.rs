@@ -35,12 +35,19 @@ pub async fn watch_workers(router: Arc<Router>, mut events: mpsc::Receiver<Worke
         if let WorkerEvent::Invalid { reason, .. } = &event {
             router.metrics.bad_cards.inc(reason.label());
         }
-        let change = {
+        let (change, without_events) = {
             let mut candidates = router.candidates.write().unwrap_or_else(|p| p.into_inner());
             let change = candidates.apply(event);
             router.metrics.workers.set(candidates.len() as i64);
-            change
+            let without_events: Vec<_> = candidates
+                .cards()
+                .filter(|c| !c.kv_events)
+                .cloned()
+                .collect();
+            (change, without_events)
         };
+        // Workers without KV events get (or lose) their approximate caches.
+        router.lock_load().set_workers(&without_events);
         if change.loaded {
             tracing::info!("worker snapshot loaded");
             router.loaded.store(true, Ordering::Release);
@@ -174,6 +181,8 @@ impl Router {
                 let mut view = self.lock_load();
                 view.expire(now);
                 m.predicted_requests.set(view.predictions() as i64);
+                m.approx_ranks.set(view.approx().ranks() as i64);
+                m.approx_blocks.set(view.approx().total_blocks() as i64);
                 drop(view);
                 if let super::overlap::OverlapSource::Local(replica) = &self.overlap {
                     m.local_applied_seq.set(replica.applied_seq() as i64);

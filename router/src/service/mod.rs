@@ -1,8 +1,9 @@
 //! The router process around the decision core ([`crate::decide`]). Modules follow a
 //! request: [`intake`] (queue group, decoding) → the core's candidates (etcd workers by model
 //! and role, kept current by [`feeds`]) → [`overlap`] (indexer query or local replica) → the
-//! core's `decide_request` over the load view (reports + predictions, fed by [`feeds`]) with
-//! [`sessions_kv`] → [`reply`] (answer, then the published decision). This module holds only
+//! core's selection machine (run by `crate::drive`) over the load view (reports +
+//! predictions, fed by [`feeds`]) with [`sessions_kv`] → [`reply`] (the published decision,
+//! then the answer). This module holds only
 //! I/O: intake, reply, overlap, sessions_kv and feeds touch the network.
 
 mod admission;
@@ -218,6 +219,7 @@ pub async fn run(
             confirm_window_ms: config.prediction_confirm_ms,
             prediction_max_age_ms: config.prediction_max_age_secs.saturating_mul(1000),
             predicted_overlap_ttl_ms: config.predicted_overlap_ttl_ms,
+            approx_cache_ttl_ms: config.approx_cache_ttl_ms,
             models: config.load_models.models()?,
         })),
         overlap,
@@ -301,7 +303,7 @@ pub async fn run(
 /// `KVROUTE_*` env fallbacks), set up logging, prepare (a bad configuration exits with
 /// status 2 and one line naming it), run until SIGTERM or Ctrl-C; errors end it with one
 /// line and a status of kvroute's exit table (`kvroute_common::ops::exit`).
-pub fn main_with(registry: RouterPluginRegistry, name: &str) -> std::process::ExitCode {
+pub fn main_with(registry: RouterPluginRegistry, name: &'static str) -> std::process::ExitCode {
     use clap::CommandFactory as _;
     use kvroute_common::ops::exit;
     let types = registry.types().collect::<Vec<_>>().join(", ");
@@ -310,7 +312,8 @@ pub fn main_with(registry: RouterPluginRegistry, name: &str) -> std::process::Ex
         .collect::<Vec<_>>()
         .join(", ");
     let command = RouterConfig::command()
-        .bin_name(name.to_owned())
+        .name(name)
+        .bin_name(name)
         .after_help(format!(
             "Policy types (for --policy-config, the selection flags and a request's `policy`): {types}\n\
              Request classifier types (for request_classifier.type in --policy-config): {classifiers}"

@@ -28,6 +28,14 @@ pub enum Fallback {
 }
 
 impl Fallback {
+    pub const ALL: [Fallback; 5] = [
+        Fallback::Timeout,
+        Fallback::NoResponders,
+        Fallback::NotReady,
+        Fallback::IndexerError,
+        Fallback::Failed,
+    ];
+
     pub fn reason(self) -> &'static str {
         match self {
             Fallback::Timeout => "timeout",

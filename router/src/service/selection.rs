@@ -1,7 +1,10 @@
 //! One selection request through the service: intake checks → the model's candidates → the
-//! prompt's overlap (only when the policy reads it) → the decision core's `decide_request`
-//! (session lookup, then under the partition's policy lock and the load view: eligibility,
-//! policy, decision, charge; then the binding commit) → reply, then the decision is published.
+//! prompt's overlap (only when the policy reads it) → the decision core's selection machine
+//! (`crate::decide::selection`, run by `crate::drive`: session lookup, then under the
+//! partition's policy lock and the load view: eligibility, policy, decision, charge; then the
+//! binding commit) → the decision is published, then the
+//! reply sent (so a client's next request, answered by another replica, finds the decision
+//! there).
 //!
 //! A request past its deadline is dropped (no reply, no decision, no load): its client has
 //! retried. A request whose id already has a decision (a retry, answered by this replica or
@@ -14,6 +17,12 @@
 //! its admission queue ([`super::admission`]) instead of failing `all_overloaded`; so does a
 //! request whose partition already has requests waiting (they go first).
 
+#![allow(
+    clippy::disallowed_types,
+    clippy::disallowed_methods,
+    reason = "a shell: stamps each request with the clock at intake"
+)]
+
 use std::time::Instant;
 
 use kvroute_common::messages::{Decision, ErrorCode, SelectRequest, SelectResponse, now_ms};
@@ -22,13 +31,17 @@ use uuid::Uuid;
 use super::admission::{self, Entry, Joined, Waiting};
 use super::classifying::Classifiers;
 use super::intake::{self, Rejected};
+use super::metrics::labels;
 use super::reply;
 use super::{PolicySlot, Router};
 use crate::classify::{ClassifyRequest, Completion, Verdict};
-use crate::decide::candidates::Partition;
+use std::sync::Arc;
+
 use crate::decide::load_view::LoadView;
-use crate::decide::prompt::{Prompt, prompt};
-use crate::decide::{DecideInput, Decided, DecisionState, PartitionPolicy, decide_request, wire};
+use crate::decide::prompt::{Prepared, Prompt};
+use crate::decide::selection::{Context, Selection, Start};
+use crate::decide::{Decided, DecisionState, PartitionPolicy, wire};
+use crate::drive::{self, Ended};
 use crate::eligibility::EligibilityError;
 use crate::pipeline::WorkerInputs;
 use crate::registry::ConfigError;
@@ -114,6 +127,10 @@ impl DecisionState for Locked<'_> {
         let mut view = self.router.lock_load();
         f(&mut policy, &mut view, self.clock.now_ms())
     }
+
+    fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
+    }
 }
 
 impl Router {
@@ -183,7 +200,7 @@ impl Router {
         }
         if clock.expired(&request) {
             tracing::debug!(request_id = ?request.request_id, attempt = request.attempt, "dropped a request past its deadline");
-            return Outcome::Expired("intake");
+            return Outcome::Expired(labels::EXPIRED_INTAKE);
         }
         let headers = msg.headers.as_ref();
         let forwarded = headers.and_then(|h| h.get(FORWARDED_BY)).is_some();
@@ -212,27 +229,22 @@ impl Router {
             .then_some(client)
             .flatten()
             .map(|reply_to| (reply_to, arrived_ms, forwarded));
-        match self.choose(&request, request_id, clock, queue).await {
+        match self.choose(request, request_id, clock, queue).await {
             Ok(outcome) => outcome,
             Err(response) => Outcome::Answer(response, None),
         }
     }
 
-    /// The partition, prompt and policy slot of a request: what deciding it needs besides its
-    /// overlap. The error is the reply itself (sent once, on a cold path).
+    /// The request prepared for selection (its partition and hashed prompt) and its policy
+    /// slot; `queued`: the request as prepared when it joined the queue, hashed again only
+    /// when its partition's block size changed. The error is the reply itself (sent once, on a
+    /// cold path).
     #[allow(clippy::result_large_err)]
     fn prepare(
         &self,
-        request: &SelectRequest,
+        request: Result<SelectRequest, &Arc<Prepared>>,
         request_id: Uuid,
-    ) -> Result<
-        (
-            std::sync::Arc<Partition>,
-            Prompt,
-            std::sync::Arc<PolicySlot>,
-        ),
-        SelectResponse,
-    > {
+    ) -> Result<(Arc<Prepared>, Arc<PolicySlot>), SelectResponse> {
         let fail = |f: SelectFailure| SelectResponse::Error(f.to_select_error(Some(request_id)));
         if !self.is_ready() {
             return Err(wire::error(
@@ -241,20 +253,33 @@ impl Router {
                 Some(request_id),
             ));
         }
+        let (model, role) = match &request {
+            Ok(r) => (&r.model, r.role),
+            Err(p) => (&p.request.model, p.request.role),
+        };
         let partition = self
             .candidates
             .read()
             .unwrap_or_else(|p| p.into_inner())
-            .partition(&request.model, request.role);
+            .partition(model, role);
         let Some(partition) = partition else {
             return Err(fail(SelectFailure::Eligibility(
                 EligibilityError::NoWorkers {
-                    model: request.model.clone(),
-                    role: request.role,
+                    model: model.clone(),
+                    role,
                 },
             )));
         };
-        let prompt = prompt(request, &partition).map_err(fail)?;
+        let prepared = match request {
+            Ok(request) => Arc::new(Prepared::new(request, request_id, partition).map_err(fail)?),
+            Err(queued) if Arc::ptr_eq(&queued.partition, &partition) => queued.clone(),
+            Err(queued) => {
+                let mut fresh = Prepared::clone(queued);
+                fresh.refresh(partition).map_err(fail)?;
+                Arc::new(fresh)
+            }
+        };
+        let request = &prepared.request;
         let slot = self
             .policies
             .slot(
@@ -281,20 +306,22 @@ impl Router {
                     Some(request_id),
                 )
             })?;
-        Ok((partition, prompt, slot))
+        Ok((prepared, slot))
     }
 
     /// Decides a request (see the module docs); `queue` — the client's inbox, the request's
     /// first arrival and whether it was forwarded — when this replica may queue it.
     async fn choose(
         &self,
-        request: &SelectRequest,
+        request: SelectRequest,
         request_id: Uuid,
         clock: Clock,
         queue: Option<(async_nats::Subject, u64, bool)>,
     ) -> Result<Outcome, SelectResponse> {
         let fail = |f: SelectFailure| SelectResponse::Error(f.to_select_error(Some(request_id)));
-        let (partition, prompt, slot) = self.prepare(request, request_id)?;
+        let (prepared, slot) = self.prepare(Ok(request), request_id)?;
+        let request = &prepared.request;
+        let partition = &prepared.partition;
         let key = (request.model.clone(), request.role);
         let now = clock.now_ms();
         // A retry of a queued request takes its place (classified once, when it came first).
@@ -302,7 +329,7 @@ impl Router {
             && self.admission.is_queued(&key, &request_id)
         {
             let waiting = Waiting {
-                request: request.clone(),
+                prepared: prepared.clone(),
                 reply_to: reply_to.clone(),
                 overlap: None,
                 classify: None,
@@ -326,10 +353,10 @@ impl Router {
         let mut classify = self
             .classifiers
             .enabled()
-            .then(|| Classifiers::request(request, request_id, prompt.tokens, arrived_ms));
+            .then(|| Classifiers::request(request, request_id, prepared.prompt.tokens, arrived_ms));
         let mut entry = Entry::Default;
         if let Some(creq) = &mut classify {
-            match self.classifiers.classify(&key, &partition, creq, now) {
+            match self.classifiers.classify(&key, partition, creq, now) {
                 Some(Verdict::Admit(c)) => entry = Entry::Classified(c),
                 Some(Verdict::Defer) => entry = Entry::Deferred,
                 None => {}
@@ -354,7 +381,7 @@ impl Router {
                 ));
             };
             let waiting = Waiting {
-                request: request.clone(),
+                prepared: prepared.clone(),
                 reply_to,
                 overlap: None,
                 classify,
@@ -364,19 +391,13 @@ impl Router {
                 .map(|()| Outcome::Queued { forwarded })
                 .map_err(|full| *full);
         }
-        let overlap = self.overlap_signals(request, &prompt, &slot).await;
-        let decided = self
-            .decide_prepared(
-                request, request_id, &partition, &prompt, &slot, &overlap, target, clock,
-            )
+        let ended = self
+            .select(&prepared, &slot, None, target, queue.is_some(), clock)
             .await;
-        let decided = match (decided, queue) {
-            (
-                Err(SelectFailure::Eligibility(EligibilityError::AllOverloaded { .. })),
-                Some((reply_to, arrived_ms, forwarded)),
-            ) => {
+        let decided = match (ended, queue) {
+            (Ended::Join(overlap), Some((reply_to, arrived_ms, forwarded))) => {
                 let waiting = Waiting {
-                    request: request.clone(),
+                    prepared: prepared.clone(),
                     reply_to,
                     overlap: Some((overlap, clock.now_ms())),
                     classify,
@@ -386,14 +407,15 @@ impl Router {
                     .map(|()| Outcome::Queued { forwarded })
                     .map_err(|full| *full);
             }
-            (Err(f), _) => {
+            (Ended::Join(_), None) => unreachable!("only a request that may queue joins"),
+            (Ended::Reply(Err(f)), _) => {
                 self.classifiers
                     .completed(request_id, Completion::Rejected, now);
                 return Err(fail(f));
             }
-            (Ok(decided), _) => decided,
+            (Ended::Reply(Ok(decided)), _) => decided,
         };
-        let outcome = self.conclude(request, request_id, &prompt, decided, clock);
+        let outcome = self.conclude(&prepared, decided, clock);
         if let Outcome::Answer(SelectResponse::Ok(reply), Some(_)) = &outcome {
             let rank = WorkerRank::new(reply.worker_id, reply.dp_rank);
             self.classifiers.sent(request_id, rank, clock.now_ms());
@@ -441,103 +463,95 @@ impl Router {
     /// too old (else fetched again, and handed to `fresh`).
     pub(super) async fn decide_queued(
         &self,
-        request: &SelectRequest,
-        request_id: Uuid,
+        queued: &Arc<Prepared>,
         overlap: Option<SignalSnapshot>,
         target: Option<WorkerTarget>,
         clock: Clock,
         fresh: impl FnOnce(SignalSnapshot),
     ) -> Queued {
-        let (partition, prompt, slot) = match self.prepare(request, request_id) {
+        let (prepared, slot) = match self.prepare(Err(queued), queued.request_id) {
             Ok(p) => p,
             Err(response) => return Queued::Answer(response, None),
         };
-        let overlap = match overlap {
-            Some(o) => o,
-            None => {
-                let o = self.overlap_signals(request, &prompt, &slot).await;
-                fresh(o.clone());
-                o
-            }
-        };
-        let decided = self
-            .decide_prepared(
-                request, request_id, &partition, &prompt, &slot, &overlap, target, clock,
-            )
+        let given = overlap.is_some();
+        let ended = self
+            .select(&prepared, &slot, overlap, target, true, clock)
             .await;
-        match decided {
-            Err(SelectFailure::Eligibility(EligibilityError::AllOverloaded { .. })) => {
+        match ended {
+            Ended::Join(overlap) => {
+                if !given {
+                    fresh(overlap);
+                }
                 Queued::Overloaded
             }
-            Err(f) => Queued::Answer(
-                SelectResponse::Error(f.to_select_error(Some(request_id))),
+            Ended::Reply(Err(f)) => Queued::Answer(
+                SelectResponse::Error(f.to_select_error(Some(prepared.request_id))),
                 None,
             ),
-            Ok(decided) => match self.conclude(request, request_id, &prompt, decided, clock) {
+            Ended::Reply(Ok(decided)) => match self.conclude(&prepared, decided, clock) {
                 Outcome::Answer(response, decision) => Queued::Answer(response, decision),
                 _ => Queued::Expired,
             },
         }
     }
 
-    /// The core's decision for a prepared request.
-    #[allow(clippy::too_many_arguments)]
-    async fn decide_prepared(
+    /// Runs the selection machine for a prepared request (see `crate::decide::selection`): the
+    /// overlap from the index, the session binding from the bucket; reading the load view,
+    /// selecting and charging the decision to the view happen under the partition's policy
+    /// lock, so concurrent selections (a burst of requests) each see the ones before them,
+    /// instead of all picking the same least-loaded worker.
+    async fn select(
         &self,
-        request: &SelectRequest,
-        request_id: Uuid,
-        partition: &Partition,
-        prompt: &Prompt,
+        prepared: &Prepared,
         slot: &PolicySlot,
-        overlap: &SignalSnapshot,
-        selection_target: Option<WorkerTarget>,
+        overlap: Option<SignalSnapshot>,
+        target: Option<WorkerTarget>,
+        queues: bool,
         clock: Clock,
-    ) -> Result<Decided, SelectFailure> {
-        let input = DecideInput {
-            request,
-            request_id,
-            decision_id: Uuid::new_v4(),
-            prompt,
-            partition,
-            overlap,
+    ) -> Ended {
+        let context = Context {
             settings: &self.settings,
             names: &self.names,
             router_id: &self.router_id,
-            selection_target,
+            sessions: *self.sessions.config(),
+        };
+        let start = Start {
+            decision_id: Uuid::new_v4(),
+            reads_cache: slot.inputs.contains(WorkerInputs::CACHE),
+            overlap,
+            target,
+            queues,
         };
         let mut state = Locked {
             slot,
             router: self,
             clock,
         };
-        // Reading the load view, selecting and charging the decision to the view happen under
-        // the partition's policy lock: concurrent selections (a burst of requests) each see
-        // the ones before them, instead of all picking the same least-loaded worker.
-        decide_request(&mut state, &self.sessions, &input, clock.now_ms()).await
+        let (selection, need) = Selection::start(prepared, context, start, &mut state);
+        let (model, prompt) = (&prepared.request.model, &prepared.prompt);
+        drive::run(selection, need, &mut state, self.sessions.store(), || {
+            self.overlap_signals(model, prompt)
+        })
+        .await
     }
 
     /// What a decision comes to: the answer and the decision to publish, or nothing.
-    fn conclude(
-        &self,
-        request: &SelectRequest,
-        request_id: Uuid,
-        prompt: &Prompt,
-        decided: Decided,
-        clock: Clock,
-    ) -> Outcome {
+    fn conclude(&self, prepared: &Prepared, decided: Decided, clock: Clock) -> Outcome {
+        let (request, request_id, prompt) =
+            (&prepared.request, prepared.request_id, &prepared.prompt);
         let new = match decided {
             Decided::Known(reply) => {
                 self.metrics.repeated.inc();
                 return Outcome::Answer(SelectResponse::Ok(*reply), None);
             }
-            Decided::Expired => return Outcome::Expired("queued"),
+            Decided::Expired => return Outcome::Expired(labels::EXPIRED_QUEUED),
             Decided::New(new) => new,
         };
         // The session round trips may have taken the rest of the deadline (or the process
         // was stopped mid-selection): nobody would use this decision.
         if request.session.is_some() && clock.expired(request) {
             self.lock_load().withdraw(&new.decision);
-            return Outcome::Expired("selected");
+            return Outcome::Expired(labels::EXPIRED_SELECTED);
         }
         let m = &self.metrics;
         m.decisions_applied.inc();
@@ -611,19 +625,19 @@ impl Router {
                     .as_ref()
                     .is_some_and(|h| h.get(admission::QUEUED).is_some()) =>
             {
-                forwards.inc("queued");
+                forwards.inc(labels::FORWARD_QUEUED);
                 Some(Forwarded::Queued)
             }
             Ok(reply) => {
-                forwards.inc("answered");
+                forwards.inc(labels::FORWARD_ANSWERED);
                 Some(Forwarded::Answered(reply.payload))
             }
             Err(e) => {
                 use async_nats::client::RequestErrorKind;
                 let reason = match e.kind() {
-                    RequestErrorKind::NoResponders => "no_responders",
-                    RequestErrorKind::TimedOut => "timeout",
-                    _ => "error",
+                    RequestErrorKind::NoResponders => labels::FORWARD_NO_RESPONDERS,
+                    RequestErrorKind::TimedOut => labels::FORWARD_TIMEOUT,
+                    _ => labels::FORWARD_ERROR,
                 };
                 forwards.inc(reason);
                 tracing::debug!(
@@ -636,17 +650,13 @@ impl Router {
         }
     }
 
-    /// The prompt's overlap per rank, when the policy reads `CACHE`.
-    async fn overlap_signals(
-        &self,
-        request: &SelectRequest,
-        prompt: &Prompt,
-        slot: &PolicySlot,
-    ) -> SignalSnapshot {
+    /// The prompt's overlap per rank (the policy reads `CACHE`); none for a prompt without a
+    /// block.
+    async fn overlap_signals(&self, model: &str, prompt: &Prompt) -> SignalSnapshot {
         let mut signals = SignalSnapshot::new();
-        if slot.inputs.contains(WorkerInputs::CACHE) && !prompt.hashes.is_empty() {
+        if !prompt.hashes.is_empty() {
             let started = Instant::now();
-            match self.overlap.matches(&request.model, &prompt.hashes).await {
+            match self.overlap.matches(model, &prompt.hashes).await {
                 Ok(found) => {
                     if found.attempts > 1 {
                         self.metrics

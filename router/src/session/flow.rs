@@ -1,18 +1,131 @@
 //! A request in a session, with the store's round trips outside the step that chooses: look the
 //! binding up, choose under the route it gives (the caller's critical section — policy state
-//! and load view — is held only inside [`Chooser::choose`]), then commit the binding. When
-//! another router bound the session meanwhile (two first requests racing), this choice is
-//! withdrawn and the request is chosen again under the winner's binding: adopted when the
-//! winner is eligible for it, otherwise chosen anew and written over it.
+//! and load view — is held only while choosing), then commit the binding. When another router
+//! bound the session meanwhile (two first requests racing), this choice is withdrawn and the
+//! request is chosen again under the winner's binding: adopted when the winner is eligible for
+//! it, otherwise chosen anew and written over it.
+//!
+//! [`SessionFlow`] is those rules as a step machine without I/O: its caller reads and writes
+//! the store and hands back the results. [`choose_in_session`] drives it over a
+//! [`SessionStore`] for a [`Chooser`].
 
 use kvroute_common::messages::{BindingState, SessionContext};
 
-use super::store::SessionStore;
-use super::table::{BindingStatus, CommitOutcome, SessionError, SessionRoute, SessionTable};
+use super::binding::{SessionConfig, Versioned};
+use super::store::{SessionStore, SessionWrite, WriteOutcome, write};
+use super::table::{
+    BindingStatus, CommitPlan, SessionError, SessionLookup, SessionRoute, SessionTable,
+    plan_commit, read,
+};
 use crate::worker::{WorkerRank, WorkerTarget};
 
 /// How often a binding commit that raced with another router is retried.
 pub const MAX_COMMIT_ATTEMPTS: usize = 4;
+
+/// A session's lookup, choice and commit, as steps (see the module docs).
+#[derive(Debug, Clone)]
+pub struct SessionFlow {
+    session: SessionContext,
+    config: SessionConfig,
+    /// The request names its worker: a racing router's binding is not adopted over the pin.
+    pinned: bool,
+    lookup: Option<SessionLookup>,
+    /// The state the pending write reports once written.
+    writing: Option<BindingState>,
+    attempts: usize,
+}
+
+/// What a choice's commit takes next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AfterChoice {
+    /// Committed (nothing had to be written): the binding's state.
+    Bound(Option<BindingState>),
+    /// Write this, then hand the outcome to [`SessionFlow::written`].
+    Write(SessionWrite),
+}
+
+/// What a write's outcome comes to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AfterWrite {
+    /// Committed with this state.
+    Bound(Option<BindingState>),
+    /// Another router wrote first: read the binding again, withdraw the choice
+    /// ([`SessionFlow::read`] gives the route to choose under next).
+    Reread,
+}
+
+impl SessionFlow {
+    pub fn new(session: SessionContext, pinned: bool, config: SessionConfig) -> Self {
+        Self {
+            session,
+            config,
+            pinned,
+            lookup: None,
+            writing: None,
+            attempts: 0,
+        }
+    }
+
+    /// The key to read (first, and again after a lost race).
+    pub fn key(&self) -> &str {
+        &self.session.id
+    }
+
+    /// What the store held at `now_ms`: the route to choose under. After a lost race, a live
+    /// winner is adopted exactly (unless the request is pinned); after
+    /// [`MAX_COMMIT_ATTEMPTS`] lost races, contention.
+    pub fn read(
+        &mut self,
+        current: Option<Versioned>,
+        registered: &(dyn Fn(WorkerRank) -> bool + Sync),
+        now_ms: u64,
+    ) -> Result<SessionRoute, SessionError> {
+        let raced = self.lookup.is_some();
+        let lookup = read(
+            &self.config,
+            self.session.clone(),
+            current,
+            registered,
+            now_ms,
+        );
+        let route = match lookup.status() {
+            BindingStatus::Live(winner) if raced && !self.pinned => {
+                SessionRoute::Exact(WorkerTarget::exact(winner))
+            }
+            _ => lookup.route(self.config.mode),
+        };
+        self.lookup = Some(lookup);
+        if self.attempts >= MAX_COMMIT_ATTEMPTS {
+            return Err(SessionError::Contention {
+                session: self.session.id.clone(),
+            });
+        }
+        Ok(route)
+    }
+
+    /// The choice's rank, chosen at `now_ms` after [`Self::read`].
+    pub fn chose(&mut self, worker: WorkerRank, now_ms: u64) -> AfterChoice {
+        let lookup = self.lookup.as_ref().expect("chose after read");
+        match plan_commit(lookup, worker, now_ms) {
+            CommitPlan::Done(state) => AfterChoice::Bound(state),
+            CommitPlan::Write(write, state) => {
+                self.writing = Some(state);
+                AfterChoice::Write(write)
+            }
+        }
+    }
+
+    /// The write's outcome.
+    pub fn written(&mut self, outcome: WriteOutcome) -> AfterWrite {
+        match outcome {
+            WriteOutcome::Written(_) => AfterWrite::Bound(self.writing.take()),
+            WriteOutcome::Conflict => {
+                self.attempts += 1;
+                AfterWrite::Reread
+            }
+        }
+    }
+}
 
 /// The step that chooses, run once per attempt.
 pub trait Chooser {
@@ -29,9 +142,9 @@ pub trait Chooser {
     fn withdraw(&mut self, choice: Self::Choice);
 }
 
-/// Chooses for a request in `session` and commits its binding. `pinned`: the request names its
-/// worker, so a racing router's binding is not adopted over the pin. `registered` says whether
-/// a rank is still registered for the request's model and role.
+/// Chooses for a request in `session` and commits its binding, driving a [`SessionFlow`] over
+/// `table`'s store. `pinned`: the request names its worker. `registered` says whether a rank
+/// is still registered for the request's model and role.
 pub async fn choose_in_session<S: SessionStore, C: Chooser>(
     table: &SessionTable<S>,
     session: &SessionContext,
@@ -40,36 +153,36 @@ pub async fn choose_in_session<S: SessionStore, C: Chooser>(
     now_ms: u64,
     chooser: &mut C,
 ) -> Result<C::Choice, C::Error> {
-    let mut lookup = table.lookup(session, registered, now_ms).await?;
-    let mut route = lookup.route(table.config().mode);
-    for _ in 0..MAX_COMMIT_ATTEMPTS {
+    let mut flow = SessionFlow::new(session.clone(), pinned, *table.config());
+    let store = table.store();
+    let current = store.get(flow.key()).await.map_err(SessionError::from)?;
+    let mut route = flow.read(current, registered, now_ms)?;
+    loop {
         let mut choice = chooser.choose(route)?;
         let Some(worker) = chooser.worker(&choice) else {
             return Ok(choice);
         };
-        match table.commit(&lookup, worker, registered, now_ms).await {
-            Ok(CommitOutcome::Committed(state)) => {
+        let op = match flow.chose(worker, now_ms) {
+            AfterChoice::Bound(state) => {
                 chooser.bound(&mut choice, state);
                 return Ok(choice);
             }
-            Ok(CommitOutcome::Conflict(fresh)) => {
+            AfterChoice::Write(op) => op,
+        };
+        match write(store, flow.key(), op).await.map(|o| flow.written(o)) {
+            Ok(AfterWrite::Bound(state)) => {
+                chooser.bound(&mut choice, state);
+                return Ok(choice);
+            }
+            Ok(AfterWrite::Reread) => {
+                let current = store.get(flow.key()).await;
                 chooser.withdraw(choice);
-                route = match fresh.status() {
-                    BindingStatus::Live(winner) if !pinned => {
-                        SessionRoute::Exact(WorkerTarget::exact(winner))
-                    }
-                    _ => fresh.route(table.config().mode),
-                };
-                lookup = fresh;
+                route = flow.read(current.map_err(SessionError::from)?, registered, now_ms)?;
             }
             Err(e) => {
                 chooser.withdraw(choice);
-                return Err(e.into());
+                return Err(SessionError::from(e).into());
             }
         }
     }
-    Err(SessionError::Contention {
-        session: session.id.clone(),
-    }
-    .into())
 }

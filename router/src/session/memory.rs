@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use super::binding::{Revision, SessionBinding, Versioned};
-use super::store::{SessionStore, StoreError, WriteOutcome};
+use super::store::{SessionStore, SessionWrite, StoreError, WriteOutcome};
 
 #[derive(Debug, Default)]
 pub struct MemSessionStore {
@@ -49,9 +49,39 @@ impl MemSessionStore {
     }
 }
 
+impl MemSessionStore {
+    /// What [`SessionStore::get`] answers, at once.
+    pub fn get_now(&self, session: &str) -> Option<Versioned> {
+        self.lock().entries.get(session).copied()
+    }
+
+    /// What [`super::store::write`] answers, at once.
+    pub fn write_now(&self, session: &str, op: SessionWrite) -> WriteOutcome {
+        let mut inner = self.lock();
+        match op {
+            SessionWrite::Create(binding) => {
+                if inner.entries.contains_key(session) {
+                    return WriteOutcome::Conflict;
+                }
+                Self::write(&mut inner, session, binding)
+            }
+            SessionWrite::Update(binding, revision) => match inner.entries.get(session) {
+                Some(current) if current.revision == revision => {
+                    Self::write(&mut inner, session, binding)
+                }
+                _ => WriteOutcome::Conflict,
+            },
+            SessionWrite::Delete => {
+                inner.entries.remove(session);
+                WriteOutcome::Written(0)
+            }
+        }
+    }
+}
+
 impl SessionStore for MemSessionStore {
     async fn get(&self, session: &str) -> Result<Option<Versioned>, StoreError> {
-        Ok(self.lock().entries.get(session).copied())
+        Ok(self.get_now(session))
     }
 
     async fn create(
@@ -59,11 +89,7 @@ impl SessionStore for MemSessionStore {
         session: &str,
         binding: &SessionBinding,
     ) -> Result<WriteOutcome, StoreError> {
-        let mut inner = self.lock();
-        if inner.entries.contains_key(session) {
-            return Ok(WriteOutcome::Conflict);
-        }
-        Ok(Self::write(&mut inner, session, *binding))
+        Ok(self.write_now(session, SessionWrite::Create(*binding)))
     }
 
     async fn update(
@@ -72,17 +98,11 @@ impl SessionStore for MemSessionStore {
         binding: &SessionBinding,
         revision: Revision,
     ) -> Result<WriteOutcome, StoreError> {
-        let mut inner = self.lock();
-        match inner.entries.get(session) {
-            Some(current) if current.revision == revision => {
-                Ok(Self::write(&mut inner, session, *binding))
-            }
-            _ => Ok(WriteOutcome::Conflict),
-        }
+        Ok(self.write_now(session, SessionWrite::Update(*binding, revision)))
     }
 
     async fn delete(&self, session: &str) -> Result<(), StoreError> {
-        self.lock().entries.remove(session);
+        self.write_now(session, SessionWrite::Delete);
         Ok(())
     }
 }

@@ -12,9 +12,12 @@ mod tests;
 pub use binding::{
     AffinityMode, InvalidSessionConfig, Revision, SessionBinding, SessionConfig, Versioned,
 };
-pub use flow::{Chooser, MAX_COMMIT_ATTEMPTS, choose_in_session};
+pub use flow::{
+    AfterChoice, AfterWrite, Chooser, MAX_COMMIT_ATTEMPTS, SessionFlow, choose_in_session,
+};
 pub use memory::MemSessionStore;
-pub use store::{SessionStore, StoreError, WriteOutcome};
+pub use store::{SessionStore, SessionWrite, StoreError, WriteOutcome, write};
 pub use table::{
-    BindingStatus, CommitOutcome, SessionError, SessionLookup, SessionRoute, SessionTable,
+    BindingStatus, CommitOutcome, CommitPlan, SessionError, SessionLookup, SessionRoute,
+    SessionTable,
 };

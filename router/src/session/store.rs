@@ -6,6 +6,17 @@ use std::future::Future;
 
 use super::binding::{Revision, SessionBinding, Versioned};
 
+/// A write to the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionWrite {
+    /// Create the key only if it is absent.
+    Create(SessionBinding),
+    /// Write only if the key's revision is still this one.
+    Update(SessionBinding, Revision),
+    /// Remove the key (a final request).
+    Delete,
+}
+
 /// The result of a conditional write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WriteOutcome {
@@ -53,4 +64,17 @@ pub trait SessionStore: Send + Sync {
 
     /// Removes the key; absent is fine.
     fn delete(&self, session: &str) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
+/// Runs `op` on `store` for `key` (a delete always counts as written).
+pub async fn write<S: SessionStore>(
+    store: &S,
+    key: &str,
+    op: SessionWrite,
+) -> Result<WriteOutcome, StoreError> {
+    match op {
+        SessionWrite::Create(binding) => store.create(key, &binding).await,
+        SessionWrite::Update(binding, revision) => store.update(key, &binding, revision).await,
+        SessionWrite::Delete => store.delete(key).await.map(|()| WriteOutcome::Written(0)),
+    }
 }

@@ -5,7 +5,7 @@
 use kvroute_common::messages::{BindingState, SessionContext};
 
 use super::binding::{AffinityMode, SessionBinding, SessionConfig, Versioned};
-use super::store::{SessionStore, StoreError, WriteOutcome};
+use super::store::{SessionStore, SessionWrite, StoreError, WriteOutcome, write};
 use crate::worker::{WorkerRank, WorkerTarget};
 
 /// The session table failed to read or commit a binding.
@@ -108,31 +108,13 @@ impl<S: SessionStore> SessionTable<S> {
         now_ms: u64,
     ) -> Result<SessionLookup, SessionError> {
         let current = self.store.get(&session.id).await?;
-        Ok(self.classify(session.clone(), current, registered, now_ms))
-    }
-
-    fn classify(
-        &self,
-        session: SessionContext,
-        current: Option<Versioned>,
-        registered: &(dyn Fn(WorkerRank) -> bool + Sync),
-        now_ms: u64,
-    ) -> SessionLookup {
-        let status = match current {
-            None => BindingStatus::Absent,
-            Some(v) if v.binding.is_expired(now_ms, self.config.idle_ttl_ms) => {
-                BindingStatus::Expired
-            }
-            Some(v) if !registered(v.binding.worker()) => {
-                BindingStatus::Departed(v.binding.worker())
-            }
-            Some(v) => BindingStatus::Live(v.binding.worker()),
-        };
-        SessionLookup {
-            session,
+        Ok(read(
+            &self.config,
+            session.clone(),
             current,
-            status,
-        }
+            registered,
+            now_ms,
+        ))
     }
 
     /// Commits `chosen` after a successful selection: one conditional write (or a delete for
@@ -145,38 +127,78 @@ impl<S: SessionStore> SessionTable<S> {
         registered: &(dyn Fn(WorkerRank) -> bool + Sync),
         now_ms: u64,
     ) -> Result<CommitOutcome, SessionError> {
-        let id = lookup.session.id.as_str();
-        if lookup.session.is_final {
-            if lookup.current.is_none() {
-                return Ok(CommitOutcome::Committed(None));
-            }
-            self.store.delete(id).await?;
-            return Ok(CommitOutcome::Committed(Some(BindingState::Released)));
-        }
-        let binding = SessionBinding::new(chosen, now_ms);
-        let (written, state) = match (lookup.current, lookup.status) {
-            (None, _) => (self.store.create(id, &binding).await?, BindingState::New),
-            (Some(current), status) => {
-                let state = match status {
-                    BindingStatus::Live(bound) if bound == chosen => BindingState::Kept,
-                    BindingStatus::Live(_) | BindingStatus::Departed(_) => BindingState::Rebound,
-                    BindingStatus::Expired | BindingStatus::Absent => BindingState::New,
-                };
-                let written = self.store.update(id, &binding, current.revision).await?;
-                (written, state)
-            }
+        let (write_op, state) = match plan_commit(lookup, chosen, now_ms) {
+            CommitPlan::Done(state) => return Ok(CommitOutcome::Committed(state)),
+            CommitPlan::Write(write, state) => (write, state),
         };
-        match written {
+        let id = lookup.session.id.as_str();
+        match write(&self.store, id, write_op).await? {
             WriteOutcome::Written(_) => Ok(CommitOutcome::Committed(Some(state))),
             WriteOutcome::Conflict => {
                 let fresh = self.store.get(id).await?;
-                Ok(CommitOutcome::Conflict(self.classify(
+                Ok(CommitOutcome::Conflict(read(
+                    &self.config,
                     lookup.session.clone(),
                     fresh,
                     registered,
                     now_ms,
                 )))
             }
+        }
+    }
+}
+
+/// What committing a choice takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitPlan {
+    /// Nothing to write: committed with this state.
+    Done(Option<BindingState>),
+    /// This write; once written, the binding's state is the one given.
+    Write(SessionWrite, BindingState),
+}
+
+/// The binding as a selection sees it, from what the store holds (`current`) at `now_ms`.
+/// `registered` says whether a rank is still registered for the request's model and role (a
+/// departed worker's binding is invalid).
+pub fn read(
+    config: &SessionConfig,
+    session: SessionContext,
+    current: Option<Versioned>,
+    registered: &(dyn Fn(WorkerRank) -> bool + Sync),
+    now_ms: u64,
+) -> SessionLookup {
+    let status = match current {
+        None => BindingStatus::Absent,
+        Some(v) if v.binding.is_expired(now_ms, config.idle_ttl_ms) => BindingStatus::Expired,
+        Some(v) if !registered(v.binding.worker()) => BindingStatus::Departed(v.binding.worker()),
+        Some(v) => BindingStatus::Live(v.binding.worker()),
+    };
+    SessionLookup {
+        session,
+        current,
+        status,
+    }
+}
+
+/// The write that commits `chosen` after a successful selection (a delete for a final
+/// request), and the state it reports.
+pub fn plan_commit(lookup: &SessionLookup, chosen: WorkerRank, now_ms: u64) -> CommitPlan {
+    if lookup.session.is_final {
+        if lookup.current.is_none() {
+            return CommitPlan::Done(None);
+        }
+        return CommitPlan::Write(SessionWrite::Delete, BindingState::Released);
+    }
+    let binding = SessionBinding::new(chosen, now_ms);
+    match (lookup.current, lookup.status) {
+        (None, _) => CommitPlan::Write(SessionWrite::Create(binding), BindingState::New),
+        (Some(current), status) => {
+            let state = match status {
+                BindingStatus::Live(bound) if bound == chosen => BindingState::Kept,
+                BindingStatus::Live(_) | BindingStatus::Departed(_) => BindingState::Rebound,
+                BindingStatus::Expired | BindingStatus::Absent => BindingState::New,
+            };
+            CommitPlan::Write(SessionWrite::Update(binding, current.revision), state)
         }
     }
 }

@@ -1,4 +1,4 @@
-//! Indexer benchmark (issue 4), against a real nats-server and etcd started for the run:
+//! Indexer benchmark, against a real nats-server and etcd started for the run:
 //!
 //! 1. **Ingest**: the Mooncake conversation trace, replayed onto simulated LRU caches, is
 //!    published into the events stream; then the same messages are read (a) by a bare ordered

@@ -42,7 +42,7 @@ pub struct Bridged {
 
 pub async fn bridge(env: &TestEnv, engine: &EnginePublisher) -> Bridged {
     let kind = match engine.options.engine {
-        Engine::Vllm => EngineKind::Vllm,
+        Engine::Vllm | Engine::Vllm034 => EngineKind::Vllm,
         Engine::Sglang => EngineKind::Sglang,
     };
     let rank0 = &engine.endpoints()[0];
@@ -53,6 +53,7 @@ pub async fn bridge(env: &TestEnv, engine: &EnginePublisher) -> Bridged {
         zmq_endpoint: rank0.local.clone(),
         zmq_replay_endpoint: rank0.replay.clone(),
         zmq_topic: engine.options.topic.clone(),
+        kv_events: true,
         worker_id: Some(WORKER),
         dp_size: Some(2),
         dp_start_rank: 0,
@@ -121,14 +122,14 @@ impl Drop for Bridged {
 /// Hashes as each engine writes them: vLLM unsigned (some above i64::MAX), SGLang signed.
 pub fn h(engine: Engine, n: u64) -> Value {
     match engine {
-        Engine::Vllm => json!(u64::MAX - n),
+        Engine::Vllm | Engine::Vllm034 => json!(u64::MAX - n),
         Engine::Sglang => json!(-(n as i64) - 1),
     }
 }
 
 pub fn hv(engine: Engine, n: u64) -> u64 {
     match engine {
-        Engine::Vllm => u64::MAX - n,
+        Engine::Vllm | Engine::Vllm034 => u64::MAX - n,
         Engine::Sglang => (-(n as i64) - 1) as u64,
     }
 }

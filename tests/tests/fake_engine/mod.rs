@@ -39,6 +39,13 @@ pub struct EngineState {
     pub max_context: usize,
     /// After this many chunks the stream carries an error chunk (an SGLang abort).
     pub abort_after: Option<u64>,
+    /// vLLM's `prefix_cache_queries_total` and `prefix_cache_hits_total` per rank (absent when
+    /// empty).
+    pub prefix_cache: Vec<(u64, u64)>,
+    /// What vLLM's `/reset_prefix_cache` answers as `success` (SGLang's `/flush_cache`: 200 or
+    /// 400); the resets asked are counted in `resets`.
+    pub reset_succeeds: bool,
+    pub resets: u64,
 }
 
 /// A completion request the engine received.
@@ -162,6 +169,16 @@ async fn serve(
             (200, "application/json", r#"{"version":"0.32.0"}"#.into())
         }
         ("GET", "/server_info", Kind::Sglang) => (200, "application/json", sglang_server_info(&s)),
+        ("POST", "/reset_prefix_cache", Kind::Vllm) => {
+            state.lock().unwrap().resets += 1;
+            let body = json!({"success": s.reset_succeeds}).to_string();
+            (200, "application/json", body)
+        }
+        ("POST", "/flush_cache", Kind::Sglang) => {
+            state.lock().unwrap().resets += 1;
+            let status = if s.reset_succeeds { 200 } else { 400 };
+            (status, "text/plain", "Cache flushed.\n".into())
+        }
         ("GET", "/v1/loads", Kind::Sglang) => (200, "application/json", sglang_loads(&s)),
         ("POST", "/v1/completions", _) => {
             let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
@@ -210,6 +227,21 @@ fn vllm_metrics(s: &EngineState) -> String {
             };
             out.push_str(&format!(
                 "{name}{{engine=\"{rank}\",model_name=\"{m}\"}} {v:?}\n"
+            ));
+        }
+    }
+    for (name, hits) in [
+        ("vllm:prefix_cache_queries", false),
+        ("vllm:prefix_cache_hits", true),
+    ] {
+        if s.prefix_cache.is_empty() {
+            break;
+        }
+        out.push_str(&format!("# HELP {name} x\n# TYPE {name} counter\n"));
+        for (rank, (queries, hit)) in s.prefix_cache.iter().enumerate() {
+            let v = if hits { *hit } else { *queries } as f64;
+            out.push_str(&format!(
+                "{name}_total{{engine=\"{rank}\",model_name=\"{m}\"}} {v:?}\n"
             ));
         }
     }

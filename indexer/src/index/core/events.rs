@@ -1,6 +1,15 @@
 //! Applying events: `Stored`, `Removed`, `Cleared`, a worker's removal, and the evictions a
-//! cap forces. Each block goes through the same steps, in the same order, as the rules in
-//! ARCHITECTURE.md state them (the differential test checks them against a naive model).
+//! cap forces. Each block goes through these rules, in this order (the differential test
+//! checks them against a naive model); odd input is counted in `IndexStats::anomalies` and
+//! never corrupts the index:
+//! - `Stored` under a parent the (worker, rank) does not hold: `Err(ParentUnknown)`, nothing
+//!   applied;
+//! - a stored block already held in that tier: no-op; `Removed` of an unknown block or tier:
+//!   no-op — so applying an event twice leaves the same logical state;
+//! - a block hash that already names a different block of the pair: the old block is dropped
+//!   and the hash rebinds;
+//! - a block the pair already holds under another hash: the first hash keeps naming it (the
+//!   tier is added), so a pair names a block by at most one hash.
 
 use kvroute_common::hashing::SequenceHash;
 use kvroute_common::ids::{DpRank, WorkerId};

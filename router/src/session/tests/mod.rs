@@ -16,7 +16,7 @@ use crate::pipeline::{
 };
 use crate::policies::default::DefaultPolicyParameters;
 use crate::request::RequestContext;
-use crate::select::{SelectFailure, SelectInput, Selection, SelectionSettings, select};
+use crate::select::{Chosen, SelectFailure, SelectInput, SelectionSettings, select};
 use crate::signals::{Overlap, SignalSnapshot};
 use crate::testing::cards;
 use crate::worker::{WorkerRank, WorkerTarget};
@@ -88,7 +88,7 @@ impl<S: SessionStore> Harness<S> {
         workers: &[WorkerCard],
         signals: &SignalSnapshot,
         now_ms: u64,
-    ) -> Result<Selection, SelectFailure> {
+    ) -> Result<Chosen, SelectFailure> {
         let input = SelectInput {
             request,
             request_blocks: 10,
@@ -113,7 +113,7 @@ impl<S: SessionStore> Harness<S> {
     }
 }
 
-fn picked(selection: &Selection) -> (u64, Option<BindingState>) {
+fn picked(selection: &Chosen) -> (u64, Option<BindingState>) {
     (selection.worker.worker_id, selection.binding)
 }
 

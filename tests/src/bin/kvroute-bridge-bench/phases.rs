@@ -16,7 +16,7 @@ use kvroute_bridge::metrics::names as metric;
 use kvroute_bridge::relay::{Relay, RelaySettings};
 use kvroute_common::codec::decode;
 use kvroute_common::messages::KvEventBatch;
-use kvroute_common::worker::{WorkerAgent, WorkerAgentConfig};
+use kvroute_common::worker::{PublisherConfig, WorkerAgent, WorkerAgentConfig};
 use kvroute_common::{Names, WorkerId};
 use kvroute_indexer::{IndexConfig, RadixIndex};
 use kvroute_tests::{TestEnv, sim_card};
@@ -129,8 +129,14 @@ impl Run<'_> {
     }
 
     /// A relay for one rank of a PUB, joined, then attached to a registered worker agent
-    /// (what `kvroute-bridge` runs per engine, minus the HTTP side).
-    fn start_bridge(&self, worker: WorkerId, probe: &[u8]) -> anyhow::Result<Bridge> {
+    /// (what `kvroute-bridge` runs per engine, minus the HTTP side) whose publisher keeps up to
+    /// `in_flight` acks outstanding.
+    fn start_bridge(
+        &self,
+        worker: WorkerId,
+        probe: &[u8],
+        in_flight: usize,
+    ) -> anyhow::Result<Bridge> {
         let mut engine = EnginePub::bind(&self.pub_ctx)?;
         let spec = EngineSpec {
             name: ENGINE.into(),
@@ -139,6 +145,7 @@ impl Run<'_> {
             zmq_endpoint: engine.endpoint.clone(),
             zmq_replay_endpoint: None,
             zmq_topic: String::new(),
+            kv_events: true,
             worker_id: Some(worker),
             dp_size: Some(1),
             dp_start_rank: 0,
@@ -170,7 +177,13 @@ impl Run<'_> {
                 self.env.etcd.connect().await?,
                 &names,
                 sim_card(&names, worker, "bench"),
-                WorkerAgentConfig::default(),
+                WorkerAgentConfig {
+                    publisher: PublisherConfig {
+                        max_in_flight: in_flight,
+                        ..PublisherConfig::default()
+                    },
+                    ..WorkerAgentConfig::default()
+                },
                 relay.resync_source(),
             )
             .await?;
@@ -187,15 +200,17 @@ impl Run<'_> {
         })
     }
 
-    /// Phase 3: every payload through a relay as fast as the PUB sends, until the publisher
-    /// has all `kv_events` of them acked; checked against the stream and the relay's gaps.
+    /// Phase 3: every payload through a relay (its publisher keeping up to `in_flight` acks
+    /// outstanding) as fast as the PUB sends, until the publisher has all `kv_events` of them
+    /// acked; checked against the stream and the relay's gaps.
     pub fn relay(
         &self,
         w: &Workload,
         kv_events: usize,
         worker: WorkerId,
+        in_flight: usize,
     ) -> anyhow::Result<Relayed> {
-        let mut bridge = self.start_bridge(worker, &w.probe)?;
+        let mut bridge = self.start_bridge(worker, &w.probe, in_flight)?;
         let stats = bridge.agent.as_ref().expect("agent").publisher().stats();
         let acked_before = stats.events_published.load(Ordering::Relaxed);
         let messages_before = stats.batches_published.load(Ordering::Relaxed);
@@ -278,7 +293,8 @@ impl Run<'_> {
             .state
             .last_sequence
             + 1;
-        let mut bridge = self.start_bridge(worker, &w.probe)?;
+        let mut bridge =
+            self.start_bridge(worker, &w.probe, PublisherConfig::default().max_in_flight)?;
         let config = pull::OrderedConfig {
             deliver_policy: DeliverPolicy::ByStartSequence {
                 start_sequence: start_seq,

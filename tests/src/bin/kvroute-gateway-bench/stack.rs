@@ -289,10 +289,12 @@ impl Stack {
             for (i, p) in set.prompts.iter().enumerate() {
                 let worker = &self.workers[i % self.workers.len()];
                 for tokens in std::iter::once(&p.tokens).chain(p.chat_tokens.as_ref()) {
-                    let blocks = tokens.len() as u32 / BLOCK_SIZE;
                     // A prompt shorter than a block has nothing to cache.
-                    if blocks > 0 {
+                    if tokens.len() as u32 >= BLOCK_SIZE {
                         worker.store_prompt(tokens).await;
+                        // The router counts the blocks of all tokens but the last (an engine
+                        // always computes the last token).
+                        let blocks = (tokens.len() as u32 - 1) / BLOCK_SIZE;
                         expected.push((tokens.clone(), blocks));
                     }
                 }
@@ -320,7 +322,13 @@ impl Stack {
                     },
                     0,
                 );
-                if reply.overlap_blocks.get(&StorageTier::Device) == Some(&blocks) {
+                if reply
+                    .overlap_blocks
+                    .get(&StorageTier::Device)
+                    .copied()
+                    .unwrap_or(0)
+                    == blocks
+                {
                     break;
                 }
                 if start.elapsed() > Duration::from_secs(60) {

@@ -133,6 +133,7 @@ pub async fn window(
         }
     }
     let first_error = shared.first_error.lock().expect("error slot").clone();
+    counted(target.label(), d1 - d0, first_error.as_deref())?;
     Ok(Window {
         target,
         round,
@@ -145,6 +146,17 @@ pub async fn window(
         cpu: c1.since(&c0),
         busy: c1.busy_since(&c0),
     })
+}
+
+/// A window that counted no request measures nothing: its rate (0) and per-request CPU (none)
+/// must not enter a mean or a ratio as if they were figures.
+fn counted(target: &str, requests: u64, first_error: Option<&str>) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        requests > 0,
+        "{target}: the measured window counted no request (first error: {}); refusing a figure of nothing",
+        first_error.unwrap_or("none")
+    );
+    Ok(())
 }
 
 /// Each task walks the prompts with a stride prime to their count, so tasks do not send the
@@ -161,4 +173,17 @@ fn load_stride(n: usize) -> usize {
 
 fn gcd(a: usize, b: usize) -> usize {
     if b == 0 { a } else { gcd(b, a % b) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::counted;
+
+    #[test]
+    fn a_window_that_counted_nothing_is_refused() {
+        let e = counted("bare proxy", 0, Some("connection refused")).unwrap_err();
+        assert!(e.to_string().contains("bare proxy"), "{e}");
+        assert!(e.to_string().contains("connection refused"), "{e}");
+        assert!(counted("nginx", 1, None).is_ok());
+    }
 }
