@@ -440,10 +440,14 @@ async fn one_engine_behind_a_bridge(api: EngineApi) {
         "the prompt's blocks in the index",
         Duration::from_secs(10),
         async || {
-            let reply = nats
+            // No responders while the indexer (started beside the bridge) has not joined its
+            // queue group yet: not an answer, ask again.
+            let Ok(reply) = nats
                 .request(names.index_query(), encode(&query).unwrap())
                 .await
-                .unwrap();
+            else {
+                return false;
+            };
             if let IndexQueryResponse::Ok(r) = decode(&reply.payload).unwrap() {
                 matches = r.matches;
             }
