@@ -15,19 +15,20 @@ use crate::servers::{TestEnv, workspace_root};
 
 /// Path of workspace binary `name` (from package `package`), building it if needed.
 ///
-/// `scripts/test` builds every binary before the suite and sets `KVROUTE_TEST_BINS_BUILT`, so
-/// tests do not each run cargo (whose feature selection differs from the test build's and
+/// `scripts/test` builds every binary before the suite and names their directory in
+/// `KVROUTE_TEST_BIN_DIR`, so tests do not each run cargo (whose feature selection differs from the test build's and
 /// would relink the binaries over and over).
 pub fn kvroute_bin(package: &str, name: &str) -> anyhow::Result<PathBuf> {
     static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     let target = BUILT
         .get_or_init(|| {
+            // scripts/test's build (its profile and target directory), already made.
+            if let Some(dir) = std::env::var_os("KVROUTE_TEST_BIN_DIR") {
+                return Ok(PathBuf::from(dir));
+            }
             let dir = std::env::var_os("CARGO_TARGET_DIR")
                 .map(PathBuf::from)
                 .unwrap_or_else(|| workspace_root().join("target"));
-            if std::env::var_os("KVROUTE_TEST_BINS_BUILT").is_some() {
-                return Ok(dir.join("debug"));
-            }
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
             let out = Command::new(cargo)
                 .current_dir(workspace_root())

@@ -115,7 +115,7 @@ impl BlockMap {
     #[inline]
     pub fn prefetch(&self, key: SequenceHash) {
         if !self.entries.is_empty() {
-            super::prefetch::prefetch(&self.entries, self.home(key));
+            kvroute_prefetch::prefetch(&self.entries, self.home(key));
         }
     }
 

@@ -22,11 +22,12 @@
 //! and one engine hash per block shared by all workers with per-worker exception maps (smaller
 //! at high sharing, but it changes what a worker's hash names).
 //!
-//! *Invariants:* no I/O, no clock, no global state; no `unsafe` but the prefetch hint in
-//! `prefetch.rs`. The tree holds exactly the prefixes of held blocks — every run's blocks are
-//! held by someone or lie before a child — so churn leaves nothing behind (`tests/churn.rs`;
-//! the differential test compares block counts with a model). A refused event changes nothing;
-//! an owner holds a prefix of a run in one set of tiers.
+//! *Invariants:* no I/O, no clock, no global state; no `unsafe` (the prefetch hint that
+//! `blockmap.rs` calls is the crate `kvroute-prefetch`, `indexer/prefetch`). The tree holds
+//! exactly the prefixes of held blocks — every run's blocks are held by someone or lie before
+//! a child — so churn leaves nothing behind (`tests/churn.rs`; the differential test compares
+//! block counts with a model). A refused event changes nothing; an owner holds a prefix of a
+//! run in one set of tiers.
 
 mod arena;
 mod blockmap;
@@ -38,7 +39,6 @@ mod extents;
 mod matches;
 mod ops;
 mod outcome;
-mod prefetch;
 mod radix;
 mod shared;
 mod snapshot;
