@@ -299,7 +299,10 @@ impl Supervisor {
         {
             Ok(agent) => agent,
             Err(e) => {
-                self.refused(format!("starting its worker agent: {e:#}"));
+                self.refused(format!(
+                    "starting its worker agent: {}",
+                    kvroute_common::error_chain::message(&e)
+                ));
                 return false;
             }
         };

@@ -18,6 +18,7 @@ pub mod vllm;
 use std::time::Duration;
 
 use futures::StreamExt;
+use kvroute_common::error_chain::describe;
 use kvroute_common::messages::GenerateErrorCode;
 use kvroute_common::{DpRank, RequestId};
 use serde_json::{Value, json};
@@ -241,7 +242,7 @@ impl EngineClient {
         } else {
             EngineError::Unreachable {
                 url: url.to_owned(),
-                reason: error_chain(e),
+                reason: describe(e),
             }
         }
     }
@@ -535,22 +536,6 @@ pub fn error_message(body: &str) -> String {
         return "(empty body)".into();
     }
     body.chars().take(200).collect()
-}
-
-/// reqwest's error with its causes ("error sending request for url (..): ..: Connection
-/// refused").
-fn error_chain(e: &reqwest::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = s.source();
-    }
-    out
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@
 
 /// What to do with a live batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub enum BatchDisposition {
     /// The next batch in order: apply it.
     Apply,
     /// Batches `from .. to` are missing: replay them (or clear the rank), then apply this one.
@@ -36,14 +36,14 @@ pub struct SeqTracker {
 
 impl SeqTracker {
     /// Judges live batch `seq` and advances past it.
-    pub fn observe(&mut self, seq: u64) -> Verdict {
+    pub fn observe(&mut self, seq: u64) -> BatchDisposition {
         let verdict = match self.next {
-            None if seq == 0 => Verdict::Apply,
+            None if seq == 0 => BatchDisposition::Apply,
             // Joined late: what the engine announced before is unknown.
-            None => Verdict::Gap { from: 0, to: seq },
-            Some(n) if seq == n => Verdict::Apply,
-            Some(n) if seq > n => Verdict::Gap { from: n, to: seq },
-            Some(_) => Verdict::Restarted { seq },
+            None => BatchDisposition::Gap { from: 0, to: seq },
+            Some(n) if seq == n => BatchDisposition::Apply,
+            Some(n) if seq > n => BatchDisposition::Gap { from: n, to: seq },
+            Some(_) => BatchDisposition::Restarted { seq },
         };
         self.next = Some(seq.saturating_add(1));
         verdict
@@ -90,7 +90,7 @@ impl SeqTracker {
 
 /// What a replay answer is worth.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReplayVerdict {
+pub enum ReplayDisposition {
     /// Apply answer entries `skip .. skip + take` (consecutive seqs). `again`: the answer had
     /// a hole at that seq, or stopped short of the batches wanted: ask again from there.
     Apply {
@@ -115,7 +115,7 @@ pub fn judge_replay(
     answer: &[(u64, u64)],
     want_until: Option<u64>,
     from_anywhere: bool,
-) -> ReplayVerdict {
+) -> ReplayDisposition {
     let mut skip = 0;
     let mut expected = asked;
     if let Some(hash) = check {
@@ -124,21 +124,21 @@ pub fn judge_replay(
                 skip = 1;
                 expected = asked.saturating_add(1);
             }
-            Some(&(seq, _)) if seq == asked => return ReplayVerdict::Restarted,
-            _ => return ReplayVerdict::NotCovered,
+            Some(&(seq, _)) if seq == asked => return ReplayDisposition::Restarted,
+            _ => return ReplayDisposition::NotCovered,
         }
     } else {
         match answer.first() {
             Some(&(seq, _)) if seq == asked => {}
             Some(&(seq, _)) if from_anywhere && seq > asked => expected = seq,
             None if from_anywhere => {
-                return ReplayVerdict::Apply {
+                return ReplayDisposition::Apply {
                     skip: 0,
                     take: 0,
                     again: None,
                 };
             }
-            _ => return ReplayVerdict::NotCovered,
+            _ => return ReplayDisposition::NotCovered,
         }
     }
     let mut take = 0;
@@ -154,7 +154,7 @@ pub fn judge_replay(
         // The whole buffer: complete unless a hole cut the answer short.
         None => skip + take == answer.len(),
     };
-    ReplayVerdict::Apply {
+    ReplayDisposition::Apply {
         skip,
         take,
         again: (!complete).then_some(expected),
@@ -168,21 +168,21 @@ mod tests {
     #[test]
     fn in_order_gaps_late_joins_and_restarts() {
         let mut t = SeqTracker::default();
-        assert_eq!(t.observe(0), Verdict::Apply);
-        assert_eq!(t.observe(1), Verdict::Apply);
-        assert_eq!(t.observe(4), Verdict::Gap { from: 2, to: 4 });
-        assert_eq!(t.observe(5), Verdict::Apply);
-        assert_eq!(t.observe(0), Verdict::Restarted { seq: 0 });
-        assert_eq!(t.observe(1), Verdict::Apply);
-        assert_eq!(t.observe(1), Verdict::Restarted { seq: 1 });
+        assert_eq!(t.observe(0), BatchDisposition::Apply);
+        assert_eq!(t.observe(1), BatchDisposition::Apply);
+        assert_eq!(t.observe(4), BatchDisposition::Gap { from: 2, to: 4 });
+        assert_eq!(t.observe(5), BatchDisposition::Apply);
+        assert_eq!(t.observe(0), BatchDisposition::Restarted { seq: 0 });
+        assert_eq!(t.observe(1), BatchDisposition::Apply);
+        assert_eq!(t.observe(1), BatchDisposition::Restarted { seq: 1 });
         let mut late = SeqTracker::default();
-        assert_eq!(late.observe(7), Verdict::Gap { from: 0, to: 7 });
+        assert_eq!(late.observe(7), BatchDisposition::Gap { from: 0, to: 7 });
         assert_eq!(late.next(), Some(8));
         late.reset();
-        assert_eq!(late.observe(3), Verdict::Gap { from: 0, to: 3 });
+        assert_eq!(late.observe(3), BatchDisposition::Gap { from: 0, to: 3 });
         assert_eq!(
             late.observe(u64::MAX),
-            Verdict::Gap {
+            BatchDisposition::Gap {
                 from: 4,
                 to: u64::MAX
             }
@@ -192,7 +192,7 @@ mod tests {
     #[test]
     fn the_last_batch_applied_proves_continuity_until_a_reset() {
         let mut t = SeqTracker::default();
-        assert_eq!(t.observe(0), Verdict::Apply);
+        assert_eq!(t.observe(0), BatchDisposition::Apply);
         t.applied(0, 99);
         assert_eq!(t.continuity(1), Some((0, 99)));
         assert_eq!(t.continuity(2), None, "only the batch right before the gap");
@@ -206,7 +206,7 @@ mod tests {
 
     #[test]
     fn a_replay_answer_must_be_consecutive_and_start_where_asked() {
-        use ReplayVerdict::*;
+        use ReplayDisposition::*;
         let apply = |skip, take, again| Apply { skip, take, again };
         // A gap 5..8 asked from 4 (the last batch applied): 4 comes back unchanged.
         let full = seqs(&[4, 5, 6, 7, 8]);

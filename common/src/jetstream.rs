@@ -4,7 +4,7 @@
 use async_nats::jetstream;
 
 use crate::config::ConfigError;
-use crate::ops::exit::{Status, describe};
+use crate::error_chain::describe;
 
 /// JetStream allows at most this many replicas of a stream or bucket.
 pub const MAX_REPLICAS: usize = 5;
@@ -32,15 +32,6 @@ pub enum JetStreamError {
 }
 
 impl JetStreamError {
-    /// The exit status this error ends a process with.
-    pub fn status(&self) -> Status {
-        match self {
-            Self::Disabled { .. } => Status::Unavailable,
-            Self::Refused { .. } => Status::BadConfig,
-            Self::Failed { .. } => Status::Failed,
-        }
-    }
-
     pub fn failed(what: impl Into<String>, cause: &dyn std::error::Error) -> Self {
         Self::Failed {
             what: what.into(),
@@ -98,6 +89,7 @@ pub fn validate_replicas(field: &'static str, replicas: usize) -> Result<(), Con
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::exit::{Status, status_of};
 
     #[test]
     fn replicas_are_1_to_5() {
@@ -119,7 +111,7 @@ mod tests {
             e.to_string(),
             "NATS at nats://127.0.0.1:4222 has JetStream disabled: start nats-server with -js (or `jetstream {}` in its config)"
         );
-        assert_eq!(e.status(), Status::Unavailable);
+        assert_eq!(status_of(&e.clone().into()), Status::Unavailable);
         let e = JetStreamError::Refused {
             setting: "--stream-replicas 3".into(),
             what: "stream KVROUTE_x_EVENTS".into(),
@@ -129,6 +121,6 @@ mod tests {
             e.to_string(),
             "--stream-replicas 3: NATS refused to create stream KVROUTE_x_EVENTS: insufficient resources"
         );
-        assert_eq!(e.status(), Status::BadConfig);
+        assert_eq!(status_of(&e.clone().into()), Status::BadConfig);
     }
 }

@@ -17,6 +17,7 @@ pub mod client;
 pub mod codec;
 pub mod config;
 pub mod discovery;
+pub mod error_chain;
 pub mod events_stream;
 pub mod hashing;
 pub mod ids;

@@ -188,6 +188,32 @@ impl Names {
     }
 }
 
+/// The NATS headers routers put on the requests and answers they pass one another
+/// (PROTOCOL.md, "Partition owners"); namespace-independent.
+pub mod headers {
+    /// On a request forwarded to its partition's owner: the forwarding replica's id. The owner
+    /// decides such a request whatever it thinks of ownership (never a second hop).
+    pub const FORWARDED_BY: &str = "Kvroute-Forwarded-By";
+    /// On a forwarded request: the client's inbox, where the owner answers when it queues it.
+    pub const REPLY_TO: &str = "Kvroute-Reply-To";
+    /// On the owner's answer to a forwarding replica when it queued the request.
+    pub const QUEUED: &str = "Kvroute-Queued";
+    /// On a queued request handed to a new owner: its first arrival (ms since the epoch), so
+    /// it keeps its place.
+    pub const ARRIVED_MS: &str = "Kvroute-Arrived-Ms";
+}
+
+/// The name of the snapshot of log position `seq` in the snapshots bucket:
+/// `snapshot-<seq, 20 digits>`, so names sort by position.
+pub fn snapshot_object(seq: u64) -> String {
+    format!("snapshot-{seq:020}")
+}
+
+/// The log position a snapshot object's name stands for ([`snapshot_object`]'s inverse).
+pub fn snapshot_seq(name: &str) -> Option<u64> {
+    name.strip_prefix("snapshot-")?.parse().ok()
+}
+
 /// Parses a worker id as kvroute writes it in keys and subjects: decimal digits, no sign, no
 /// leading zero. So one worker has one key and one events subject: `+7` and `07` are not 7.
 pub fn parse_worker_id(s: &str) -> Option<WorkerId> {
@@ -230,5 +256,14 @@ mod tests {
         assert_eq!(n.worker_id_of_key(b"/kvroute/prod-1/workers/0"), Some(0));
         let max = n.worker_key(u64::MAX);
         assert_eq!(n.worker_id_of_key(max.as_bytes()), Some(u64::MAX));
+    }
+
+    #[test]
+    fn snapshot_names_sort_by_position_and_parse_back() {
+        assert_eq!(snapshot_object(42), "snapshot-00000000000000000042");
+        assert!(snapshot_object(9) < snapshot_object(10));
+        assert_eq!(snapshot_seq(&snapshot_object(u64::MAX)), Some(u64::MAX));
+        assert_eq!(snapshot_seq("snapshot-x"), None);
+        assert_eq!(snapshot_seq("other-1"), None);
     }
 }

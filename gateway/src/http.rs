@@ -204,7 +204,7 @@ async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, 
         });
     };
     read.map_err(|e| {
-        let text = proxy::error_chain(&e);
+        let text = kvroute_common::error_chain::describe(&e);
         if text.contains("length limit") {
             too_large()
         } else {

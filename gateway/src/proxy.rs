@@ -15,6 +15,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use kvroute_common::WorkerId;
+use kvroute_common::error_chain::describe;
 use kvroute_common::messages::{SelectReply, SelectRequest, WorkerRole};
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -328,21 +329,9 @@ async fn send(
         Ok(Ok(answer)) => Ok(answer),
         Ok(Err(e)) => Err(SendError::Retryable {
             reason: if e.is_connect() { "connect" } else { "send" },
-            message: error_chain(&e),
+            message: describe(&e),
         }),
     }
-}
-
-/// The error and its causes, on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        s.push_str(": ");
-        s.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    s
 }
 
 /// The engine's answer to the client: streamed through as it comes, or read whole (a body that
@@ -379,7 +368,7 @@ async fn respond(
                 return ApiError::bad_gateway(format!(
                     "worker {} failed while answering: {}",
                     reply.worker_id,
-                    error_chain(&e)
+                    describe(&e)
                 ))
                 .into_response();
             }

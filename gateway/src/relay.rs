@@ -490,7 +490,7 @@ pub fn relay(answer: reqwest::Response, guard: InFlight, idle: Duration) -> Body
                     s.guard.fail("mid_stream");
                     out.extend_from_slice(&error_event(&ApiError::bad_gateway(format!(
                         "the worker failed mid-stream: {}",
-                        crate::proxy::error_chain(&e)
+                        kvroute_common::error_chain::describe(&e)
                     ))));
                 }
                 Some((Ok::<Bytes, Infallible>(out.freeze()), s))

@@ -20,7 +20,7 @@ use super::RankState;
 use crate::config::EngineKind;
 use crate::metrics::{BridgeMetrics, names};
 use crate::mirror::Translation;
-use crate::sequence::{ReplayVerdict, Verdict, judge_replay};
+use crate::sequence::{BatchDisposition, ReplayDisposition, judge_replay};
 use crate::wire::{EngineEvent, decode_batch};
 use crate::zmq_io::{self, Subscriber};
 
@@ -97,13 +97,13 @@ impl RankWorker {
             }
             let verdict = self.state.lock().expect("rank lock").tracker.observe(seq);
             match verdict {
-                Verdict::Apply => {}
-                Verdict::Gap { from, to } => {
+                BatchDisposition::Apply => {}
+                BatchDisposition::Gap { from, to } => {
                     self.metrics
                         .inc(names::GAPS, &self.label, Some(self.rank), "");
                     self.fill(from, to);
                 }
-                Verdict::Restarted { seq } => {
+                BatchDisposition::Restarted { seq } => {
                     tracing::info!(engine = %self.label, rank = self.rank, seq, "engine restarted (seq went back): clearing the rank");
                     self.restarted();
                     if seq > 0 {
@@ -287,14 +287,14 @@ impl RankWorker {
             let hashes: Vec<(u64, u64)> = batches.iter().map(|(s, p)| (*s, xxh3_64(p))).collect();
             let verdict = judge_replay(asked, check.map(|(_, h)| h), &hashes, until, anywhere);
             let (skip, take, again) = match verdict {
-                ReplayVerdict::Apply { skip, take, again } => (skip, take, again),
-                ReplayVerdict::NotCovered => {
+                ReplayDisposition::Apply { skip, take, again } => (skip, take, again),
+                ReplayDisposition::NotCovered => {
                     return Replayed::Lost {
                         why: "the engine's replay buffer no longer has it".into(),
                         outcome: "not_covered",
                     };
                 }
-                ReplayVerdict::Restarted => return Replayed::Restarted,
+                ReplayDisposition::Restarted => return Replayed::Restarted,
             };
             let now = Instant::now();
             for i in skip..skip + take {

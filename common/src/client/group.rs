@@ -14,7 +14,7 @@ use crate::messages::now_ms;
 
 /// What the caller makes of an answer.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Verdict<T> {
+pub enum Judged<T> {
     /// The answer: a success, or an error no other replica would change.
     Answer(T),
     /// An answer another replica may improve on (not ready, failed internally): try again;
@@ -104,13 +104,13 @@ impl GroupClient {
         }
     }
 
-    /// Sends attempts until one is answered with a [`Verdict::Answer`] or the policy's
+    /// Sends attempts until one is answered with a [`Judged::Answer`] or the policy's
     /// attempts are spent. `payload(attempt, deadline_ms)` builds each attempt (stamping its
     /// number and deadline); `judge` decodes an answer into a verdict and the responder's id.
     pub async fn request<T>(
         &self,
         mut payload: impl FnMut(u32, u64) -> Result<Bytes, String>,
-        mut judge: impl FnMut(&[u8]) -> (Verdict<T>, Option<String>),
+        mut judge: impl FnMut(&[u8]) -> (Judged<T>, Option<String>),
     ) -> Result<Answered<T>, GroupError> {
         let started = tokio::time::Instant::now();
         let mut failed: Vec<String> = Vec::new();
@@ -135,7 +135,7 @@ impl GroupClient {
                 Ok(msg) => {
                     let (verdict, responder) = judge(&msg.payload);
                     match verdict {
-                        Verdict::Answer(value) => {
+                        Judged::Answer(value) => {
                             if let Some(id) = &responder {
                                 self.set_last_good(id);
                             }
@@ -145,7 +145,7 @@ impl GroupClient {
                                 responder,
                             });
                         }
-                        Verdict::Retry(value) => {
+                        Judged::Retry(value) => {
                             only_no_responders = false;
                             if let Some(id) = responder.clone().or(direct) {
                                 self.suspect(&id);

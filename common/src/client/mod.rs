@@ -8,6 +8,6 @@ mod group;
 mod retry;
 mod select;
 
-pub use group::{Answered, GroupClient, GroupError, Verdict};
+pub use group::{Answered, GroupClient, GroupError, Judged};
 pub use retry::{RetryPolicy, RetryPolicyError, Target, target};
 pub use select::{SelectClient, SelectFailure, SelectRetryArgs, Selected};

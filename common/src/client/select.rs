@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use super::group::{GroupClient, GroupError, Verdict};
+use super::group::{GroupClient, GroupError, Judged};
 use super::retry::RetryPolicy;
 use crate::codec::{decode, encode};
 use crate::config::ConfigError;
@@ -154,14 +154,14 @@ impl SelectClient {
         let judge = |bytes: &[u8]| match decode::<SelectResponse>(bytes) {
             Ok(SelectResponse::Ok(reply)) => {
                 let router = (!reply.router_id.is_empty()).then(|| reply.router_id.clone());
-                (Verdict::Answer(Ok(reply)), router)
+                (Judged::Answer(Ok(reply)), router)
             }
             Ok(SelectResponse::Error(e)) if e.code.is_retryable() => {
-                (Verdict::Retry(Err(SelectFailure::Refused(e))), None)
+                (Judged::Retry(Err(SelectFailure::Refused(e))), None)
             }
-            Ok(SelectResponse::Error(e)) => (Verdict::Answer(Err(SelectFailure::Refused(e))), None),
+            Ok(SelectResponse::Error(e)) => (Judged::Answer(Err(SelectFailure::Refused(e))), None),
             Err(e) => (
-                Verdict::Answer(Err(SelectFailure::Transport(e.to_string()))),
+                Judged::Answer(Err(SelectFailure::Transport(e.to_string()))),
                 None,
             ),
         };

@@ -11,6 +11,7 @@ use std::process::ExitCode;
 
 use crate::cli::{CliError, Origins};
 use crate::config::{ConfigError, Unreachable};
+pub use crate::error_chain::{describe, message};
 use crate::jetstream::JetStreamError;
 use crate::ops::http::ListenError;
 
@@ -80,46 +81,14 @@ pub fn status_of(error: &anyhow::Error) -> Status {
             return Status::Unavailable;
         }
         if let Some(e) = cause.downcast_ref::<JetStreamError>() {
-            return e.status();
+            return match e {
+                JetStreamError::Disabled { .. } => Status::Unavailable,
+                JetStreamError::Refused { .. } => Status::BadConfig,
+                JetStreamError::Failed { .. } => Status::Failed,
+            };
         }
     }
     Status::Failed
-}
-
-/// `error` and its causes on one line, joined by `: `; a cause whose text the line already
-/// holds is left out, and line breaks inside a message become spaces.
-pub fn message(error: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in error.chain() {
-        let text = cause
-            .to_string()
-            .split_whitespace()
-            .collect::<Vec<_>>()
-            .join(" ");
-        if text.is_empty() || out.contains(&text) {
-            continue;
-        }
-        if !out.is_empty() {
-            out.push_str(": ");
-        }
-        out.push_str(&text);
-    }
-    out
-}
-
-/// A typed error and its causes on one line (what [`message`] does for `anyhow`).
-pub fn describe(error: &dyn std::error::Error) -> String {
-    let mut out = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let text = cause.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = cause.source();
-    }
-    out
 }
 
 /// Prints the error line `<bin>: error: <message>` on stderr.

@@ -11,7 +11,7 @@ mod tracker;
 
 pub use continuity::{Continuity, continuity};
 pub use log_entry::{BadEntry, LogEntry, decode_entry};
-pub use tracker::{EventTracker, MAX_REMOVED, REMOVED_RETENTION_MS, Verdict};
+pub use tracker::{EventDisposition, EventTracker, MAX_REMOVED, REMOVED_RETENTION_MS};
 
 use kvroute_common::ids::{DpRank, WorkerId};
 use kvroute_common::messages::{ControlAction, KvEventData};
@@ -179,13 +179,13 @@ impl ReplicaState {
                 let mut run: Vec<KvEventData> = Vec::new();
                 for event in batch.events {
                     match self.tracker.check(w, r, event.event_id, &event.data) {
-                        Verdict::Apply => run.push(event.data),
-                        Verdict::ApplyAfterGap { expected } => {
+                        EventDisposition::Apply => run.push(event.data),
+                        EventDisposition::ApplyAfterGap { expected } => {
                             report.gaps.push((w, r, expected, event.event_id));
                             run.push(event.data);
                         }
-                        Verdict::Duplicate => report.duplicates += 1,
-                        Verdict::WorkerRemoved => report.ignored_removed += 1,
+                        EventDisposition::Duplicate => report.duplicates += 1,
+                        EventDisposition::WorkerRemoved => report.ignored_removed += 1,
                     }
                 }
                 // One write: readers see the message's events all at once.

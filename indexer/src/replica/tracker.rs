@@ -24,7 +24,7 @@ pub const MAX_REMOVED: usize = 65_536;
 
 /// What to do with one event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub enum EventDisposition {
     /// Apply it.
     Apply,
     /// Apply it, but events `expected .. event_id` never arrived (a gap).
@@ -117,30 +117,30 @@ impl EventTracker {
         dp_rank: DpRank,
         event_id: u64,
         data: &KvEventData,
-    ) -> Verdict {
+    ) -> EventDisposition {
         let key = (worker_id, dp_rank);
         if event_id == 0 && matches!(data, KvEventData::Cleared) {
             self.forget_removed(worker_id);
             self.next.insert(key, 1);
-            return Verdict::Apply;
+            return EventDisposition::Apply;
         }
         if self.removed.contains_key(&worker_id) {
-            return Verdict::WorkerRemoved;
+            return EventDisposition::WorkerRemoved;
         }
         match self.next.get_mut(&key) {
             None => {
                 self.next.insert(key, event_id.saturating_add(1));
-                Verdict::Apply
+                EventDisposition::Apply
             }
-            Some(next) if event_id < *next => Verdict::Duplicate,
+            Some(next) if event_id < *next => EventDisposition::Duplicate,
             Some(next) if event_id == *next => {
                 *next += 1;
-                Verdict::Apply
+                EventDisposition::Apply
             }
             Some(next) => {
                 let expected = *next;
                 *next = event_id.saturating_add(1);
-                Verdict::ApplyAfterGap { expected }
+                EventDisposition::ApplyAfterGap { expected }
             }
         }
     }
@@ -251,26 +251,32 @@ mod tests {
     #[test]
     fn classifies_duplicates_gaps_and_incarnations() {
         let mut t = EventTracker::default();
-        assert_eq!(t.check(1, 0, 0, &KvEventData::Cleared), Verdict::Apply);
-        assert_eq!(t.check(1, 0, 1, &STORE), Verdict::Apply);
-        assert_eq!(t.check(1, 0, 1, &STORE), Verdict::Duplicate);
+        assert_eq!(
+            t.check(1, 0, 0, &KvEventData::Cleared),
+            EventDisposition::Apply
+        );
+        assert_eq!(t.check(1, 0, 1, &STORE), EventDisposition::Apply);
+        assert_eq!(t.check(1, 0, 1, &STORE), EventDisposition::Duplicate);
         assert_eq!(
             t.check(1, 0, 5, &STORE),
-            Verdict::ApplyAfterGap { expected: 2 }
+            EventDisposition::ApplyAfterGap { expected: 2 }
         );
-        assert_eq!(t.check(1, 0, 6, &STORE), Verdict::Apply);
+        assert_eq!(t.check(1, 0, 6, &STORE), EventDisposition::Apply);
         // Ranks are independent; a first sighting sets the baseline.
-        assert_eq!(t.check(1, 1, 40, &STORE), Verdict::Apply);
-        assert_eq!(t.check(1, 1, 41, &STORE), Verdict::Apply);
+        assert_eq!(t.check(1, 1, 40, &STORE), EventDisposition::Apply);
+        assert_eq!(t.check(1, 1, 41, &STORE), EventDisposition::Apply);
 
         t.remove_worker(1, 10, 1_000);
-        assert_eq!(t.check(1, 0, 7, &STORE), Verdict::WorkerRemoved);
-        assert_eq!(t.check(1, 1, 42, &STORE), Verdict::WorkerRemoved);
+        assert_eq!(t.check(1, 0, 7, &STORE), EventDisposition::WorkerRemoved);
+        assert_eq!(t.check(1, 1, 42, &STORE), EventDisposition::WorkerRemoved);
         assert!(t.is_removed(1));
         // A restarted worker announces itself with event 0 = Cleared.
-        assert_eq!(t.check(1, 0, 0, &KvEventData::Cleared), Verdict::Apply);
+        assert_eq!(
+            t.check(1, 0, 0, &KvEventData::Cleared),
+            EventDisposition::Apply
+        );
         assert!(!t.is_removed(1));
-        assert_eq!(t.check(1, 0, 1, &STORE), Verdict::Apply);
+        assert_eq!(t.check(1, 0, 1, &STORE), EventDisposition::Apply);
     }
 
     /// 100k distinct workers, each with two ranks, added and removed one after another, one
@@ -283,8 +289,11 @@ mod tests {
         const T0: u64 = 1_700_000_000_000;
         for w in 0..100_000u64 {
             for rank in 0..2 {
-                assert_eq!(t.check(w, rank, 0, &KvEventData::Cleared), Verdict::Apply);
-                assert_eq!(t.check(w, rank, 1, &STORE), Verdict::Apply);
+                assert_eq!(
+                    t.check(w, rank, 0, &KvEventData::Cleared),
+                    EventDisposition::Apply
+                );
+                assert_eq!(t.check(w, rank, 1, &STORE), EventDisposition::Apply);
             }
             seq += 1;
             t.remove_worker(w, seq, T0 + w * 1_000);
@@ -302,12 +311,16 @@ mod tests {
         // Late events of every worker removed within the retention are ignored ...
         let newest = 99_999u64;
         for w in newest + 1 - window as u64..=newest {
-            assert_eq!(t.check(w, 1, 2, &STORE), Verdict::WorkerRemoved, "{w}");
+            assert_eq!(
+                t.check(w, 1, 2, &STORE),
+                EventDisposition::WorkerRemoved,
+                "{w}"
+            );
         }
         // ... one removed before it is forgotten: its late event sets a new baseline (the
         // leader removes such a worker again once it has no registration for the grace).
         let forgotten = newest - window as u64;
-        assert_eq!(t.check(forgotten, 1, 2, &STORE), Verdict::Apply);
+        assert_eq!(t.check(forgotten, 1, 2, &STORE), EventDisposition::Apply);
         assert_eq!(t.tracked_ranks(), 1);
 
         // Removals faster than the retention: the count cap binds, oldest removal first.
@@ -359,8 +372,8 @@ mod tests {
         let bytes = rmp_serde::to_vec_named(&old).unwrap();
         let mut t: EventTracker = rmp_serde::from_slice(&bytes).unwrap();
         assert!(t.is_removed(1) && t.is_removed(2));
-        assert_eq!(t.check(5, 0, 3, &STORE), Verdict::Apply);
-        assert_eq!(t.check(1, 0, 9, &STORE), Verdict::WorkerRemoved);
+        assert_eq!(t.check(5, 0, 3, &STORE), EventDisposition::Apply);
+        assert_eq!(t.check(1, 0, 9, &STORE), EventDisposition::WorkerRemoved);
         // The first timed removal stamps them; they expire an hour of log time later.
         t.remove_worker(3, 10, 5_000);
         t.remove_worker(4, 11, 5_000 + REMOVED_RETENTION_MS + 1);

@@ -8,7 +8,7 @@ use kvroute_common::ops::{
     Counter, CounterVec, Gauge, Histogram, OneOf, Registry, WatchdogMetrics,
 };
 
-use super::StepDown;
+use super::duties::StepDown;
 use crate::replica::BadEntry;
 
 /// The names of the families (the contract with dashboards and the tests).

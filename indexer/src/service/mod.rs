@@ -39,7 +39,7 @@ pub use self::duties::{Action, DutiesConfig, LeaderDuties, LeaderLease, StepDown
 pub use self::follower::{IndexFollower, IndexFollowerConfig};
 use self::ingest::LogMessage;
 pub use self::metrics::IndexerMetrics;
-pub use self::serve::{Answer, Readiness, Shared, answer};
+pub use self::serve::{Answer, Readiness, ServeState, answer};
 pub use self::snapshots::SnapshotStore;
 use crate::config::IndexerConfig;
 use crate::replica::{ApplyReport, Continuity, ReplicaState, continuity};
@@ -81,7 +81,7 @@ pub async fn run(
     metrics.snapshot_age_seconds.set(-1);
     let (status_tx, mut status_rx) = mpsc::channel(64);
     let state = ReplicaState::new(&names, config.index_config());
-    let shared = Arc::new(Shared {
+    let shared = Arc::new(ServeState {
         replica_id: replica_id.clone(),
         names: names.clone(),
         index: std::sync::RwLock::new(state.index().clone()),
@@ -257,7 +257,7 @@ struct IndexerProcess {
     js: jetstream::Context,
     stream: jetstream::stream::Stream,
     store: SnapshotStore,
-    shared: Arc<Shared>,
+    shared: Arc<ServeState>,
     state: ReplicaState,
     input_tx: mpsc::Sender<Input>,
     duties: LeaderDuties,

@@ -33,7 +33,7 @@ use crate::index::SharedIndex;
 
 /// State the serving tasks read; the main loop writes it.
 #[derive(Debug)]
-pub struct Shared {
+pub struct ServeState {
     pub replica_id: String,
     pub names: Names,
     pub index: RwLock<SharedIndex>,
@@ -50,7 +50,7 @@ pub struct Shared {
     pub status_requests: mpsc::Sender<oneshot::Sender<ReplicaStatus>>,
 }
 
-impl Shared {
+impl ServeState {
     pub async fn status(&self) -> Option<ReplicaStatus> {
         let (tx, rx) = oneshot::channel();
         self.status_requests.send(tx).await.ok()?;
@@ -95,7 +95,11 @@ pub enum Answer {
     Expired,
 }
 
-fn error(shared: &Shared, code: IndexErrorCode, message: impl Into<String>) -> IndexQueryResponse {
+fn error(
+    shared: &ServeState,
+    code: IndexErrorCode,
+    message: impl Into<String>,
+) -> IndexQueryResponse {
     IndexQueryResponse::Error(IndexError {
         v: SchemaVersion::CURRENT,
         code,
@@ -106,7 +110,7 @@ fn error(shared: &Shared, code: IndexErrorCode, message: impl Into<String>) -> I
 
 /// Answers one overlap query: `not_ready` unless the replica was ready from before reading
 /// its state until after (a cold or rebuilding state is never reported as the truth).
-pub fn answer(shared: &Shared, payload: &[u8]) -> Answer {
+pub fn answer(shared: &ServeState, payload: &[u8]) -> Answer {
     let query: IndexQuery = match decode(payload) {
         Ok(q) => q,
         Err(e) => {
@@ -139,7 +143,7 @@ pub fn answer(shared: &Shared, payload: &[u8]) -> Answer {
     Answer::Reply(response)
 }
 
-fn match_query(shared: &Shared, query: &IndexQuery) -> IndexQueryResponse {
+fn match_query(shared: &ServeState, query: &IndexQuery) -> IndexQueryResponse {
     let cards = shared.cards.read().expect("cards lock");
     let hashes = match (&query.block_hashes, &query.token_ids) {
         (Some(h), _) => h.clone(),
@@ -195,7 +199,7 @@ fn match_query(shared: &Shared, query: &IndexQuery) -> IndexQueryResponse {
 /// Answers one query message and counts it by result.
 async fn handle_query(
     nats: &async_nats::Client,
-    shared: &Shared,
+    shared: &ServeState,
     in_flight: &Arc<InFlight>,
     msg: async_nats::Message,
 ) {
@@ -225,7 +229,7 @@ async fn handle_query(
 /// and answers what was already delivered (`not_ready` when no longer ready).
 pub fn serve_queries(
     nats: async_nats::Client,
-    shared: Arc<Shared>,
+    shared: Arc<ServeState>,
     serve: watch::Receiver<bool>,
     in_flight: Arc<InFlight>,
 ) -> tokio::task::JoinHandle<()> {
@@ -246,7 +250,7 @@ pub fn serve_queries(
 }
 
 /// Every replica answers `kvroute.<ns>.index.digest` with its [`ReplicaStatus`].
-pub async fn serve_digest(nats: async_nats::Client, shared: Arc<Shared>) -> anyhow::Result<()> {
+pub async fn serve_digest(nats: async_nats::Client, shared: Arc<ServeState>) -> anyhow::Result<()> {
     let mut sub = nats.subscribe(shared.names.index_digest()).await?;
     tokio::spawn(async move {
         while let Some(msg) = sub.next().await {
@@ -262,7 +266,7 @@ pub async fn serve_digest(nats: async_nats::Client, shared: Arc<Shared>) -> anyh
 
 /// `/metrics`, `/healthz`, `/readyz`, `/status`.
 #[derive(Debug)]
-pub struct Http(pub Arc<Shared>);
+pub struct Http(pub Arc<ServeState>);
 
 impl HttpHandler for Http {
     fn get(&self, path: &str) -> BoxFuture<'static, HttpResponse> {
@@ -303,11 +307,11 @@ mod tests {
     use super::*;
     use crate::index::IndexConfig;
 
-    fn shared() -> Shared {
+    fn shared() -> ServeState {
         shared_with(mpsc::channel(1).0)
     }
 
-    fn shared_with(status_requests: mpsc::Sender<oneshot::Sender<ReplicaStatus>>) -> Shared {
+    fn shared_with(status_requests: mpsc::Sender<oneshot::Sender<ReplicaStatus>>) -> ServeState {
         let index = SharedIndex::new(IndexConfig::default());
         {
             let stored = KvEventData::Stored {
@@ -320,7 +324,7 @@ mod tests {
             };
             index.apply(1, 0, &stored).unwrap();
         }
-        Shared {
+        ServeState {
             replica_id: "ix-1".into(),
             names: Names::new(&Namespace::default()),
             index: RwLock::new(index),

@@ -4,7 +4,7 @@
 use async_nats::jetstream::{self, object_store};
 use futures::StreamExt;
 use kvroute_common::jetstream::JetStreamError;
-use kvroute_common::names::Names;
+use kvroute_common::names::{Names, snapshot_object, snapshot_seq};
 use kvroute_common::ops::exit::describe;
 use tokio::io::AsyncReadExt;
 
@@ -18,14 +18,6 @@ impl std::fmt::Debug for SnapshotStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SnapshotStore").finish_non_exhaustive()
     }
-}
-
-fn object_name(seq: u64) -> String {
-    format!("snapshot-{seq:020}")
-}
-
-fn seq_of(name: &str) -> Option<u64> {
-    name.strip_prefix("snapshot-")?.parse().ok()
 }
 
 impl SnapshotStore {
@@ -77,7 +69,7 @@ impl SnapshotStore {
         while let Some(info) = list.next().await {
             let info = info?;
             if !info.deleted
-                && let Some(seq) = seq_of(&info.name)
+                && let Some(seq) = snapshot_seq(&info.name)
             {
                 out.push(seq);
             }
@@ -87,7 +79,7 @@ impl SnapshotStore {
     }
 
     pub async fn load(&self, seq: u64) -> anyhow::Result<Vec<u8>> {
-        let mut object = self.store.get(object_name(seq)).await?;
+        let mut object = self.store.get(snapshot_object(seq)).await?;
         let mut bytes = Vec::new();
         object.read_to_end(&mut bytes).await?;
         Ok(bytes)
@@ -96,7 +88,7 @@ impl SnapshotStore {
     pub async fn save(&self, seq: u64, bytes: Vec<u8>) -> anyhow::Result<()> {
         let mut reader = std::io::Cursor::new(bytes);
         self.store
-            .put(object_name(seq).as_str(), &mut reader)
+            .put(snapshot_object(seq).as_str(), &mut reader)
             .await?;
         Ok(())
     }
@@ -105,7 +97,7 @@ impl SnapshotStore {
     pub async fn prune(&self, keep: usize) -> anyhow::Result<Vec<u64>> {
         let all = self.list().await?;
         for seq in all.iter().skip(keep) {
-            self.store.delete(object_name(*seq)).await?;
+            self.store.delete(snapshot_object(*seq)).await?;
         }
         Ok(all.into_iter().take(keep).collect())
     }

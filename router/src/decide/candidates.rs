@@ -9,6 +9,9 @@ use kvroute_common::WorkerId;
 use kvroute_common::discovery::WorkerEvent;
 use kvroute_common::messages::{WorkerCard, WorkerRole};
 
+/// A partition's name: (model, role).
+pub type PartitionKey = (String, WorkerRole);
+
 /// The workers serving one (model, role).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Partition {
@@ -30,7 +33,7 @@ pub struct Change {
 #[derive(Debug, Default)]
 pub struct Candidates {
     cards: BTreeMap<WorkerId, WorkerCard>,
-    partitions: HashMap<(String, WorkerRole), Arc<Partition>>,
+    partitions: HashMap<PartitionKey, Arc<Partition>>,
     loaded: bool,
 }
 
@@ -101,7 +104,7 @@ impl Candidates {
     }
 
     fn rebuild(&mut self) {
-        let mut groups: HashMap<(String, WorkerRole), Vec<WorkerCard>> = HashMap::new();
+        let mut groups: HashMap<PartitionKey, Vec<WorkerCard>> = HashMap::new();
         for card in self.cards.values() {
             groups
                 .entry((card.model.clone(), card.role))

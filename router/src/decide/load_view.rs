@@ -30,7 +30,7 @@ use kvroute_common::{RequestId, WorkerId};
 use self::models::{
     DEFAULT_PREFILL_TOKENS_PER_SEC, LoadModels, MILLIBLOCKS, PrefillLoadModel, PrefillRate,
 };
-use self::predictions::Predictions;
+use self::predictions::{Prediction, Predictions};
 use super::approx::ApproxCache;
 use super::predicted::{PredictedOverlap, PromptPrefixes};
 use crate::signals::ObservedLoad;
@@ -98,31 +98,6 @@ pub enum Applied {
     /// events and reports come from different publishers, which NATS does not order):
     /// remembered, not charged.
     AlreadyCounted,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Prediction {
-    prefill_tokens: u64,
-    blocks: u64,
-    added_ms: u64,
-    prefilled: bool,
-    /// Tokens generated, as the last `progress` event said (output blocks only).
-    output_tokens: u64,
-    /// What they count ([`models::output_milliblocks`]).
-    output_milliblocks: u64,
-}
-
-impl Prediction {
-    fn of(d: &Decision, added_ms: u64) -> Self {
-        Self {
-            prefill_tokens: d.prefill_tokens,
-            blocks: u64::from(d.request_blocks),
-            added_ms,
-            prefilled: false,
-            output_tokens: 0,
-            output_milliblocks: 0,
-        }
-    }
 }
 
 #[derive(Debug)]

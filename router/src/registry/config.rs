@@ -62,13 +62,13 @@ impl RouterPluginsConfig {
         Ok(Self::from_yaml(&text)?)
     }
 
-    /// The worker selection alone, for a host that cannot run a classifier's lifecycle (the
-    /// offline tools, `host` in the message): a configured `request_classifier` is refused
-    /// rather than ignored.
-    pub fn without_classifier(self, host: &str) -> Result<WorkerSelectionConfig, ConfigError> {
+    /// The worker selection alone, for a program that cannot run a classifier's lifecycle (the
+    /// offline tools, named by `program` in the message): a configured `request_classifier`
+    /// is refused rather than ignored.
+    pub fn without_classifier(self, program: &str) -> Result<WorkerSelectionConfig, ConfigError> {
         match self.request_classifier {
             Some(_) => Err(ConfigError::ClassifierUnsupported {
-                host: host.to_owned(),
+                program: program.to_owned(),
             }),
             None => Ok(self.worker_selection),
         }
@@ -181,12 +181,12 @@ mod tests {
         let bare =
             RouterPluginsConfig::from_yaml("request_classifier: {type: pass-through}\n").unwrap();
         assert!(bare.request_classifier.unwrap().parameters.is_empty());
-        // Hosts that select workers only refuse it instead of ignoring it.
+        // Programs that select workers only refuse it instead of ignoring it.
         let err = config.without_classifier("kvroute-sim").unwrap_err();
         assert_eq!(
             err,
             ConfigError::ClassifierUnsupported {
-                host: "kvroute-sim".into()
+                program: "kvroute-sim".into()
             }
         );
         assert!(

@@ -5,7 +5,7 @@ use std::fmt;
 use kvroute_common::messages::WorkerRole;
 
 use super::parameters::ProviderError;
-use super::resolve::SelectionSource;
+use super::source::SelectionSource;
 
 /// Which kind of plugin a type name belongs to (each kind is its own name space).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -50,11 +50,11 @@ pub enum ConfigError {
         type_name: String,
         source: ProviderError,
     },
-    /// The file configures a classifier, and the host runs worker selection only.
+    /// The file configures a classifier, and the program runs worker selection only.
     #[error(
-        "request_classifier is configured, but {host} cannot run a request classifier (admission, deferral and lifecycle events belong to the router service); remove `request_classifier` from the file for {host}"
+        "request_classifier is configured, but {program} cannot run a request classifier (admission, deferral and lifecycle events belong to the router service); remove `request_classifier` from the file for {program}"
     )]
-    ClassifierUnsupported { host: String },
+    ClassifierUnsupported { program: String },
     #[error("policy instance {instance:?} has unknown type {type_name:?} (registered: {})", known.join(", "))]
     UnknownType {
         instance: String,

@@ -10,6 +10,7 @@ mod error;
 mod parameters;
 mod plugins;
 mod resolve;
+mod source;
 #[cfg(test)]
 mod tests;
 
@@ -25,7 +26,8 @@ pub use config::{
 pub use error::{ConfigError, PluginKind, RegistryError};
 pub use parameters::{PolicyParameters, ProviderError};
 pub use plugins::{ResolvedClassifier, RouterPlugins};
-pub use resolve::{Override, PolicyOverrides, ResolvedPolicies, RoleSelection, SelectionSource};
+pub use resolve::{Override, PolicyOverrides, ResolvedPolicies, RoleSelection};
+pub use source::SelectionSource;
 
 use crate::classify::RequestClassifierProvider;
 use crate::pipeline::WorkerSelectionPolicy;

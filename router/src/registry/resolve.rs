@@ -11,6 +11,7 @@ use super::DEFAULT_TYPE;
 use super::config::WorkerSelectionConfig;
 use super::error::ConfigError;
 use super::parameters::{PolicyParameters, ProviderError};
+use super::source::SelectionSource;
 use super::{PolicyBuildContext, PolicyFactory, RouterPluginRegistry};
 use crate::pipeline::WorkerSelectionPolicy;
 
@@ -41,26 +42,6 @@ pub struct PolicyOverrides {
     pub decode: Option<Override>,
     /// `--worker-selection-policy` (or `KVROUTE_WORKER_SELECTION_POLICY`): every role.
     pub all_roles: Option<Override>,
-}
-
-/// Where a role's selection came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SelectionSource {
-    RoleFlag,
-    Env,
-    Yaml,
-    BuiltIn,
-}
-
-impl fmt::Display for SelectionSource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            SelectionSource::RoleFlag => "role flag",
-            SelectionSource::Env => "KVROUTE_WORKER_SELECTION_POLICY",
-            SelectionSource::Yaml => "YAML",
-            SelectionSource::BuiltIn => "built-in",
-        })
-    }
 }
 
 /// The policy chosen for one role.

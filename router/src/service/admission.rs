@@ -24,27 +24,20 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvroute_common::RequestId;
-use kvroute_common::messages::{ErrorCode, SelectRequest, SelectResponse, WorkerRole, now_ms};
+use kvroute_common::messages::{ErrorCode, SelectRequest, SelectResponse, now_ms};
+use kvroute_common::names::headers;
 use tokio::sync::Notify;
 
 use super::Router;
 use super::classifying::Classifiers;
 use super::reply;
 use crate::classify::{Classification, ClassifyRequest, Verdict};
+use crate::decide::candidates::PartitionKey;
 use crate::decide::prompt::Prepared;
 use crate::decide::wire;
 use crate::queue::{AdmissionQueue, Left, Pushed, QueueConfig, QueueError, Ticket};
 use crate::signals::SignalSnapshot;
 use crate::worker::WorkerTarget;
-
-/// The header naming the client's inbox on a forwarded request: the owner answers there when
-/// it queues the request.
-pub const REPLY_TO: &str = "Kvroute-Reply-To";
-/// The header of the owner's answer to a forwarding replica when it queued the request.
-pub const QUEUED: &str = "Kvroute-Queued";
-/// The header of a queued request handed to a new owner: its first arrival (ms since the
-/// epoch), so it keeps its place.
-pub const ARRIVED_MS: &str = "Kvroute-Arrived-Ms";
 
 /// Requests looked at per partition per dispatch round, in order; the round stops earlier
 /// after this many consecutive requests found every eligible worker busy.
@@ -56,8 +49,6 @@ const OVERLAP_MAX_AGE_MS: u64 = 500;
 const HAND_OVER_BACKOFF_MS: u64 = 1_000;
 /// The dispatcher runs at least this often while anything is queued.
 const IDLE_ROUND: Duration = Duration::from_millis(250);
-
-pub(super) type PartitionKey = (String, WorkerRole);
 
 /// One queued request.
 #[derive(Debug)]
@@ -544,9 +535,12 @@ impl Router {
             return false;
         };
         let mut headers = async_nats::HeaderMap::new();
-        headers.insert(super::selection::FORWARDED_BY, self.router_id.as_str());
-        headers.insert(REPLY_TO, left.item.reply_to.as_str());
-        headers.insert(ARRIVED_MS, left.ticket.arrived_ms.to_string().as_str());
+        headers.insert(headers::FORWARDED_BY, self.router_id.as_str());
+        headers.insert(headers::REPLY_TO, left.item.reply_to.as_str());
+        headers.insert(
+            headers::ARRIVED_MS,
+            left.ticket.arrived_ms.to_string().as_str(),
+        );
         let request = async_nats::Request::new()
             .payload(payload)
             .headers(headers)
@@ -560,7 +554,7 @@ impl Router {
                 let queued = answer
                     .headers
                     .as_ref()
-                    .is_some_and(|h| h.get(QUEUED).is_some());
+                    .is_some_and(|h| h.get(headers::QUEUED).is_some());
                 if !queued {
                     // The owner decided at once: pass its answer on.
                     if let Err(e) = self

@@ -17,12 +17,12 @@ use kvroute_common::RequestId;
 use kvroute_common::WorkerId;
 use kvroute_common::messages::{LifecycleKind, RequestLifecycle, SelectRequest};
 
-use super::admission::PartitionKey;
 use crate::classify::{
     ClassifyEvent, ClassifyRequest, Completion, Progress, RequestClassifier,
     RequestClassifierContext, Verdict,
 };
 use crate::decide::candidates::Partition;
+use crate::decide::candidates::PartitionKey;
 use crate::registry::ResolvedClassifier;
 use crate::worker::WorkerRank;
 

@@ -5,7 +5,7 @@
 //! embedded follower replica (`local`). A remote query that gets no usable answer in time
 //! yields no overlap and a fallback reason: the request is scored on load alone.
 
-use kvroute_common::client::{GroupClient, GroupError, RetryPolicy, Verdict};
+use kvroute_common::client::{GroupClient, GroupError, Judged, RetryPolicy};
 use kvroute_common::codec::{decode, encode};
 use kvroute_common::hashing::LocalBlockHash;
 use kvroute_common::messages::{
@@ -112,18 +112,16 @@ impl OverlapSource {
         let judge = |bytes: &[u8]| match decode::<IndexQueryResponse>(bytes) {
             Ok(IndexQueryResponse::Ok(r)) => {
                 let replica = (!r.replica_id.is_empty()).then(|| r.replica_id.clone());
-                (Verdict::Answer(Ok(r.matches)), replica)
+                (Judged::Answer(Ok(r.matches)), replica)
             }
             Ok(IndexQueryResponse::Error(e)) if e.code == IndexErrorCode::NotReady => {
                 // Named, it is asked no further within this query (and stops being the
                 // replica a retry goes to).
                 let replica = (!e.replica_id.is_empty()).then_some(e.replica_id);
-                (Verdict::Retry(Err(Fallback::NotReady)), replica)
+                (Judged::Retry(Err(Fallback::NotReady)), replica)
             }
-            Ok(IndexQueryResponse::Error(_)) => {
-                (Verdict::Answer(Err(Fallback::IndexerError)), None)
-            }
-            Err(_) => (Verdict::Answer(Err(Fallback::Failed)), None),
+            Ok(IndexQueryResponse::Error(_)) => (Judged::Answer(Err(Fallback::IndexerError)), None),
+            Err(_) => (Judged::Answer(Err(Fallback::Failed)), None),
         };
         match group.request(payload, judge).await {
             Ok(answered) => answered.value.map(|matches| Overlaps {

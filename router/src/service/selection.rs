@@ -26,9 +26,10 @@
 use std::time::Instant;
 
 use kvroute_common::messages::{Decision, ErrorCode, SelectRequest, SelectResponse, now_ms};
+use kvroute_common::names::headers;
 use uuid::Uuid;
 
-use super::admission::{self, Entry, Joined, Waiting};
+use super::admission::{Entry, Joined, Waiting};
 use super::classifying::Classifiers;
 use super::intake::{self, Rejected};
 use super::metrics::labels;
@@ -48,10 +49,6 @@ use crate::registry::ConfigError;
 use crate::select::SelectFailure;
 use crate::signals::SignalSnapshot;
 use crate::worker::{WorkerRank, WorkerTarget};
-
-/// The header of a request forwarded to its partition's owner: the forwarding replica's id.
-/// The owner decides such a request whatever it thinks of ownership (never a second hop).
-pub const FORWARDED_BY: &str = "Kvroute-Forwarded-By";
 
 /// The owner's answer to a forwarded request.
 enum Forwarded {
@@ -160,7 +157,7 @@ impl Router {
             Outcome::Queued { forwarded } => {
                 if forwarded {
                     let mut headers = async_nats::HeaderMap::new();
-                    headers.insert(admission::QUEUED, self.router_id.as_str());
+                    headers.insert(headers::QUEUED, self.router_id.as_str());
                     if let Err(e) = self
                         .nats
                         .publish_with_headers(inbox, headers, bytes::Bytes::new())
@@ -203,7 +200,7 @@ impl Router {
             return Outcome::Expired(labels::EXPIRED_INTAKE);
         }
         let headers = msg.headers.as_ref();
-        let forwarded = headers.and_then(|h| h.get(FORWARDED_BY)).is_some();
+        let forwarded = headers.and_then(|h| h.get(headers::FORWARDED_BY)).is_some();
         // A request whose owner did not answer is decided here, and may queue here.
         let mut owner_failed = false;
         if !forwarded && let Some(owner) = self.owner_of(&request) {
@@ -215,12 +212,12 @@ impl Router {
         }
         // The client's inbox: a forwarded request names it (the owner may answer it later).
         let client = headers
-            .and_then(|h| h.get(admission::REPLY_TO))
+            .and_then(|h| h.get(headers::REPLY_TO))
             .map(|v| async_nats::Subject::from(v.as_str()))
             .or_else(|| msg.reply.clone());
         // A request handed over by a former owner keeps its first arrival.
         let arrived_ms = headers
-            .and_then(|h| h.get(admission::ARRIVED_MS))
+            .and_then(|h| h.get(headers::ARRIVED_MS))
             .and_then(|v| v.as_str().parse::<u64>().ok())
             .unwrap_or(clock.wall_ms);
         let request_id = request.request_id.unwrap_or_else(Uuid::new_v4);
@@ -427,7 +424,7 @@ impl Router {
     /// answer.
     fn join_queue(
         &self,
-        key: &admission::PartitionKey,
+        key: &crate::decide::candidates::PartitionKey,
         request_id: Uuid,
         waiting: Waiting,
         entry: Entry,
@@ -605,9 +602,9 @@ impl Router {
             timeout = timeout.min(std::time::Duration::from_millis(left.max(1)));
         }
         let mut headers = async_nats::HeaderMap::new();
-        headers.insert(FORWARDED_BY, self.router_id.as_str());
+        headers.insert(headers::FORWARDED_BY, self.router_id.as_str());
         if let Some(inbox) = &msg.reply {
-            headers.insert(admission::REPLY_TO, inbox.as_str());
+            headers.insert(headers::REPLY_TO, inbox.as_str());
         }
         let forward = async_nats::Request::new()
             .payload(msg.payload.clone())
@@ -623,7 +620,7 @@ impl Router {
                 if reply
                     .headers
                     .as_ref()
-                    .is_some_and(|h| h.get(admission::QUEUED).is_some()) =>
+                    .is_some_and(|h| h.get(headers::QUEUED).is_some()) =>
             {
                 forwards.inc(labels::FORWARD_QUEUED);
                 Some(Forwarded::Queued)

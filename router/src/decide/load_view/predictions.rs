@@ -7,8 +7,33 @@
 use std::collections::{BTreeMap, HashMap};
 
 use kvroute_common::RequestId;
+use kvroute_common::messages::Decision;
 
-use super::Prediction;
+/// One decision's predicted load on its rank, until its lifecycle or a report releases it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Prediction {
+    pub prefill_tokens: u64,
+    pub blocks: u64,
+    pub added_ms: u64,
+    pub prefilled: bool,
+    /// Tokens generated, as the last `progress` event said (output blocks only).
+    pub output_tokens: u64,
+    /// What they count ([`super::models::output_milliblocks`]).
+    pub output_milliblocks: u64,
+}
+
+impl Prediction {
+    pub fn of(d: &Decision, added_ms: u64) -> Self {
+        Self {
+            prefill_tokens: d.prefill_tokens,
+            blocks: u64::from(d.request_blocks),
+            added_ms,
+            prefilled: false,
+            output_tokens: 0,
+            output_milliblocks: 0,
+        }
+    }
+}
 
 /// What the predictions of one rank add to its load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
