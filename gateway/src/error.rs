@@ -3,7 +3,7 @@
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use kvroute_common::client::SelectFailure;
+use kvroute_common::client::SelectCallFailure;
 use kvroute_common::messages::ErrorCode;
 use serde::Serialize;
 
@@ -162,9 +162,9 @@ impl ApiError {
     }
 
     /// A failed selection as the client should see it.
-    pub fn from_select(failure: &SelectFailure, model: &str, retry_after: u64) -> Self {
+    pub fn from_select(failure: &SelectCallFailure, model: &str, retry_after: u64) -> Self {
         match failure {
-            SelectFailure::Refused(e) => {
+            SelectCallFailure::Refused(e) => {
                 let message = format!("no worker for this request: {}: {}", e.code, e.message);
                 match e.code {
                     ErrorCode::BadRequest | ErrorCode::UnsupportedVersion => Self::invalid(message),
@@ -185,16 +185,16 @@ impl ApiError {
                     }
                 }
             }
-            SelectFailure::NoRouter => Self::unavailable(
+            SelectCallFailure::NoRouter => Self::unavailable(
                 "router_unavailable",
                 "no kvroute router is answering selections",
                 retry_after,
             ),
-            SelectFailure::Timeout { attempts, waited } => Self::timeout(
+            SelectCallFailure::Timeout { attempts, waited } => Self::timeout(
                 "select_timeout",
                 format!("no router answered the selection ({attempts} attempts, {waited:?})"),
             ),
-            SelectFailure::Transport(e) => Self::unavailable(
+            SelectCallFailure::Transport(e) => Self::unavailable(
                 "router_unavailable",
                 format!("selecting a worker failed: {e}"),
                 retry_after,
@@ -252,8 +252,8 @@ mod tests {
     use super::*;
     use kvroute_common::messages::SelectError;
 
-    fn refused(code: ErrorCode) -> SelectFailure {
-        SelectFailure::Refused(SelectError {
+    fn refused(code: ErrorCode) -> SelectCallFailure {
+        SelectCallFailure::Refused(SelectError {
             v: Default::default(),
             request_id: None,
             code,
@@ -274,12 +274,12 @@ mod tests {
 
     #[test]
     fn selection_failures_map_to_statuses() {
-        let status = |f: SelectFailure| ApiError::from_select(&f, "m", 2).status;
+        let status = |f: SelectCallFailure| ApiError::from_select(&f, "m", 2).status;
         assert_eq!(status(refused(ErrorCode::BadRequest)), 400);
         assert_eq!(status(refused(ErrorCode::NoWorkers)), 404);
         assert_eq!(status(refused(ErrorCode::AllOverloaded)), 503);
-        assert_eq!(status(SelectFailure::NoRouter), 503);
-        let timeout = SelectFailure::Timeout {
+        assert_eq!(status(SelectCallFailure::NoRouter), 503);
+        let timeout = SelectCallFailure::Timeout {
             attempts: 4,
             waited: std::time::Duration::from_secs(3),
         };

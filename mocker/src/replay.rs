@@ -29,7 +29,7 @@ pub use plan::Plan;
 pub use progress::Progress;
 pub use report::{ModeRecorder, ModeReport, RequestSample, RunReport, TooManyErrors};
 pub use run::{emit, run, run_until};
-pub use selector::{RouterSelector, SelectFailure, Selector};
+pub use selector::{RouterSelector, SelectCallFailure, Selector};
 pub use sessions::{SessionKeys, SessionOracle, SessionReport, session_context, session_oracle};
 pub use stats::{Summary, coefficient_of_variation, percentile};
 pub use table::render_table;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_common::WorkerId;
-use kvroute_common::client::{SelectClient, SelectFailure, Selected};
+use kvroute_common::client::{SelectCallFailure, SelectClient, Selected};
 use kvroute_common::messages::{
     LifecycleKind, RequestLifecycle, SchemaVersion, SelectRequest, now_ms,
 };
@@ -32,7 +32,7 @@ pub struct Sent {
     pub at: Duration,
     /// Index of its prompt in the load's prompt list.
     pub prompt: usize,
-    pub result: Result<Selected, SelectFailure>,
+    pub result: Result<Selected, SelectCallFailure>,
 }
 
 /// Outcomes of a load, in send order.

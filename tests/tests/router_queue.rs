@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use kvroute_common::Names;
-use kvroute_common::client::{RetryPolicy, SelectClient, SelectFailure};
+use kvroute_common::client::{RetryPolicy, SelectCallFailure, SelectClient};
 use kvroute_common::messages::{ErrorCode, SelectRequest, SelectResponse, WorkerRole};
 use kvroute_common::{RequestId, WorkerId};
 use kvroute_router::decide::owner::owner;
@@ -341,7 +341,9 @@ async fn a_killed_owner_leaves_its_queued_clients_a_retry_not_silence() {
                 assert_ne!(selected.reply.router_id, owner_id);
                 served += 1;
             }
-            Err(SelectFailure::Refused(e)) if e.code == ErrorCode::QueueTimeout => timed_out += 1,
+            Err(SelectCallFailure::Refused(e)) if e.code == ErrorCode::QueueTimeout => {
+                timed_out += 1
+            }
             Err(e) => panic!("a client was left without an answer: {e:?}"),
         }
     }

@@ -10,4 +10,4 @@ mod select;
 
 pub use group::{Answered, GroupClient, GroupError, Judged};
 pub use retry::{RetryPolicy, RetryPolicyError, Target, target};
-pub use select::{SelectClient, SelectFailure, SelectRetryArgs, Selected};
+pub use select::{SelectCallFailure, SelectClient, SelectRetryArgs, Selected};

@@ -82,9 +82,11 @@ impl SelectRetryArgs {
     }
 }
 
-/// Why a selection produced no worker. [`SelectFailure::kind`] is a stable label.
+/// Why a select call (every attempt of it) produced no worker: refused by a router, no router, out
+/// of time, or the transport. [`SelectCallFailure::kind`] is a stable label. (The router's own
+/// reasons for refusing are `kvroute_router::select::SelectFailure`.)
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum SelectFailure {
+pub enum SelectCallFailure {
     /// A router answered with an error code (`no_workers`, `all_overloaded`, ...; or
     /// `unavailable` from every router tried).
     #[error("router refused: {}: {}", .0.code, .0.message)]
@@ -99,14 +101,14 @@ pub enum SelectFailure {
     Transport(String),
 }
 
-impl SelectFailure {
+impl SelectCallFailure {
     /// `select_<code>`, `select_no_router`, `select_timeout` or `select_transport`.
     pub fn kind(&self) -> String {
         match self {
-            SelectFailure::Refused(e) => format!("select_{}", e.code.as_str()),
-            SelectFailure::NoRouter => "select_no_router".into(),
-            SelectFailure::Timeout { .. } => "select_timeout".into(),
-            SelectFailure::Transport(_) => "select_transport".into(),
+            SelectCallFailure::Refused(e) => format!("select_{}", e.code.as_str()),
+            SelectCallFailure::NoRouter => "select_no_router".into(),
+            SelectCallFailure::Timeout { .. } => "select_timeout".into(),
+            SelectCallFailure::Transport(_) => "select_transport".into(),
         }
     }
 }
@@ -138,7 +140,7 @@ impl SelectClient {
 
     /// Selects a worker for `request`. A request without `request_id` gets one here, so every
     /// attempt names the same request and routers answer a retry with the same decision.
-    pub async fn select(&self, mut request: SelectRequest) -> Result<Selected, SelectFailure> {
+    pub async fn select(&self, mut request: SelectRequest) -> Result<Selected, SelectCallFailure> {
         request.request_id.get_or_insert_with(uuid::Uuid::new_v4);
         let queue_wait = self.group.policy().queue_wait;
         if !queue_wait.is_zero() {
@@ -157,11 +159,13 @@ impl SelectClient {
                 (Judged::Answer(Ok(reply)), router)
             }
             Ok(SelectResponse::Error(e)) if e.code.is_retryable() => {
-                (Judged::Retry(Err(SelectFailure::Refused(e))), None)
+                (Judged::Retry(Err(SelectCallFailure::Refused(e))), None)
             }
-            Ok(SelectResponse::Error(e)) => (Judged::Answer(Err(SelectFailure::Refused(e))), None),
+            Ok(SelectResponse::Error(e)) => {
+                (Judged::Answer(Err(SelectCallFailure::Refused(e))), None)
+            }
             Err(e) => (
-                Judged::Answer(Err(SelectFailure::Transport(e.to_string()))),
+                Judged::Answer(Err(SelectCallFailure::Transport(e.to_string()))),
                 None,
             ),
         };
@@ -170,11 +174,11 @@ impl SelectClient {
                 reply,
                 attempts: answered.attempts,
             }),
-            Err(GroupError::NoResponders { .. }) => Err(SelectFailure::NoRouter),
+            Err(GroupError::NoResponders { .. }) => Err(SelectCallFailure::NoRouter),
             Err(GroupError::TimedOut { attempts, waited }) => {
-                Err(SelectFailure::Timeout { attempts, waited })
+                Err(SelectCallFailure::Timeout { attempts, waited })
             }
-            Err(GroupError::Transport(e)) => Err(SelectFailure::Transport(e)),
+            Err(GroupError::Transport(e)) => Err(SelectCallFailure::Transport(e)),
         }
     }
 }

@@ -36,7 +36,7 @@ use rand::rngs::StdRng;
 
 use super::config::Mode;
 use super::oracle::LruOracle;
-use super::selector::{SelectFailure, Selected, Selector};
+use super::selector::{SelectCallFailure, Selected, Selector};
 
 /// The load view's settings: no reports arrive, so predictions go by lifecycle or age.
 const VIEW: LoadViewConfig = LoadViewConfig {
@@ -102,11 +102,11 @@ impl LocalSelector {
     }
 
     /// The choice, synchronously (the trait's future just wraps it).
-    pub fn choose(&self, request: &SelectRequest) -> Result<SelectReply, SelectFailure> {
+    pub fn choose(&self, request: &SelectRequest) -> Result<SelectReply, SelectCallFailure> {
         let mut guard = self.lock();
         let state = &mut *guard;
         let refused = |code: ErrorCode, message: String| {
-            SelectFailure::Refused(SelectError {
+            SelectCallFailure::Refused(SelectError {
                 v: SchemaVersion::CURRENT,
                 request_id: request.request_id,
                 code,
@@ -207,7 +207,7 @@ impl LocalSelector {
             Ended::Reply(decided) => decided,
             Ended::Join(_) => unreachable!("the local selector queues nothing"),
         }
-        .map_err(|e| SelectFailure::Refused(e.to_select_error(Some(request_id))))?;
+        .map_err(|e| SelectCallFailure::Refused(e.to_select_error(Some(request_id))))?;
         match decided {
             Decided::New(new) => {
                 if let (Some(sequence), Some(worker)) =
@@ -224,7 +224,7 @@ impl LocalSelector {
 }
 
 impl Selector for LocalSelector {
-    async fn select(&self, request: SelectRequest) -> Result<Selected, SelectFailure> {
+    async fn select(&self, request: SelectRequest) -> Result<Selected, SelectCallFailure> {
         self.choose(&request)
             .map(|reply| Selected { reply, attempts: 1 })
     }

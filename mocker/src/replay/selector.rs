@@ -5,7 +5,7 @@ use std::future::Future;
 
 use kvroute_common::Names;
 use kvroute_common::client::{RetryPolicy, SelectClient};
-pub use kvroute_common::client::{SelectFailure, Selected};
+pub use kvroute_common::client::{SelectCallFailure, Selected};
 use kvroute_common::messages::{SelectReply, SelectRequest, WorkerCard};
 
 /// Chooses a worker for each request. Implementations are shared by every request task.
@@ -13,7 +13,7 @@ pub trait Selector: Send + Sync + 'static {
     fn select(
         &self,
         request: SelectRequest,
-    ) -> impl Future<Output = Result<Selected, SelectFailure>> + Send;
+    ) -> impl Future<Output = Result<Selected, SelectCallFailure>> + Send;
 
     /// The request placed by `reply` has left its worker (finished or failed).
     fn finished(&self, _reply: &SelectReply) {}
@@ -38,7 +38,7 @@ impl RouterSelector {
 }
 
 impl Selector for RouterSelector {
-    async fn select(&self, request: SelectRequest) -> Result<Selected, SelectFailure> {
+    async fn select(&self, request: SelectRequest) -> Result<Selected, SelectCallFailure> {
         self.client.select(request).await
     }
 }
