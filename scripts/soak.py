@@ -76,6 +76,13 @@ CHURN_DOWN_SECS = 5.0
 LEASE_TTL = 3
 REQUEST_TIMEOUT = 30
 FLAT_LIMIT = 0.10
+# Runs under 10 minutes allow growth up to the larger of FLAT_LIMIT and this many KiB. Our
+# processes are 14-19 MiB here, and in a 3-minute run their RSS moves in steps of 0.5-1 MiB
+# as the allocator maps pages for threads that start allocating (the stable fleet went
+# 14.9 -> 16.4 MiB in its first two minutes, +9.8 %, then stayed flat for 80 s; another run of
+# the same build measured +11.5 %): 10 % of a small process is that step, not a trend. A leak
+# the smoke run can see (a few MiB in two minutes) still fails it; long runs judge 10 % alone.
+SHORT_FLOOR_KB = 4 * 1024
 
 
 def log(msg):
@@ -503,7 +510,8 @@ def judge_memory(rows, procs):
         if SHORT and name in THIRD_PARTY:
             results.append((name, base, end, growth, True, "not judged in a short run"))
         else:
-            results.append((name, base, end, growth, growth <= FLAT_LIMIT, ""))
+            allowed = max(FLAT_LIMIT * base, SHORT_FLOOR_KB if SHORT else 0)
+            results.append((name, base, end, growth, end - base <= allowed, ""))
     return results, n, len(after)
 
 
@@ -617,7 +625,8 @@ def report(soak, rows, csv_path, live=True):
 
     results, n, after = judge_memory(rows, soak.procs)
     print(f"\nmemory: median RSS of the first {n} samples after warm-up ({WARMUP:g} s) vs the "
-          f"last {n} ({after} samples after warm-up); limit +{FLAT_LIMIT:.0%}")
+          f"last {n} ({after} samples after warm-up); limit +{FLAT_LIMIT:.0%}"
+          + (f" or +{SHORT_FLOOR_KB / 1024:g} MiB, whichever is larger (a short run)" if SHORT else ""))
     for name, base, end, growth, good, why in results:
         if base is None:
             print(f"  {name}: {why}  FAIL")
