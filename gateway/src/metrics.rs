@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// Upper bounds of the latency buckets, in seconds (100 µs .. 2 min).
@@ -145,7 +145,7 @@ pub struct Metrics {
     pub prompt_token_mismatches: CounterVec<1>,
     /// A mismatch was logged at warn (once per process; later ones at debug).
     pub mismatch_warned: std::sync::atomic::AtomicBool,
-    pub connections: crate::serve::ConnectionStats,
+    pub connections: ConnectionStats,
 }
 
 impl Metrics {
@@ -274,6 +274,18 @@ impl Metrics {
         }
         out
     }
+}
+
+/// Connection counts for `/metrics`.
+#[derive(Debug, Default)]
+pub struct ConnectionStats {
+    pub open: AtomicUsize,
+    /// Idle connections closed to make room for a new one.
+    pub evicted: AtomicU64,
+    /// Connections closed at once (every connection busy and the health reserve full).
+    pub refused: AtomicU64,
+    /// Connections closed for a head, an idle period or a blocked write past its timeout.
+    pub timed_out: AtomicU64,
 }
 
 #[cfg(test)]

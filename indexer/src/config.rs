@@ -4,9 +4,6 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-/// At most one resync request per worker per interval.
-const RESYNC_REQUEST_INTERVAL: Duration = Duration::from_secs(3);
-
 use kvroute_common::config::{ConfigError, EtcdArgs, NamespaceArgs, NatsArgs};
 use kvroute_common::events_stream::StreamArgs;
 use kvroute_common::telemetry::TelemetryArgs;
@@ -153,17 +150,6 @@ impl IndexerConfig {
     /// When this replica counts as falling behind on queries (and leaves the query group).
     pub fn watchdog(&self) -> kvroute_common::ops::WatchdogConfig {
         kvroute_common::ops::WatchdogConfig::new(Duration::from_millis(self.max_lag_ms))
-    }
-
-    /// The leader duties' settings.
-    pub fn duties(&self) -> crate::service::DutiesConfig {
-        crate::service::DutiesConfig {
-            unregistered_grace: Duration::from_secs(self.unregistered_grace_secs),
-            resync_interval: RESYNC_REQUEST_INTERVAL,
-            snapshot_every_messages: self.snapshot_every_messages,
-            snapshot_interval: (self.snapshot_interval_secs > 0)
-                .then(|| Duration::from_secs(self.snapshot_interval_secs)),
-        }
     }
 
     pub fn leader_ttl(&self) -> Duration {

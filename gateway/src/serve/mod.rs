@@ -10,7 +10,7 @@ mod socket;
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,7 +25,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower_service::Service as _;
 
-use crate::metrics::Metrics;
+use crate::metrics::{ConnectionStats, Metrics};
 use socket::{Activity, Guarded, Tracked};
 
 /// Connections beyond `--max-connections` that may still ask for `/healthz`, `/readyz`,
@@ -49,18 +49,6 @@ pub struct Limits {
 struct Registry {
     next: u64,
     open: BTreeMap<u64, Arc<Activity>>,
-}
-
-/// Connection counts for `/metrics`.
-#[derive(Debug, Default)]
-pub struct ConnectionStats {
-    pub open: AtomicUsize,
-    /// Idle connections closed to make room for a new one.
-    pub evicted: AtomicU64,
-    /// Connections closed at once (every connection busy and the health reserve full).
-    pub refused: AtomicU64,
-    /// Connections closed for a head, an idle period or a blocked write past its timeout.
-    pub timed_out: AtomicU64,
 }
 
 /// Serves `app` (and `health` on the reserve) on `listener` until `stop` resolves, then lets

@@ -10,7 +10,7 @@
 //!   (`blockmap.rs`), each slot's node, and applying events;
 //! - `matches.rs`: overlap queries and [`OverlapScores`];
 //! - `eviction.rs`: the eviction order behind [`IndexConfig::max_entries`];
-//! - `digest.rs`, `snapshot.rs` (`snapshot_v1.rs`): state digest, and snapshot / restore;
+//! - `digest.rs`, `snapshot.rs` (`snapshot/v1.rs`): state digest, and snapshot / restore;
 //! - [`SharedIndex`] (`shared.rs`): one writer, many concurrent readers that never wait for
 //!   it (two views), and pins for snapshots that never stop it.
 //!
@@ -42,7 +42,6 @@ mod outcome;
 mod radix;
 mod shared;
 mod snapshot;
-mod snapshot_v1;
 mod stats;
 mod view;
 

@@ -14,8 +14,10 @@
 //! sorted by position: `block_hash` `u64`, run `u32`, offset `u32`, stamp `u32`; and last an
 //! XXH3-64 of everything before it. Every held block is named by exactly one entry of its pair.
 //!
-//! Format v1 (one node per block; `snapshot_v1.rs`) still restores. Restore checks every
+//! Format v1 (one node per block; `snapshot/v1.rs`) still restores. Restore checks every
 //! invariant the index relies on, so corrupt bytes give an error, never a broken index.
+
+mod v1;
 
 use std::sync::atomic::Ordering;
 
@@ -351,7 +353,7 @@ impl RadixIndex {
         let mut ix = RadixIndex::new(meta.config);
         ix.core.anomalies = meta.anomalies;
         let queued = if version == 1 {
-            super::snapshot_v1::read(&mut ix, &mut r)?
+            v1::read(&mut ix, &mut r)?
         } else {
             read_v2(&mut ix, &mut r, version)?
         };

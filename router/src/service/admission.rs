@@ -24,12 +24,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvroute_common::RequestId;
-use kvroute_common::messages::{ErrorCode, SelectRequest, SelectResponse, now_ms};
+use kvroute_common::messages::{Decision, ErrorCode, SelectRequest, SelectResponse, now_ms};
 use kvroute_common::names::headers;
 use tokio::sync::Notify;
 
 use super::Router;
 use super::classifying::Classifiers;
+use super::clock::Clock;
 use super::reply;
 use crate::classify::{Classification, ClassifyRequest, Verdict};
 use crate::decide::candidates::PartitionKey;
@@ -86,6 +87,17 @@ pub(super) enum Joined {
     /// Queued (or, for a retry of a queued request, its entry updated): answer later.
     Queued,
     Full(QueueError),
+}
+
+/// What a queued request's turn came to.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Queued {
+    /// Every eligible worker is still busy: it keeps waiting.
+    Overloaded,
+    /// Served or refused: answer, and publish the decision if one was made.
+    Answer(SelectResponse, Option<Decision>),
+    /// Past its attempt's deadline.
+    Expired,
 }
 
 /// Every partition's queue on this replica.
@@ -375,7 +387,7 @@ impl Router {
     /// One queued request's turn: decide it as a new request would be; served or refused, it
     /// leaves the queue and its client gets the answer.
     async fn try_queued(&self, key: &PartitionKey, turn: Turn) -> Tried {
-        let clock = super::selection::Clock::now();
+        let clock = Clock::now();
         let now = clock.now_ms();
         let id = turn.id;
         let overlap = turn
@@ -391,9 +403,9 @@ impl Router {
             )
             .await;
         let (response, decision) = match result {
-            super::selection::Queued::Overloaded => return Tried::Overloaded,
-            super::selection::Queued::Answer(response, decision) => (response, decision),
-            super::selection::Queued::Expired => {
+            Queued::Overloaded => return Tried::Overloaded,
+            Queued::Answer(response, decision) => (response, decision),
+            Queued::Expired => {
                 if let Some(left) = self.admission.take(key, &id) {
                     self.answer_left(key, left, ErrorCode::QueueTimeout, now)
                         .await;

@@ -8,6 +8,7 @@
 
 mod admission;
 mod classifying;
+mod clock;
 pub mod config;
 mod feeds;
 mod http;

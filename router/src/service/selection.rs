@@ -25,12 +25,13 @@
 
 use std::time::Instant;
 
-use kvroute_common::messages::{Decision, ErrorCode, SelectRequest, SelectResponse, now_ms};
+use kvroute_common::messages::{Decision, ErrorCode, SelectRequest, SelectResponse};
 use kvroute_common::names::headers;
 use uuid::Uuid;
 
-use super::admission::{Entry, Joined, Waiting};
+use super::admission::{Entry, Joined, Queued, Waiting};
 use super::classifying::Classifiers;
+use super::clock::Clock;
 use super::intake::{self, Rejected};
 use super::metrics::labels;
 use super::reply;
@@ -75,41 +76,6 @@ enum Outcome {
     QueuedByOwner,
 }
 
-/// What a queued request's turn came to.
-#[allow(clippy::large_enum_variant)]
-pub(super) enum Queued {
-    /// Every eligible worker is still busy: it keeps waiting.
-    Overloaded,
-    /// Served or refused: answer, and publish the decision if one was made.
-    Answer(SelectResponse, Option<Decision>),
-    /// Past its attempt's deadline.
-    Expired,
-}
-
-/// The request's clock: one wall-clock reading at intake, advanced by the monotonic clock.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Clock {
-    pub(super) wall_ms: u64,
-    at: Instant,
-}
-
-impl Clock {
-    pub(super) fn now() -> Self {
-        Self {
-            wall_ms: now_ms(),
-            at: Instant::now(),
-        }
-    }
-
-    pub(super) fn now_ms(&self) -> u64 {
-        self.wall_ms + u64::try_from(self.at.elapsed().as_millis()).unwrap_or(u64::MAX / 2)
-    }
-
-    fn expired(&self, request: &SelectRequest) -> bool {
-        request.deadline_ms.is_some_and(|d| self.now_ms() > d)
-    }
-}
-
 /// The service's decision state: a partition's policy slot and the replica's load view, locked
 /// in that order for one decision.
 struct Locked<'a> {
@@ -147,7 +113,7 @@ impl Router {
                 }
                 self.metrics
                     .selection_latency
-                    .observe(clock.at.elapsed().as_secs_f64());
+                    .observe(clock.elapsed().as_secs_f64());
                 return;
             }
             Outcome::Expired(stage) => {
@@ -182,7 +148,7 @@ impl Router {
         reply::send(&self.nats, inbox, &response).await;
         self.metrics
             .selection_latency
-            .observe(clock.at.elapsed().as_secs_f64());
+            .observe(clock.elapsed().as_secs_f64());
     }
 
     async fn respond(&self, msg: &async_nats::Message, clock: Clock) -> Outcome {

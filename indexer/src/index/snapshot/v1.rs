@@ -9,15 +9,15 @@
 
 use hashbrown::HashSet;
 
-use super::arena::BlockSlot;
-use super::blockmap::BlockMap;
-use super::core::Pair;
-use super::eviction::Queued;
-use super::extents::MAX_RUN;
-use super::ops::{Op, Rec};
-use super::radix::RadixIndex;
-use super::snapshot::{Reader, SnapshotError, corrupt, restore_entry};
-use super::view::{NodeId, ROOT};
+use super::{Reader, SnapshotError, corrupt, restore_entry};
+use crate::index::arena::BlockSlot;
+use crate::index::blockmap::BlockMap;
+use crate::index::core::Pair;
+use crate::index::eviction::Queued;
+use crate::index::extents::MAX_RUN;
+use crate::index::ops::{Op, Rec};
+use crate::index::radix::RadixIndex;
+use crate::index::view::{NodeId, ROOT};
 
 /// Reads a v1 body (after the shared header) into an empty index; returns the eviction
 /// queue's items.
