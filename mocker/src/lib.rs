@@ -10,6 +10,7 @@ pub mod cache;
 pub mod engine;
 pub mod engine_face;
 pub mod fleet;
+pub mod realtime;
 pub mod shared_store;
 
 pub use cache::{Admission, CacheConfig, CacheError, KvCache};
