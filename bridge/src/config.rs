@@ -12,30 +12,8 @@ use kvroute_common::events_stream::StreamArgs;
 use kvroute_common::messages::WorkerRole;
 use kvroute_common::telemetry::TelemetryArgs;
 use kvroute_common::{DpRank, WorkerId};
+pub use kvroute_engine_wire::EngineKind;
 use serde::Deserialize;
-
-/// Which engine's wire formats and HTTP API to speak.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum EngineKind {
-    Vllm,
-    Sglang,
-}
-
-impl EngineKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EngineKind::Vllm => "vllm",
-            EngineKind::Sglang => "sglang",
-        }
-    }
-}
-
-impl std::fmt::Display for EngineKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// One engine the bridge serves: where it is, and what it cannot tell about itself.
 #[derive(Debug, Clone, PartialEq, Deserialize)]

@@ -42,6 +42,8 @@ use std::collections::VecDeque;
 use hashbrown::HashMap;
 use kvroute_common::hashing::{local_block_hashes, seed_for_lora};
 use kvroute_common::messages::{KvEventData, StorageTier, StoredBlock};
+use kvroute_engine_wire::extra_keys::{lookahead_key, salt_key};
+use kvroute_engine_wire::media::{is_remote, tier_of};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::wire::{EngineEvent, Removed, Stored};
@@ -141,26 +143,9 @@ pub struct RankMirror {
     shared_tier: bool,
 }
 
-/// The tier a medium means, or why it is not indexed.
-pub fn tier_of(medium: Option<&str>, locality: Option<&str>) -> Result<StorageTier, &'static str> {
-    if locality.is_some_and(|l| l.eq_ignore_ascii_case("REMOTE")) {
-        return Ok(StorageTier::Shared);
-    }
-    let Some(m) = medium else {
-        return Ok(StorageTier::Device);
-    };
-    match m.to_ascii_uppercase().as_str() {
-        "GPU" | "DEVICE" | "HBM" => Ok(StorageTier::Device),
-        "CPU" | "CPU_PINNED" | "CPU_TIER1" => Ok(StorageTier::Host),
-        "STORAGE" | "DISK" | "CPU_TIER2" | "NVME" => Ok(StorageTier::Disk),
-        "EXTERNAL" => Ok(StorageTier::Shared),
-        _ => Err("unknown_medium"),
-    }
-}
-
 /// Why a shared-tier medium is ignored when the shared tier is off.
 fn shared_reason(locality: Option<&str>) -> &'static str {
-    if locality.is_some_and(|l| l.eq_ignore_ascii_case("REMOTE")) {
+    if is_remote(locality) {
         "remote"
     } else {
         "external"
@@ -185,29 +170,6 @@ pub fn fold_extra(tokens_hash: u64, keys: &[u8], seed: u64) -> u64 {
     buf.extend_from_slice(&tokens_hash.to_le_bytes());
     buf.extend_from_slice(keys);
     xxh3_64_with_seed(&buf, seed)
-}
-
-/// The canonical encoding of a cache salt as an extra key (a string: `0x05`, u32 LE length,
-/// bytes), so a salt folds like the same string among the extra keys.
-pub fn salt_key(salt: &str) -> Vec<u8> {
-    let mut out = Vec::with_capacity(5 + salt.len());
-    out.push(0x05);
-    out.extend_from_slice(&(salt.len() as u32).to_le_bytes());
-    out.extend_from_slice(salt.as_bytes());
-    out
-}
-
-/// The canonical encoding of a block's lookahead tokens as an extra key (an array of integers:
-/// `0x07`, u32 LE count, then `0x03` + u64 LE per token).
-pub fn lookahead_key(tokens: &[u32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(5 + 9 * tokens.len());
-    out.push(0x07);
-    out.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
-    for &t in tokens {
-        out.push(0x03);
-        out.extend_from_slice(&u64::from(t).to_le_bytes());
-    }
-    out
 }
 
 impl RankMirror {

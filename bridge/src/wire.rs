@@ -14,9 +14,11 @@
 //!
 //! Versions: vLLM 0.32 and 0.34 (0.34's `BlockStored` adds `lookahead_token_ids`: with hash
 //! lookahead on, each block's hash also covers that many tokens after the block, one list per
-//! block), SGLang 0.5.23. The field names and slot orders below are the engines' vocabulary.
+//! block), SGLang 0.5.23. The field names and slot orders are the engines' vocabulary
+//! (`kvroute_engine_wire::events`, shared with the mocker's impersonated engines).
 
-use crate::config::EngineKind;
+use kvroute_engine_wire::EngineKind;
+use kvroute_engine_wire::events::{EventTag as Tag, Field, TYPE, batch as batch_keys, slots};
 
 /// A decoded batch.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -142,12 +144,22 @@ pub fn decode_batch(kind: EngineKind, payload: &[u8]) -> Result<EngineBatch, Wir
             let mut saw_events = false;
             for _ in 0..n {
                 match r.key()? {
-                    Key::Str(b"ts") => batch.ts = r.number_or_nil()?.unwrap_or(0.0),
-                    Key::Str(b"events") => {
+                    Key::Str(k) if k == batch_keys::TS.as_bytes() => {
+                        batch.ts = r.number_or_nil()?.unwrap_or(0.0)
+                    }
+                    Key::Str(k) if k == batch_keys::EVENTS.as_bytes() => {
                         read_events(kind, &mut r, &mut batch)?;
                         saw_events = true;
                     }
-                    Key::Str(b"data_parallel_rank" | b"attn_dp_rank" | b"dp_rank") => {
+                    Key::Str(k)
+                        if [
+                            batch_keys::VLLM_RANK,
+                            batch_keys::SGLANG_RANK,
+                            batch_keys::RANK,
+                        ]
+                        .iter()
+                        .any(|name| k == name.as_bytes()) =>
+                    {
                         batch.dp_rank = r.uint_or_nil()?.and_then(|v| u32::try_from(v).ok());
                     }
                     _ => r.skip()?,
@@ -205,61 +217,6 @@ impl From<WireError> for EventError {
     }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Tag {
-    Stored,
-    Removed,
-    Cleared,
-}
-
-fn tag_of(s: &[u8]) -> Option<Tag> {
-    match s {
-        b"BlockStored" => Some(Tag::Stored),
-        b"BlockRemoved" => Some(Tag::Removed),
-        b"AllBlocksCleared" => Some(Tag::Cleared),
-        _ => None,
-    }
-}
-
-/// Field names of the positional (array) form, per engine, after the tag.
-const VLLM_STORED: &[&str] = &[
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-    "locality",
-    "ownership",
-    "session_id",
-    // vLLM 0.34.
-    "lookahead_token_ids",
-];
-const SGLANG_STORED: &[&str] = &[
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "cache_salt",
-    "session_id",
-    "lora_name",
-];
-const VLLM_REMOVED: &[&str] = &[
-    "block_hashes",
-    "medium",
-    "group_idx",
-    "locality",
-    "ownership",
-];
-const SGLANG_REMOVED: &[&str] = &["block_hashes", "medium"];
-
 fn read_event(kind: EngineKind, r: &mut Reader<'_>) -> Result<Option<EngineEvent>, EventError> {
     match r.peek()? {
         Kind::Map => {
@@ -268,11 +225,11 @@ fn read_event(kind: EngineKind, r: &mut Reader<'_>) -> Result<Option<EngineEvent
             // The engines' encoder (msgspec) writes the tag first: then one pass reads it all.
             if n > 0 {
                 let after_len = r.pos;
-                if let Key::Str(b"type") = r.key()? {
+                if matches!(r.key()?, Key::Str(k) if k == TYPE.as_bytes()) {
                     let s = r
                         .str_bytes()
                         .map_err(|_| EventError::Shape("bad_type_tag"))?;
-                    let Some(tag) = tag_of(s) else {
+                    let Some(tag) = Tag::from_name(s) else {
                         for _ in 1..n {
                             r.skip()?;
                             r.skip()?;
@@ -282,7 +239,7 @@ fn read_event(kind: EngineKind, r: &mut Reader<'_>) -> Result<Option<EngineEvent
                     let mut fields = Fields::default();
                     for _ in 1..n {
                         match r.key()? {
-                            Key::Str(name) => fields.read(tag, name, r)?,
+                            Key::Str(name) => fields.read(tag, Field::from_name(name), r)?,
                             Key::Other => r.skip()?,
                         }
                     }
@@ -297,11 +254,11 @@ fn read_event(kind: EngineKind, r: &mut Reader<'_>) -> Result<Option<EngineEvent
             let mut tag = None;
             for _ in 0..n {
                 match r.key()? {
-                    Key::Str(b"type") => {
+                    Key::Str(k) if k == TYPE.as_bytes() => {
                         let s = r
                             .str_bytes()
                             .map_err(|_| EventError::Shape("bad_type_tag"))?;
-                        tag = Some(tag_of(s));
+                        tag = Some(Tag::from_name(s));
                     }
                     _ => r.skip()?,
                 }
@@ -317,7 +274,7 @@ fn read_event(kind: EngineKind, r: &mut Reader<'_>) -> Result<Option<EngineEvent
             for _ in 0..n {
                 let key = r.key()?;
                 match key {
-                    Key::Str(name) => fields.read(tag, name, r)?,
+                    Key::Str(name) => fields.read(tag, Field::from_name(name), r)?,
                     Key::Other => r.skip()?,
                 }
             }
@@ -332,23 +289,17 @@ fn read_event(kind: EngineKind, r: &mut Reader<'_>) -> Result<Option<EngineEvent
             let s = r
                 .str_bytes()
                 .map_err(|_| EventError::Shape("bad_type_tag"))?;
-            let Some(tag) = tag_of(s) else {
+            let Some(tag) = Tag::from_name(s) else {
                 for _ in 1..n {
                     r.skip()?;
                 }
                 return Ok(None);
             };
-            let names: &[&str] = match (tag, kind) {
-                (Tag::Stored, EngineKind::Vllm) => VLLM_STORED,
-                (Tag::Stored, EngineKind::Sglang) => SGLANG_STORED,
-                (Tag::Removed, EngineKind::Vllm) => VLLM_REMOVED,
-                (Tag::Removed, EngineKind::Sglang) => SGLANG_REMOVED,
-                (Tag::Cleared, _) => &[],
-            };
+            let names = slots(kind, tag);
             let mut fields = Fields::default();
             for i in 1..n {
                 match names.get(i - 1) {
-                    Some(name) => fields.read(tag, name.as_bytes(), r)?,
+                    Some(&field) => fields.read(tag, Some(field), r)?,
                     None => r.skip()?,
                 }
             }
@@ -379,19 +330,28 @@ struct Fields {
 }
 
 impl Fields {
-    fn read(&mut self, tag: Tag, name: &[u8], r: &mut Reader<'_>) -> Result<(), EventError> {
+    /// Reads the value of `field` (`None`: a field kvroute does not know, skipped).
+    fn read(
+        &mut self,
+        tag: Tag,
+        field: Option<Field>,
+        r: &mut Reader<'_>,
+    ) -> Result<(), EventError> {
         let shape = |reason| move |_| EventError::Shape(reason);
-        match (tag, name) {
-            (Tag::Stored | Tag::Removed, b"block_hashes") => {
+        let Some(field) = field else {
+            return r.skip().map_err(EventError::Wire);
+        };
+        match (tag, field) {
+            (Tag::Stored | Tag::Removed, Field::BlockHashes) => {
                 self.block_hashes = Some(r.hash_list().map_err(shape("bad_block_hashes"))?);
             }
-            (Tag::Stored, b"parent_block_hash") => {
+            (Tag::Stored, Field::ParentBlockHash) => {
                 self.parent = r.hash_or_nil().map_err(shape("bad_parent_block_hash"))?;
             }
-            (Tag::Stored, b"token_ids") => {
+            (Tag::Stored, Field::TokenIds) => {
                 self.token_ids = r.token_list().map_err(shape("bad_token_ids"))?;
             }
-            (Tag::Stored, b"block_size") => {
+            (Tag::Stored, Field::BlockSize) => {
                 let v = r
                     .uint_or_nil()
                     .map_err(shape("bad_block_size"))?
@@ -399,32 +359,32 @@ impl Fields {
                 self.block_size =
                     u32::try_from(v).map_err(|_| EventError::Shape("bad_block_size"))?;
             }
-            (Tag::Stored, b"lora_id") => {
+            (Tag::Stored, Field::LoraId) => {
                 self.lora_id = r.int_or_nil().map_err(shape("bad_lora_id"))?
             }
-            (Tag::Stored, b"lora_name") => {
+            (Tag::Stored, Field::LoraName) => {
                 self.lora_name = r.str_or_nil().map_err(shape("bad_lora_name"))?
             }
-            (Tag::Stored, b"cache_salt") => {
+            (Tag::Stored, Field::CacheSalt) => {
                 self.cache_salt = r.str_or_nil().map_err(shape("bad_cache_salt"))?
             }
-            (Tag::Stored, b"kv_cache_spec_kind") => {
+            (Tag::Stored, Field::KvCacheSpecKind) => {
                 self.kv_cache_spec_kind =
                     r.str_or_nil().map_err(shape("bad_kv_cache_spec_kind"))?;
             }
-            (Tag::Stored, b"extra_keys") => {
+            (Tag::Stored, Field::ExtraKeys) => {
                 self.raw_extra = r.extra_keys().map_err(shape("bad_extra_keys"))?;
             }
-            (Tag::Stored, b"lookahead_token_ids") => {
+            (Tag::Stored, Field::LookaheadTokenIds) => {
                 self.lookahead = r.token_lists().map_err(shape("bad_lookahead_token_ids"))?;
             }
-            (Tag::Stored | Tag::Removed, b"medium") => {
+            (Tag::Stored | Tag::Removed, Field::Medium) => {
                 self.medium = r.str_or_nil().map_err(shape("bad_medium"))?
             }
-            (Tag::Stored | Tag::Removed, b"group_idx") => {
+            (Tag::Stored | Tag::Removed, Field::GroupIdx) => {
                 self.group_idx = r.int_or_nil().map_err(shape("bad_group_idx"))?;
             }
-            (Tag::Stored | Tag::Removed, b"locality") => {
+            (Tag::Stored | Tag::Removed, Field::Locality) => {
                 self.locality = r.str_or_nil().map_err(shape("bad_locality"))?;
             }
             _ => r.skip()?,

@@ -41,7 +41,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 pub use block_tokens::BlockTokens;
-pub use config::{EngineApi, EngineFaceArgs, EventFormat, FaceEngine, MAX_DP_SIZE, WorkerPorts};
+pub use config::{EngineApi, EngineFaceArgs, EngineKind, EventFormat, MAX_DP_SIZE, WorkerPorts};
 pub use openai::{DEFAULT_MAX_TOKENS, tokenize};
 pub use wire::{EventWriter, MissingTokens};
 
@@ -59,7 +59,7 @@ pub const SGLANG_VERSION: &str = "0.5.23";
 /// What one worker's handlers know about it.
 #[derive(Debug, Clone)]
 pub(crate) struct FaceSettings {
-    pub engine_api: FaceEngine,
+    pub engine_api: EngineKind,
     pub index: u32,
     pub model: String,
     pub engine: EngineConfig,
@@ -82,7 +82,7 @@ pub(crate) struct FaceSettings {
 pub struct WorkerEndpoints {
     /// 0-based position in the fleet.
     pub index: u32,
-    pub engine: FaceEngine,
+    pub engine: EngineKind,
     pub http: SocketAddr,
     /// Per rank.
     pub zmq: Vec<String>,

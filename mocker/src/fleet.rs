@@ -4,7 +4,6 @@
 //! that serves `GenerateRequest`s on the card's request subject (see `worker.rs`). The fleet
 //! starts them, serves `/metrics` `/healthz` `/readyz`, and stops them (cleanly, or as a crash).
 
-mod clock;
 mod config;
 mod metrics;
 mod request;
@@ -22,7 +21,6 @@ use kvroute_common::worker::{RegistrationConfig, WorkerAgent, WorkerAgentConfig}
 use kvroute_common::{Names, WorkerId};
 use tokio::task::JoinHandle;
 
-pub use clock::SimClock;
 pub use config::{EngineArgs, FleetConfig, MAX_WORKERS};
 pub use metrics::FleetMetrics;
 pub use request::to_sim_request;

@@ -19,9 +19,9 @@ use kvroute_common::messages::{
     GenerateRequest, GenerateResponse, IndexQuery, IndexQueryResponse, WorkerCard, WorkerLoad,
     WorkerMatch,
 };
+use kvroute_lab::replay::{self, ReplayArgs};
 use kvroute_mocker::engine_face::{EngineApi, EngineFleet, WorkerEndpoints};
 use kvroute_mocker::fleet::{EngineArgs, Fleet, FleetConfig};
-use kvroute_mocker::replay::{self, ReplayArgs};
 use kvroute_tests::{IndexerProcess, RouterProcess, TestEnv};
 use tokio::sync::oneshot;
 

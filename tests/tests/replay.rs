@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use kvroute_common::Names;
+use kvroute_lab::replay::{self, DEFAULT_FONT, ReplayArgs, RunReport};
 use kvroute_mocker::fleet::{EngineArgs, Fleet, FleetConfig, StopMode};
-use kvroute_mocker::replay::{self, DEFAULT_FONT, ReplayArgs, RunReport};
 use kvroute_tests::TestEnv;
 
 /// A fleet of `workers` mocker workers in this process, registered in `env`.
@@ -92,7 +92,7 @@ fn args(env: &TestEnv, trace: &Path, extra: &[&str]) -> ReplayArgs {
 /// The `kvroute-replay` binary on `trace` against `env`'s servers (model `m`, settle 100 ms),
 /// with `extra` flags.
 fn replay_command(env: &TestEnv, trace: &Path, extra: &[&str]) -> std::process::Command {
-    let bin = kvroute_tests::kvroute_bin("kvroute-mocker", "kvroute-replay").unwrap();
+    let bin = kvroute_tests::kvroute_bin("kvroute-lab", "kvroute-replay").unwrap();
     let mut command = std::process::Command::new(bin);
     command
         .args(env.server_args())
@@ -348,7 +348,7 @@ async fn sigterm_stops_the_run_and_reports_what_ran() {
 /// the turns — so the stickiness figure can fail.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_sent_stick_to_one_worker_through_the_router() {
-    use kvroute_mocker::tracegen::{SessionTraceParams, TokenRange, generate, write_trace};
+    use kvroute_lab::tracegen::{SessionTraceParams, TokenRange, generate, write_trace};
 
     let env = TestEnv::start().unwrap();
     let names = Names::new(&env.namespace);

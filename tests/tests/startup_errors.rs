@@ -19,9 +19,9 @@ const BINS: [(&str, &str); 11] = [
     ("kvroute-router-custom", "kvroute-example-custom-policy"),
     ("kvroute-indexer", "kvroute-indexer"),
     ("kvroute-mocker", "kvroute-mocker"),
-    ("kvroute-replay", "kvroute-mocker"),
-    ("kvroute-sim", "kvroute-mocker"),
-    ("kvroute-tracegen", "kvroute-mocker"),
+    ("kvroute-replay", "kvroute-lab"),
+    ("kvroute-sim", "kvroute-lab"),
+    ("kvroute-tracegen", "kvroute-lab"),
     ("kvroute-probe", "kvroute-common"),
 ];
 

@@ -146,7 +146,7 @@ fn the_custom_catalog_runs_offline_and_is_named_in_help() {
         default > sticky * 2.0,
         "sticky-until-busy ignores the cache: hit {sticky} against the default's {default}"
     );
-    let stock = kvroute_bin("kvroute-mocker", "kvroute-sim").unwrap();
+    let stock = kvroute_bin("kvroute-lab", "kvroute-sim").unwrap();
     let refused = std::process::Command::new(stock)
         .args(["--modes", "kv", "--limit", "10", "--policy-config"])
         .arg(&yaml)

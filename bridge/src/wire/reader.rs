@@ -2,6 +2,8 @@
 //! allocation but the values kept, every length checked against the bytes left before it is
 //! trusted, and nesting bounded.
 
+use kvroute_engine_wire::extra_keys as canon;
+
 use super::{RawHash, WireError, reduce_hash};
 
 /// One element of a block's extra-keys tuple: its canonical bytes, and its text if a string.
@@ -358,48 +360,48 @@ impl<'a> Reader<'a> {
         match self.peek()? {
             Kind::Nil => {
                 self.pos += 1;
-                out.push(0x00);
+                out.push(canon::NIL);
             }
             Kind::Bool => {
                 let b = self.byte()?;
-                out.extend_from_slice(&[0x01, b & 1]);
+                out.extend_from_slice(&[canon::BOOL, b & 1]);
             }
             Kind::Int => match self.raw_int()? {
                 RawHash::Signed(v) if v < 0 => {
-                    out.push(0x02);
+                    out.push(canon::NEGATIVE_INT);
                     out.extend_from_slice(&v.to_le_bytes());
                 }
                 RawHash::Signed(v) => {
-                    out.push(0x03);
+                    out.push(canon::INT);
                     out.extend_from_slice(&(v as u64).to_le_bytes());
                 }
                 RawHash::Unsigned(v) => {
-                    out.push(0x03);
+                    out.push(canon::INT);
                     out.extend_from_slice(&v.to_le_bytes());
                 }
                 RawHash::Bytes(_) => {}
             },
             Kind::Float => {
                 let v = self.number_or_nil()?.unwrap_or(0.0);
-                out.push(0x04);
+                out.push(canon::FLOAT);
                 out.extend_from_slice(&v.to_bits().to_le_bytes());
             }
             Kind::Str => {
                 let s = self.str_bytes()?;
-                out.push(0x05);
+                out.push(canon::STR);
                 out.extend_from_slice(&(s.len() as u32).to_le_bytes());
                 out.extend_from_slice(s);
             }
             Kind::Bin => {
                 let n = self.bin_len()?;
                 let s = self.take(n)?;
-                out.push(0x06);
+                out.push(canon::BIN);
                 out.extend_from_slice(&(n as u32).to_le_bytes());
                 out.extend_from_slice(s);
             }
             Kind::Array => {
                 let n = self.array_len()?;
-                out.push(0x07);
+                out.push(canon::ARRAY);
                 out.extend_from_slice(&(n as u32).to_le_bytes());
                 for _ in 0..n {
                     self.canon(out, depth + 1)?;
@@ -407,7 +409,7 @@ impl<'a> Reader<'a> {
             }
             Kind::Map => {
                 let n = self.map_len()?;
-                out.push(0x08);
+                out.push(canon::MAP);
                 out.extend_from_slice(&(n as u32).to_le_bytes());
                 for _ in 0..2 * n {
                     self.canon(out, depth + 1)?;
@@ -416,7 +418,7 @@ impl<'a> Reader<'a> {
             Kind::Ext => {
                 let start = self.pos;
                 self.skip()?;
-                out.push(0x09);
+                out.push(canon::EXT);
                 out.extend_from_slice(&((self.pos - start) as u32).to_le_bytes());
                 out.extend_from_slice(&self.buf[start..self.pos]);
             }

@@ -12,7 +12,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
-use super::config::FaceEngine;
+use super::config::EngineKind;
 use super::http::{ApiError, WorkerFace};
 use super::openai::{self, ChatRequest, CommonFields, CompletionRequest};
 use super::progress::{AbortOnDrop, End, ProgressRx, PromptProgress, progress_channel};
@@ -139,7 +139,7 @@ fn submit(face: Arc<WorkerFace>, headers: &HeaderMap, asked: &Asked<'_>) -> Resu
     let max_tokens = openai::max_tokens(asked.max_tokens).map_err(ApiError::bad_request)?;
     let streamed = common.streaming();
     let delay = match face.settings.engine_api {
-        FaceEngine::Sglang if streamed => SGLANG_STREAM_ABORT_DELAY,
+        EngineKind::Sglang if streamed => SGLANG_STREAM_ABORT_DELAY,
         _ => Duration::ZERO,
     };
     // On a refusal, the prompts already submitted are aborted as the guard drops.

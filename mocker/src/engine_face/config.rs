@@ -6,6 +6,8 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 
 use kvroute_common::config::ConfigError;
+/// An engine the mocker can impersonate: the bridge's vocabulary.
+pub use kvroute_engine_wire::EngineKind;
 
 /// What a simulated worker looks like from outside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -21,27 +23,11 @@ pub enum EngineApi {
 
 impl EngineApi {
     /// The engine impersonated, unless the worker is a plain kvroute worker.
-    pub fn face(self) -> Option<FaceEngine> {
+    pub fn face(self) -> Option<EngineKind> {
         match self {
             EngineApi::Kvroute => None,
-            EngineApi::Vllm => Some(FaceEngine::Vllm),
-            EngineApi::Sglang => Some(FaceEngine::Sglang),
-        }
-    }
-}
-
-/// An engine the mocker can impersonate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum FaceEngine {
-    Vllm,
-    Sglang,
-}
-
-impl FaceEngine {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FaceEngine::Vllm => "vllm",
-            FaceEngine::Sglang => "sglang",
+            EngineApi::Vllm => Some(EngineKind::Vllm),
+            EngineApi::Sglang => Some(EngineKind::Sglang),
         }
     }
 }

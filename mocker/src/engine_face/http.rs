@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::completions;
-use super::config::FaceEngine;
+use super::config::EngineKind;
 use super::info;
 use super::metrics;
 use super::rank::{Rank, unix_now};
@@ -56,10 +56,10 @@ impl WorkerFace {
         let message = message.into();
         let code = status.as_u16();
         let body = match self.settings.engine_api {
-            FaceEngine::Vllm => json!({
+            EngineKind::Vllm => json!({
                 "error": {"message": message, "type": kind, "param": null, "code": code}
             }),
-            FaceEngine::Sglang => json!({
+            EngineKind::Sglang => json!({
                 "object": "error", "message": message, "type": kind, "param": null, "code": code
             }),
         };
@@ -118,11 +118,11 @@ pub(crate) fn router(face: Arc<WorkerFace>) -> Router {
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(completions::chat));
     let engine = match face.settings.engine_api {
-        FaceEngine::Vllm => Router::new()
+        EngineKind::Vllm => Router::new()
             .route("/metrics", get(vllm_metrics))
             .route("/version", get(vllm_version))
             .route("/reset_prefix_cache", post(clear_cache)),
-        FaceEngine::Sglang => Router::new()
+        EngineKind::Sglang => Router::new()
             .route("/health_generate", get(health))
             .route("/metrics", get(sglang_metrics))
             .route("/get_server_info", get(server_info))
@@ -162,7 +162,7 @@ async fn models(State(face): State<Arc<WorkerFace>>) -> Response {
     let created = unix_now().as_secs();
     let max_model_len = s.engine.num_blocks * u64::from(s.engine.block_size);
     let card = match s.engine_api {
-        FaceEngine::Vllm => json!({
+        EngineKind::Vllm => json!({
             "id": s.model, "object": "model", "created": created, "owned_by": "kvroute-mocker",
             "root": s.model, "parent": null, "max_model_len": max_model_len,
             "permission": [{
@@ -173,7 +173,7 @@ async fn models(State(face): State<Arc<WorkerFace>>) -> Response {
                 "organization": "*", "group": null, "is_blocking": false,
             }],
         }),
-        FaceEngine::Sglang => json!({
+        EngineKind::Sglang => json!({
             "id": s.model, "object": "model", "created": created, "owned_by": "kvroute-mocker",
             "root": s.model, "parent": null, "max_model_len": max_model_len,
         }),
@@ -250,8 +250,8 @@ async fn clear_cache(State(face): State<Arc<WorkerFace>>) -> Response {
     }
     tracing::info!(worker = face.settings.index, "cache cleared");
     match face.settings.engine_api {
-        FaceEngine::Vllm => StatusCode::OK.into_response(),
-        FaceEngine::Sglang => (
+        EngineKind::Vllm => StatusCode::OK.into_response(),
+        EngineKind::Sglang => (
             StatusCode::OK,
             "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n",
         )

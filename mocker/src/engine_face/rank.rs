@@ -23,7 +23,8 @@ use super::zmq::Publisher;
 use crate::engine::{
     Engine, EngineConfig, EngineLoad, EngineOutput, SimRequest, SubmitError, TokenOutput,
 };
-use crate::fleet::{FleetMetrics, SimClock};
+use crate::fleet::FleetMetrics;
+use crate::realtime::{RealTimeEngine, sleep_until};
 
 /// The mocker's own outcome label (`kvroute_mocker_requests_finished_total`) of a request its
 /// client abandoned.
@@ -69,8 +70,7 @@ struct Pending {
 
 #[derive(Debug)]
 struct Core {
-    engine: Engine,
-    clock: SimClock,
+    engine: RealTimeEngine,
     tokens: BlockTokens,
     pending: HashMap<RequestId, Pending>,
     counters: RankCounters,
@@ -91,7 +91,6 @@ pub(crate) struct RankConfig {
 pub(crate) struct Rank {
     pub rank: u32,
     engine_config: EngineConfig,
-    speedup: f64,
     writer: EventWriter,
     publisher: Publisher,
     metrics: Arc<FleetMetrics>,
@@ -115,8 +114,10 @@ impl Rank {
             writer,
         } = config;
         let core = Core {
-            engine: Engine::new(engine_config.clone()).expect("the fleet config was validated"),
-            clock: SimClock::start(speedup),
+            engine: RealTimeEngine::start(
+                Engine::new(engine_config.clone()).expect("the fleet config was validated"),
+                speedup,
+            ),
             tokens: BlockTokens::default(),
             pending: HashMap::new(),
             counters: RankCounters::default(),
@@ -124,7 +125,6 @@ impl Rank {
         Self {
             rank,
             engine_config,
-            speedup,
             writer,
             publisher,
             metrics,
@@ -159,8 +159,7 @@ impl Rank {
         let hashes = sim.hashes.sequence.clone();
         {
             let mut core = self.lock();
-            let now = core.clock.now();
-            core.engine.submit(sim, now)?;
+            core.engine.submit(sim)?;
             core.tokens.retain(&hashes, prompt, block_size as usize);
             core.pending.insert(
                 request_id,
@@ -187,7 +186,7 @@ impl Rank {
             let Some(p) = core.pending.remove(&request_id) else {
                 return false;
             };
-            let Some(aborted) = core.engine.abort(request_id) else {
+            let Some(aborted) = core.engine.engine_mut().abort(request_id) else {
                 debug_assert!(false, "a pending request is on the engine");
                 return false;
             };
@@ -207,17 +206,17 @@ impl Rank {
 
     /// Requests running plus waiting.
     pub fn in_flight(&self) -> u64 {
-        let (running, waiting) = self.lock().engine.request_counts();
+        let (running, waiting) = self.lock().engine.engine().request_counts();
         running + waiting
     }
 
     pub fn snapshot(&self) -> RankSnapshot {
         let core = self.lock();
-        let load = core.engine.load();
+        let load = core.engine.engine().load();
         RankSnapshot {
             rank: self.rank,
             load,
-            pinned_blocks: core.engine.cache().pinned_blocks(),
+            pinned_blocks: core.engine.engine().cache().pinned_blocks(),
             counters: core.counters,
         }
     }
@@ -230,9 +229,9 @@ impl Rank {
                 in_flight: core.pending.len(),
             });
         }
-        core.engine =
-            Engine::new(self.engine_config.clone()).expect("the fleet config was validated");
-        core.clock = SimClock::start(self.speedup);
+        core.engine.restart(
+            Engine::new(self.engine_config.clone()).expect("the fleet config was validated"),
+        );
         self.publish(&core, &[KvEventData::Cleared]);
         Ok(())
     }
@@ -252,7 +251,7 @@ impl Rank {
         loop {
             let wake = {
                 let core = self.lock();
-                core.engine.next_wakeup().map(|sim| core.clock.wall_at(sim))
+                core.engine.wake_at()
             };
             tokio::select! {
                 _ = stop.wait_for(|s| *s) => break,
@@ -267,8 +266,7 @@ impl Rank {
     /// Runs the engine up to now: publishes its events, then reports its outputs.
     fn advance(&self) {
         let mut core = self.lock();
-        let now = core.clock.now();
-        let ready = core.engine.advance_to(now);
+        let ready = core.engine.advance();
         // Before releasing finished requests' tokens: their blocks may be stored in this very
         // advance.
         if !ready.kv_events.is_empty() {
@@ -345,13 +343,6 @@ impl Rank {
                 });
             }
         }
-    }
-}
-
-async fn sleep_until(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
     }
 }
 

@@ -5,7 +5,7 @@
 
 use serde::Serialize;
 
-use super::config::FaceEngine;
+use super::config::EngineKind;
 
 /// Which endpoint a response is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,7 +50,7 @@ pub(crate) struct PromptTokensDetails {
 }
 
 impl Usage {
-    pub fn new(engine: FaceEngine, prompt: u64, completion: u64, cached: u64) -> Self {
+    pub fn new(engine: EngineKind, prompt: u64, completion: u64, cached: u64) -> Self {
         Self {
             prompt_tokens: prompt,
             total_tokens: prompt + completion,
@@ -58,7 +58,7 @@ impl Usage {
             prompt_tokens_details: PromptTokensDetails {
                 cached_tokens: cached,
             },
-            reasoning_tokens: (engine == FaceEngine::Sglang).then_some(0),
+            reasoning_tokens: (engine == EngineKind::Sglang).then_some(0),
         }
     }
 }
@@ -92,14 +92,14 @@ pub(crate) enum TopExtra {
 }
 
 impl TopExtra {
-    pub fn full(engine: FaceEngine) -> Option<Self> {
+    pub fn full(engine: EngineKind) -> Option<Self> {
         Some(match engine {
-            FaceEngine::Vllm => TopExtra::Vllm {
+            EngineKind::Vllm => TopExtra::Vllm {
                 service_tier: None,
                 system_fingerprint: None,
                 kv_transfer_params: None,
             },
-            FaceEngine::Sglang => TopExtra::Sglang { metadata: None },
+            EngineKind::Sglang => TopExtra::Sglang { metadata: None },
         })
     }
 }
@@ -119,13 +119,13 @@ pub(crate) enum ChoiceExtra {
 }
 
 impl ChoiceExtra {
-    pub fn of(engine: FaceEngine) -> Self {
+    pub fn of(engine: EngineKind) -> Self {
         match engine {
-            FaceEngine::Vllm => ChoiceExtra::Vllm {
+            EngineKind::Vllm => ChoiceExtra::Vllm {
                 stop_reason: None,
                 token_ids: None,
             },
-            FaceEngine::Sglang => ChoiceExtra::Sglang { matched_stop: None },
+            EngineKind::Sglang => ChoiceExtra::Sglang { matched_stop: None },
         }
     }
 }
@@ -195,16 +195,16 @@ pub(crate) enum MessageExtra {
 }
 
 impl MessageExtra {
-    pub fn of(engine: FaceEngine) -> Self {
+    pub fn of(engine: EngineKind) -> Self {
         match engine {
-            FaceEngine::Vllm => MessageExtra::Vllm {
+            EngineKind::Vllm => MessageExtra::Vllm {
                 refusal: None,
                 annotations: None,
                 audio: None,
                 function_call: None,
                 reasoning: None,
             },
-            FaceEngine::Sglang => MessageExtra::Sglang {
+            EngineKind::Sglang => MessageExtra::Sglang {
                 reasoning_content: None,
             },
         }
@@ -239,7 +239,7 @@ mod tests {
                 text: "tok ".into(),
                 logprobs: None,
                 finish_reason: None,
-                extra: ChoiceExtra::of(FaceEngine::Vllm),
+                extra: ChoiceExtra::of(EngineKind::Vllm),
             }],
             usage: None,
             extra: None,
@@ -253,7 +253,7 @@ mod tests {
         );
         let text = sse(&chunk);
         assert!(text.starts_with("data: {\"id\":\"cmpl-1\",\"object\"") && text.ends_with("}\n\n"));
-        let usage = Usage::new(FaceEngine::Sglang, 10, 2, 4);
+        let usage = Usage::new(EngineKind::Sglang, 10, 2, 4);
         assert_eq!(
             serde_json::to_value(&usage).unwrap(),
             json!({"prompt_tokens": 10, "total_tokens": 12, "completion_tokens": 2,
@@ -269,8 +269,8 @@ mod tests {
             created: 1,
             model: "m",
             choices: vec![],
-            usage: Some(Usage::new(FaceEngine::Vllm, 1, 1, 0)),
-            extra: TopExtra::full(FaceEngine::Vllm),
+            usage: Some(Usage::new(EngineKind::Vllm, 1, 1, 0)),
+            extra: TopExtra::full(EngineKind::Vllm),
         };
         let v = serde_json::to_value(&full).unwrap();
         assert_eq!(v["object"], "chat.completion");

@@ -14,7 +14,7 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 
 use super::completions::{FINISH_REASON, Job};
-use super::config::FaceEngine;
+use super::config::EngineKind;
 use super::openai;
 use super::progress::{End, PromptProgress};
 use super::shapes::{Api, ChoiceExtra, DONE, Delta, DeltaChoice, Envelope, TextChoice, sse};
@@ -198,7 +198,7 @@ impl Job {
     ) -> String {
         // vLLM's role chunk sets only index, delta, logprobs and finish_reason.
         let extra = match (role, self.face.settings.engine_api) {
-            (Some(_), FaceEngine::Vllm) => ChoiceExtra::None {},
+            (Some(_), EngineKind::Vllm) => ChoiceExtra::None {},
             (_, engine) => ChoiceExtra::of(engine),
         };
         sse(&Envelope {

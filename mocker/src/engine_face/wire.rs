@@ -12,15 +12,21 @@
 //! - SGLang 0.5 (`KVCacheEventRecorder`): stores and removes coalesced into one event per run,
 //!   `lora_id` nil, `medium` set; block hashes are signed 64-bit.
 //!
-//! [`EventFormat::Arrays`] writes the older tagged positional form instead: the tag, then every
-//! slot (nil when unset): vLLM `[block_hashes, parent_block_hash, token_ids, block_size,
-//! lora_id, medium, lora_name]`, SGLang its struct's slots in declaration order.
+//! [`EventFormat::Arrays`] writes the older tagged positional form instead: the tag, then each
+//! field in its slot of the engine's order (`kvroute_engine_wire::events::slots`), nil in the
+//! slots before it that are unset: vLLM `[block_hashes, parent_block_hash, token_ids,
+//! block_size, lora_id, medium, lora_name]`, SGLang every slot of its struct.
+//!
+//! The names, slot orders and media are the bridge's own (`kvroute_engine_wire`), so what this
+//! writes is what the bridge reads (bridge/tests/engine_wire.rs).
 
 use kvroute_common::hashing::SequenceHash;
 use kvroute_common::messages::{KvEventData, StorageTier};
+use kvroute_engine_wire::events::{EventTag, Field, TYPE, slots};
+use kvroute_engine_wire::media::{self, REMOTE};
 use rmpv::Value;
 
-use super::config::{EventFormat, FaceEngine};
+use super::config::{EngineKind, EventFormat};
 
 /// A stored block whose tokens the writer was not given (a bug in the caller).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -32,7 +38,7 @@ pub struct MissingTokens {
 /// Writes one engine's events for one block size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EventWriter {
-    pub engine: FaceEngine,
+    pub engine: EngineKind,
     pub format: EventFormat,
     pub block_size: u32,
 }
@@ -63,15 +69,15 @@ impl EventWriter {
             }
             KvEventData::Removed { block_hashes, tier } => match self.engine {
                 // vLLM's block pool reports each evicted block on its own.
-                FaceEngine::Vllm => block_hashes
+                EngineKind::Vllm => block_hashes
                     .iter()
                     .map(|&h| self.removed(vec![self.hash(h)], *tier))
                     .collect(),
-                FaceEngine::Sglang => {
+                EngineKind::Sglang => {
                     vec![self.removed(block_hashes.iter().map(|&h| self.hash(h)).collect(), *tier)]
                 }
             },
-            KvEventData::Cleared => vec![self.tagged("AllBlocksCleared", Vec::new())],
+            KvEventData::Cleared => vec![self.tagged(EventTag::Cleared, Vec::new())],
         })
     }
 
@@ -90,27 +96,20 @@ impl EventWriter {
     /// The engine's form of a block hash: vLLM's are unsigned, SGLang's signed 64-bit.
     pub fn hash(&self, h: SequenceHash) -> Value {
         match self.engine {
-            FaceEngine::Vllm => Value::from(h),
-            FaceEngine::Sglang => Value::from(h as i64),
+            EngineKind::Vllm => Value::from(h),
+            EngineKind::Sglang => Value::from(h as i64),
         }
     }
 
     /// The engine's `medium` string for a tier. vLLM has no shared medium: its network-backed
     /// offload tiers say `STORAGE` with `locality: "REMOTE"` ([`Self::remote`]).
     pub fn medium(&self, tier: StorageTier) -> &'static str {
-        match (tier, self.engine) {
-            (StorageTier::Device, _) => "GPU",
-            (StorageTier::Host, FaceEngine::Vllm) => "CPU",
-            (StorageTier::Host, FaceEngine::Sglang) => "CPU_PINNED",
-            (StorageTier::Disk | StorageTier::Shared, FaceEngine::Vllm) => "STORAGE",
-            (StorageTier::Disk, FaceEngine::Sglang) => "DISK",
-            (StorageTier::Shared, FaceEngine::Sglang) => "EXTERNAL",
-        }
+        media::medium_of(self.engine, tier)
     }
 
     /// Whether an event of `tier` carries vLLM's `locality: "REMOTE"`.
     fn remote(&self, tier: StorageTier) -> bool {
-        tier == StorageTier::Shared && self.engine == FaceEngine::Vllm
+        media::remote_locality(self.engine, tier)
     }
 
     fn stored(
@@ -122,68 +121,73 @@ impl EventWriter {
     ) -> Value {
         let blocks = hashes.len();
         let mut fields = vec![
-            ("block_hashes", Value::Array(hashes)),
-            ("parent_block_hash", parent.unwrap_or(Value::Nil)),
-            ("token_ids", Value::Array(token_ids)),
-            ("block_size", Value::from(self.block_size)),
-            ("lora_id", Value::Nil),
-            ("medium", Value::from(self.medium(tier))),
+            (Field::BlockHashes, Value::Array(hashes)),
+            (Field::ParentBlockHash, parent.unwrap_or(Value::Nil)),
+            (Field::TokenIds, Value::Array(token_ids)),
+            (Field::BlockSize, Value::from(self.block_size)),
+            (Field::LoraId, Value::Nil),
+            (Field::Medium, Value::from(self.medium(tier))),
         ];
         match (self.engine, self.format) {
-            (FaceEngine::Vllm, EventFormat::Maps) => fields.extend([
-                ("lora_name", Value::Nil),
-                ("extra_keys", Value::Array(vec![Value::Nil; blocks])),
-                ("group_idx", Value::from(0)),
+            (EngineKind::Vllm, EventFormat::Maps) => fields.extend([
+                (Field::LoraName, Value::Nil),
+                (Field::ExtraKeys, Value::Array(vec![Value::Nil; blocks])),
+                (Field::GroupIdx, Value::from(0)),
             ]),
-            (FaceEngine::Vllm, EventFormat::Arrays) => fields.push(("lora_name", Value::Nil)),
+            (EngineKind::Vllm, EventFormat::Arrays) => fields.push((Field::LoraName, Value::Nil)),
             // cache_salt, session_id and lora_name default to None: omitted from maps.
-            (FaceEngine::Sglang, EventFormat::Maps) => {}
-            (FaceEngine::Sglang, EventFormat::Arrays) => fields.extend([
-                ("cache_salt", Value::Nil),
-                ("session_id", Value::Nil),
-                ("lora_name", Value::Nil),
+            (EngineKind::Sglang, EventFormat::Maps) => {}
+            (EngineKind::Sglang, EventFormat::Arrays) => fields.extend([
+                (Field::CacheSalt, Value::Nil),
+                (Field::SessionId, Value::Nil),
+                (Field::LoraName, Value::Nil),
             ]),
         }
         if self.remote(tier) {
-            if self.format == EventFormat::Arrays {
-                // The slots before `locality`: extra_keys, group_idx, kv_cache_spec_kind and
-                // kv_cache_spec_sliding_window.
-                fields.extend([("", Value::Nil), ("", Value::Nil), ("", Value::Nil)]);
-                fields.push(("", Value::Nil));
-            }
-            fields.push(("locality", Value::from("REMOTE")));
+            fields.push((Field::Locality, Value::from(REMOTE)));
         }
-        self.tagged("BlockStored", fields)
+        self.tagged(EventTag::Stored, fields)
     }
 
     fn removed(&self, hashes: Vec<Value>, tier: StorageTier) -> Value {
         let mut fields = vec![
-            ("block_hashes", Value::Array(hashes)),
-            ("medium", Value::from(self.medium(tier))),
+            (Field::BlockHashes, Value::Array(hashes)),
+            (Field::Medium, Value::from(self.medium(tier))),
         ];
-        if (self.engine, self.format) == (FaceEngine::Vllm, EventFormat::Maps) {
-            fields.push(("group_idx", Value::from(0)));
+        if (self.engine, self.format) == (EngineKind::Vllm, EventFormat::Maps) {
+            fields.push((Field::GroupIdx, Value::from(0)));
         }
         if self.remote(tier) {
-            if self.format == EventFormat::Arrays {
-                fields.push(("group_idx", Value::Nil));
-            }
-            fields.push(("locality", Value::from("REMOTE")));
+            fields.push((Field::Locality, Value::from(REMOTE)));
         }
-        self.tagged("BlockRemoved", fields)
+        self.tagged(EventTag::Removed, fields)
     }
 
-    fn tagged(&self, tag: &str, fields: Vec<(&'static str, Value)>) -> Value {
+    /// The event: a map of `fields` in their order after the tag, or the tag then each field
+    /// in its slot of the engine's order, nil in the unset slots before the last one written.
+    fn tagged(&self, tag: EventTag, fields: Vec<(Field, Value)>) -> Value {
         match self.format {
             EventFormat::Maps => {
-                let mut map = vec![(Value::from("type"), Value::from(tag))];
-                map.extend(fields.into_iter().map(|(k, v)| (Value::from(k), v)));
+                let mut map = vec![(Value::from(TYPE), Value::from(tag.name()))];
+                map.extend(fields.into_iter().map(|(k, v)| (Value::from(k.name()), v)));
                 Value::Map(map)
             }
             EventFormat::Arrays => {
-                let mut slots = vec![Value::from(tag)];
-                slots.extend(fields.into_iter().map(|(_, v)| v));
-                Value::Array(slots)
+                let order = slots(self.engine, tag);
+                let slot_of = |field: Field| {
+                    order
+                        .iter()
+                        .position(|&f| f == field)
+                        .expect("the engine's struct has every field written")
+                };
+                let len = fields.iter().map(|&(f, _)| slot_of(f) + 1).max();
+                let mut values = vec![Value::Nil; len.unwrap_or(0)];
+                for (field, value) in fields {
+                    values[slot_of(field)] = value;
+                }
+                let mut out = vec![Value::from(tag.name())];
+                out.extend(values);
+                Value::Array(out)
             }
         }
     }
@@ -194,7 +198,7 @@ mod tests {
     use super::*;
     use kvroute_common::messages::StoredBlock;
 
-    fn writer(engine: FaceEngine, format: EventFormat) -> EventWriter {
+    fn writer(engine: EngineKind, format: EventFormat) -> EventWriter {
         EventWriter {
             engine,
             format,
@@ -246,7 +250,7 @@ mod tests {
 
     #[test]
     fn vllm_maps_carry_required_nils_and_its_cache_fields() {
-        let w = writer(FaceEngine::Vllm, EventFormat::Maps);
+        let w = writer(EngineKind::Vllm, EventFormat::Maps);
         let e = &w.events(&stored(), tokens).unwrap()[0];
         assert_eq!(
             keys(e),
@@ -298,7 +302,7 @@ mod tests {
 
     #[test]
     fn sglang_maps_omit_unset_optionals_and_sign_hashes() {
-        let w = writer(FaceEngine::Sglang, EventFormat::Maps);
+        let w = writer(EngineKind::Sglang, EventFormat::Maps);
         let e = &w.events(&stored(), tokens).unwrap()[0];
         assert_eq!(
             keys(e),
@@ -331,7 +335,7 @@ mod tests {
 
     #[test]
     fn arrays_put_the_tag_first_and_every_slot() {
-        let v = writer(FaceEngine::Vllm, EventFormat::Arrays);
+        let v = writer(EngineKind::Vllm, EventFormat::Arrays);
         let e = v.events(&stored(), tokens).unwrap().remove(0);
         let slots = e.as_array().unwrap();
         assert_eq!(slots.len(), 8);
@@ -339,7 +343,7 @@ mod tests {
         assert_eq!(slots[4].as_u64(), Some(2));
         assert_eq!(slots[6].as_str(), Some("GPU"));
         assert!(slots[7].is_nil());
-        let s = writer(FaceEngine::Sglang, EventFormat::Arrays);
+        let s = writer(EngineKind::Sglang, EventFormat::Arrays);
         let e = s.events(&stored(), tokens).unwrap().remove(0);
         assert_eq!(e.as_array().unwrap().len(), 10);
         let r = s
@@ -364,7 +368,7 @@ mod tests {
 
     #[test]
     fn batches_are_positional_with_the_rank() {
-        let w = writer(FaceEngine::Vllm, EventFormat::Maps);
+        let w = writer(EngineKind::Vllm, EventFormat::Maps);
         let bytes = w.batch(1.5, vec![Value::from(1)], 3);
         let v = rmpv::decode::read_value(&mut bytes.as_slice()).unwrap();
         assert_eq!(
@@ -383,7 +387,7 @@ mod tests {
 
     #[test]
     fn a_block_without_tokens_is_an_error() {
-        let w = writer(FaceEngine::Vllm, EventFormat::Maps);
+        let w = writer(EngineKind::Vllm, EventFormat::Maps);
         assert_eq!(
             w.events(&stored(), |_| None).unwrap_err(),
             MissingTokens { block_hash: 1 }

@@ -23,10 +23,10 @@ use kvroute_common::{DpRank, Names, RequestId, WorkerId};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use super::clock::SimClock;
 use super::metrics::FleetMetrics;
 use super::request::{self, decode_error, submit_error};
 use crate::engine::{Engine, EngineConfig, EngineOutput, TokenOutput};
+use crate::realtime::{RealTimeEngine, sleep_until};
 use crate::shared_store::SharedStore;
 
 /// The data-parallel rank every simulated worker serves (one rank per worker).
@@ -44,8 +44,7 @@ pub enum StopMode {
 /// The engine and what is waiting for it; everything behind one lock.
 #[derive(Debug)]
 struct Core {
-    engine: Engine,
-    clock: SimClock,
+    engine: RealTimeEngine,
     pending: HashMap<RequestId, Pending>,
     /// Whether the worker publishes its KV events (not with `--no-kv-events`).
     kv_events: bool,
@@ -76,7 +75,7 @@ impl ResyncSource for SharedCore {
             return;
         }
         let mut events = vec![KvEventData::Cleared];
-        events.extend(core.engine.kv_snapshot());
+        events.extend(core.engine.engine().kv_snapshot());
         publisher.publish(DP_RANK, events);
     }
 }
@@ -131,8 +130,7 @@ impl WorkerHandle {
 
 pub(crate) fn new_core(settings: &WorkerSettings) -> Arc<SharedCore> {
     Arc::new(SharedCore(Mutex::new(Core {
-        engine: settings.engine(),
-        clock: SimClock::start(settings.speedup),
+        engine: RealTimeEngine::start(settings.engine(), settings.speedup),
         pending: HashMap::new(),
         kv_events: !settings.no_kv_events,
     })))
@@ -208,7 +206,7 @@ impl Worker {
         let mode = loop {
             let wake = {
                 let core = self.core.lock();
-                core.engine.next_wakeup().map(|sim| core.clock.wall_at(sim))
+                core.engine.wake_at()
             };
             let mut force_load = false;
             // Unbiased: a flood of requests must not starve timers, resets or the stop.
@@ -259,9 +257,8 @@ impl Worker {
                         if let Some(store) = self.settings.store() {
                             sim.shared_blocks = store.prefix(&sim.hashes);
                         }
-                        let now = core.clock.now();
                         let prompt_tokens = u64::from(sim.prompt_tokens);
-                        match core.engine.submit(sim, now) {
+                        match core.engine.submit(sim) {
                             Err(e) => Some(submit_error(&e)),
                             Ok(()) => {
                                 self.new_requests.push(req.request_id);
@@ -297,8 +294,7 @@ impl Worker {
         self.cancel_all("the worker's cache was reset").await;
         {
             let mut core = self.core.lock();
-            core.engine = self.settings.engine();
-            core.clock = SimClock::start(self.settings.speedup);
+            core.engine.restart(self.settings.engine());
             if let Some(mut store) = self.settings.store() {
                 store.forget(self.worker_id);
             }
@@ -318,8 +314,7 @@ impl Worker {
     async fn advance(&mut self) {
         let outgoing = {
             let mut core = self.core.lock();
-            let now = core.clock.now();
-            let ready = core.engine.advance_to(now);
+            let ready = core.engine.advance();
             let mut events = ready.kv_events;
             if let Some(mut store) = self.settings.store() {
                 // Written through once computed, announced after the device blocks.
@@ -448,12 +443,12 @@ impl Worker {
         }
         let load = {
             let core = self.core.lock();
-            let counts = core.engine.request_counts();
+            let counts = core.engine.engine().request_counts();
             if !force && self.last_counts == Some(counts) {
                 return;
             }
             self.last_counts = Some(counts);
-            core.engine.load()
+            core.engine.engine().load()
         };
         self.load_seq += 1;
         let report = load.to_worker_load(
@@ -467,12 +462,5 @@ impl Worker {
         if let Err(e) = self.agent.publish_load(&report).await {
             tracing::warn!(worker_id = self.worker_id, error = %e, "publishing load failed");
         }
-    }
-}
-
-async fn sleep_until(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
     }
 }

@@ -15,5 +15,5 @@ fn main() -> ExitCode {
         exit::report(BIN, &e.to_string());
         return exit::Status::Failed.into();
     }
-    kvroute_mocker::sim::main_with(registry, BIN)
+    kvroute_lab::sim::main_with(registry, BIN)
 }

@@ -1,5 +1,5 @@
 //! `kvroute-replay`: replays a Mooncake trace through kvroute once per routing mode and
-//! reports hit rates against the oracles (see `kvroute_mocker::replay`). Errors end it with
+//! reports hit rates against the oracles (see `kvroute_lab::replay`). Errors end it with
 //! one line and a status of kvroute's exit table (`kvroute_common::ops::exit`); a run whose
 //! mode failed more than `--max-error-fraction` of its requests exits 3 after its report.
 //!
@@ -10,7 +10,7 @@
 use std::process::ExitCode;
 
 use kvroute_common::ops::{exit, shutdown_signal};
-use kvroute_mocker::replay::{ReplayArgs, emit, run_until};
+use kvroute_lab::replay::{ReplayArgs, emit, run_until};
 use tokio::sync::watch;
 
 fn main() -> ExitCode {

@@ -30,6 +30,8 @@ use kvroute_common::messages::{
 };
 use kvroute_common::{Names, Namespace, RequestId};
 use kvroute_indexer::index::{IndexConfig, RadixIndex};
+use kvroute_mocker::engine::{Engine, EngineConfig, EngineOutput, SimRequest};
+use kvroute_mocker::shared_store::SharedStore;
 use kvroute_router::decide::candidates::Partition;
 use kvroute_router::decide::load_view::models::LoadModels;
 use kvroute_router::decide::load_view::{LoadView, LoadViewConfig};
@@ -46,9 +48,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use uuid::Uuid;
 
-use crate::engine::{Engine, EngineConfig, EngineOutput, SimRequest};
 use crate::replay::{Mode, ModeRecorder, ModeReport, Plan, RequestSample, Tally, session_context};
-use crate::shared_store::SharedStore;
 use kvroute_router::policies::device_aware::DEVICE_LABEL;
 
 /// The model every simulated worker serves.

@@ -1,10 +1,10 @@
 use std::time::Duration;
 
 use kvroute_common::trace::TraceRequest;
+use kvroute_mocker::engine::EngineConfig;
 use kvroute_router::registry::{PolicyOverrides, RouterPluginRegistry, WorkerSelectionConfig};
 
 use super::*;
-use crate::engine::EngineConfig;
 use crate::replay::{Mode, ModeReport, Plan, oracle_hit_rates};
 
 /// `conversations` conversations of `turns` turns each, one turn every 3 s per conversation

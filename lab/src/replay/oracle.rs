@@ -7,10 +7,10 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use kvroute_common::hashing::{BlockHashes, SequenceHash};
 use kvroute_common::trace::TraceRequest;
+use kvroute_mocker::engine::{EngineConfig, StepWork};
 use serde::{Deserialize, Serialize};
 
 use super::stats::Summary;
-use crate::engine::{EngineConfig, StepWork};
 
 /// Both oracles for one trace, block size and fleet capacity.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -242,7 +242,7 @@ mod tests {
 
     /// The whole trace: the traces README's 0.375 (measured 0.3745), and the fleet bound for
     /// 8 × 16,384 blocks (measured 0.2740).
-    /// `cargo test -p kvroute-mocker --release -- --ignored oracle`
+    /// `cargo test -p kvroute-lab --release -- --ignored oracle`
     #[test]
     #[ignore = "hashes the whole trace (about 15 s in debug builds)"]
     fn conversation_trace_full_oracles() {

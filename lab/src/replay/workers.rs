@@ -10,10 +10,9 @@ use kvroute_common::codec::decode;
 use kvroute_common::discovery::{WorkerEvent, watch_workers};
 use kvroute_common::messages::WorkerCard;
 use kvroute_common::{Names, WorkerId};
+use kvroute_mocker::engine::EngineConfig;
+use kvroute_mocker::fleet::{ENGINE_LABEL, SPEEDUP_LABEL};
 use tokio::task::JoinHandle;
-
-use crate::engine::EngineConfig;
-use crate::fleet::{ENGINE_LABEL, SPEEDUP_LABEL};
 
 /// The cards of the workers serving `model`, by worker id.
 pub async fn read_cards(

@@ -7,12 +7,12 @@ use std::time::Duration;
 use clap::Command;
 use kvroute_common::config::ConfigError;
 use kvroute_common::telemetry::TelemetryArgs;
+use kvroute_mocker::fleet::{EngineArgs, MAX_WORKERS};
 use kvroute_router::decide::load_view::models::LoadModels;
 use kvroute_router::service::config::AffinityArg;
 use kvroute_router::service::load_models::{LoadModelArgs, PrefillModelArg};
 use kvroute_router::session::SessionConfig;
 
-use crate::fleet::{EngineArgs, MAX_WORKERS};
 use crate::replay::config::validate_run;
 use crate::replay::{Mode, OutputArgs};
 
@@ -347,7 +347,7 @@ mod tests {
         const CHILD: &str = "KVROUTE_SIM_CONFIG_TEST_CHILD";
         if std::env::var_os(CHILD).is_some() {
             let a = parse(&[]);
-            let defaults = crate::fleet::EngineArgs::default();
+            let defaults = kvroute_mocker::fleet::EngineArgs::default();
             assert_eq!(a.engine.num_blocks, defaults.num_blocks);
             assert_eq!(a.output.json_out, None);
             assert_eq!(a.engine.block_size, 32, "its own name is read");
