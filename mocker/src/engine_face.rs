@@ -15,11 +15,14 @@
 //! histograms, most of SGLang's server arguments and metrics, and SGLang's polling for a plain
 //! request's disconnect (it checks every 4 s while the request waits; this aborts at once).
 
+mod abort;
 mod block_tokens;
 mod completions;
 mod config;
+mod face;
 mod http;
 mod info;
+mod job;
 mod metrics;
 mod openai;
 mod progress;
@@ -47,7 +50,7 @@ pub use wire::{EventWriter, MissingTokens};
 
 use crate::engine::EngineConfig;
 use crate::fleet::{FleetConfig, FleetMetrics};
-use http::WorkerFace;
+use face::WorkerFace;
 use rank::{Rank, RankConfig};
 use zmq::{Publisher, PublisherConfig};
 

@@ -12,19 +12,18 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
+use super::abort::AbortOnDrop;
 use super::config::EngineKind;
-use super::http::{ApiError, WorkerFace};
+use super::face::{ApiError, WorkerFace};
+use super::job::{FINISH_REASON, Job};
 use super::openai::{self, ChatRequest, CommonFields, CompletionRequest};
-use super::progress::{AbortOnDrop, End, ProgressRx, PromptProgress, progress_channel};
+use super::progress::{End, progress_channel};
 use super::rank::unix_now;
 use super::shapes::{
-    Api, ChoiceExtra, Envelope, Message, MessageChoice, MessageExtra, TextChoice, TopExtra, Usage,
+    Api, ChoiceExtra, Envelope, Message, MessageChoice, MessageExtra, TextChoice, TopExtra,
 };
 use super::stream;
 use crate::engine::SubmitError;
-
-/// The finish reason of every request: the simulated engine always runs to `max_tokens`.
-pub(super) const FINISH_REASON: &str = "length";
 
 /// How long after a streaming client leaves SGLang aborts its request: the response's
 /// background task (`TokenizerManager.create_abort_task`) sleeps 2 s, then aborts the request
@@ -89,33 +88,6 @@ struct Asked<'r> {
     max_tokens: Option<u32>,
     /// As token ids.
     prompts: Vec<Vec<u32>>,
-}
-
-/// A request's prompts submitted to the engine, and what its answer needs.
-pub(super) struct Job {
-    pub face: Arc<WorkerFace>,
-    pub api: Api,
-    pub id: String,
-    pub created: u64,
-    /// Per prompt.
-    pub prompt_tokens: Vec<u64>,
-    /// Of each prompt.
-    pub max_tokens: u32,
-    pub progress: ProgressRx,
-    /// Aborts the prompts if the job is dropped before they end.
-    pub requests: AbortOnDrop,
-}
-
-impl Job {
-    /// The usage of the prompts, from their progress.
-    pub fn usage(&self, progress: &[PromptProgress]) -> Usage {
-        Usage::new(
-            self.face.settings.engine_api,
-            self.prompt_tokens.iter().sum(),
-            progress.iter().map(|p| p.generated).sum(),
-            progress.iter().filter_map(|p| p.cached_tokens).sum(),
-        )
-    }
 }
 
 async fn run(face: Arc<WorkerFace>, headers: &HeaderMap, asked: Asked<'_>) -> Response {

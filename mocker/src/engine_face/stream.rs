@@ -13,8 +13,8 @@ use axum::body::{Body, Bytes};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 
-use super::completions::{FINISH_REASON, Job};
 use super::config::EngineKind;
+use super::job::{FINISH_REASON, Job};
 use super::openai;
 use super::progress::{End, PromptProgress};
 use super::shapes::{Api, ChoiceExtra, DONE, Delta, DeltaChoice, Envelope, TextChoice, sse};
