@@ -231,32 +231,50 @@ fn readers_on_other_threads_always_see_a_whole_write() {
         tier: StorageTier::Device,
     };
     shared.apply(1, 0, &store).unwrap();
+    // Readers count their reads; the writer starts once both have read, and writes until the
+    // readers have read while it wrote (a busy machine may not run a reader at all during
+    // any fixed number of writes).
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reads = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let readers: Vec<_> = (0..2)
         .map(|_| {
-            let (shared, stop) = (shared.clone(), stop.clone());
+            let (shared, stop, reads) = (shared.clone(), stop.clone(), reads.clone());
             std::thread::spawn(move || {
                 let q: Vec<u64> = (1..=8).collect();
-                let mut seen = 0u64;
-                while !stop.load(Ordering::Relaxed) {
+                loop {
                     let m = shared.find_matches(&q);
                     assert_eq!(m.matches.len(), 1, "{m:?}");
                     assert_eq!(m.matches[0].device, 8, "{m:?}");
-                    seen += 1;
+                    reads.fetch_add(1, Ordering::Relaxed);
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
                 }
-                seen
             })
         })
         .collect();
+    // (A reader that panicked ends the wait; no clock in this crate's tests either.)
+    while reads.load(Ordering::Relaxed) < 2 && !readers.iter().any(|r| r.is_finished()) {
+        std::thread::yield_now();
+    }
+    let before = reads.load(Ordering::Relaxed);
     let write = [KvEventData::Cleared, store];
-    for _ in 0..5_000 {
+    let mut writes = 0u64;
+    while writes < 5_000
+        || (reads.load(Ordering::Relaxed) < before + 1_000
+            && writes < 50_000_000
+            && !readers.iter().any(|r| r.is_finished()))
+    {
         let outcome = shared.apply_events(1, 0, &write);
         assert_eq!(outcome.applied, 2);
+        writes += 1;
     }
+    let during = reads.load(Ordering::Relaxed) - before;
     stop.store(true, Ordering::Relaxed);
     for r in readers {
-        assert!(r.join().unwrap() > 0);
+        r.join().expect("a reader saw a partial write");
     }
+    assert!(during > 0, "no read overlapped the {writes} writes");
 }
 
 #[test]
