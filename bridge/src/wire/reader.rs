@@ -351,8 +351,9 @@ impl<'a> Reader<'a> {
     /// Appends the canonical encoding of the next value (PROTOCOL.md, "Extra keys"): a type
     /// byte, then nil: nothing; bool: 1 byte; integer: `i64` (0x02) or `u64` (0x03) LE;
     /// float: `f64` bits LE; str (0x05), bin (0x06): u32 LE length and the bytes; array (0x07):
-    /// u32 LE count and the items; map (0x08): count and key, value pairs; ext (0x09): type,
-    /// length, data. Two encoders' bytes for the same value therefore canonicalize alike.
+    /// u32 LE count and the items; map (0x08): count and key, value pairs; ext (0x09): u32 LE
+    /// length and the value's MessagePack bytes as they are (header, type and data). Two
+    /// encoders' bytes for the same value therefore canonicalize alike.
     pub(super) fn canon(&mut self, out: &mut Vec<u8>, depth: u32) -> Result<(), WireError> {
         if depth > MAX_DEPTH {
             return Err(WireError::TooDeep);
