@@ -31,6 +31,22 @@ pub struct DutiesConfig {
     pub snapshot_interval: Option<Duration>,
 }
 
+/// At most one resync request per worker per interval.
+const RESYNC_REQUEST_INTERVAL: Duration = Duration::from_secs(3);
+
+impl DutiesConfig {
+    /// The duties' settings from the process's flags.
+    pub fn from_flags(config: &crate::config::IndexerConfig) -> Self {
+        Self {
+            unregistered_grace: Duration::from_secs(config.unregistered_grace_secs),
+            resync_interval: RESYNC_REQUEST_INTERVAL,
+            snapshot_every_messages: config.snapshot_every_messages,
+            snapshot_interval: (config.snapshot_interval_secs > 0)
+                .then(|| Duration::from_secs(config.snapshot_interval_secs)),
+        }
+    }
+}
+
 /// Why this replica stopped acting as leader (the `reason` of the step-down log line and
 /// metric).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -172,7 +172,7 @@ pub async fn run(
 
     // Lives as long as the receiver: the process.
     let (stream_end, _poll) = ingest::poll_stream_end(stream.clone(), TICK);
-    let duties = LeaderDuties::new(duties_config(&config));
+    let duties = LeaderDuties::new(DutiesConfig::from_flags(&config));
     let mut replica = IndexerProcess {
         config,
         names,
@@ -623,18 +623,4 @@ impl IndexerProcess {
 )]
 fn clock_now() -> Instant {
     Instant::now()
-}
-
-/// At most one resync request per worker per interval.
-const RESYNC_REQUEST_INTERVAL: Duration = Duration::from_secs(3);
-
-/// The leader duties' settings from the process's flags.
-fn duties_config(config: &IndexerConfig) -> DutiesConfig {
-    DutiesConfig {
-        unregistered_grace: Duration::from_secs(config.unregistered_grace_secs),
-        resync_interval: RESYNC_REQUEST_INTERVAL,
-        snapshot_every_messages: config.snapshot_every_messages,
-        snapshot_interval: (config.snapshot_interval_secs > 0)
-            .then(|| Duration::from_secs(config.snapshot_interval_secs)),
-    }
 }
