@@ -4,7 +4,8 @@
 
 use super::*;
 use crate::decide::load_view::models::{
-    DEFAULT_PREFILL_TOKENS_PER_SEC, PrefillRate, output_milliblocks, remaining_prefill,
+    DEFAULT_PREFILL_TOKENS_PER_SEC, PrefillLoadModel, PrefillRate, output_milliblocks,
+    remaining_prefill,
 };
 
 fn with_models(models: LoadModels) -> LoadView {
