@@ -100,29 +100,58 @@ pub(super) enum Queued {
     Expired,
 }
 
-/// Every partition's queue on this replica.
+/// Every partition's queue and classifier instance on this replica.
+#[derive(Debug)]
+struct State {
+    partitions: HashMap<PartitionKey, AdmissionQueue<Waiting>>,
+    classifiers: Classifiers,
+}
+
+/// Every partition's queue on this replica, and the request classifier's instances: one owner
+/// of admission, so a dispatch round reclassifies deferred requests under the one lock it
+/// already holds.
 #[derive(Debug)]
 pub(super) struct Admission {
     pub config: QueueConfig,
-    partitions: Mutex<HashMap<PartitionKey, AdmissionQueue<Waiting>>>,
+    /// The queues and the classifier instances, under one lock: nothing here takes another.
+    state: Mutex<State>,
+    /// Whether a classifier is configured (read without the lock).
+    classifying: bool,
     held: AtomicUsize,
     pub wake: Notify,
     hand_over_blocked_until: Mutex<Option<u64>>,
 }
 
 impl Admission {
-    pub fn new(config: QueueConfig) -> Self {
+    pub fn new(config: QueueConfig, classifiers: Classifiers) -> Self {
         Self {
             config,
-            partitions: Mutex::new(HashMap::new()),
+            classifying: classifiers.enabled(),
+            state: Mutex::new(State {
+                partitions: HashMap::new(),
+                classifiers,
+            }),
             held: AtomicUsize::new(0),
             wake: Notify::new(),
             hand_over_blocked_until: Mutex::new(None),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PartitionKey, AdmissionQueue<Waiting>>> {
-        self.partitions.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether a request classifier is configured.
+    pub fn classifying(&self) -> bool {
+        self.classifying
+    }
+
+    /// Runs `f` on the classifier instances (nothing, without a configured classifier).
+    pub fn classifiers<R: Default>(&self, f: impl FnOnce(&mut Classifiers) -> R) -> R {
+        if !self.classifying {
+            return R::default();
+        }
+        f(&mut self.lock().classifiers)
     }
 
     /// Requests held on this replica.
@@ -144,12 +173,22 @@ impl Admission {
 
     /// Whether `id` waits in its partition's queue (a retry of it takes its place).
     pub fn is_queued(&self, key: &PartitionKey, id: &RequestId) -> bool {
-        self.held() > 0 && self.lock().get(key).is_some_and(|q| q.contains(id))
+        self.held() > 0
+            && self
+                .lock()
+                .partitions
+                .get(key)
+                .is_some_and(|q| q.contains(id))
     }
 
     /// Whether admitted requests wait in the partition (a new request goes behind them).
     pub fn others_wait(&self, key: &PartitionKey) -> bool {
-        self.held() > 0 && self.lock().get(key).is_some_and(|q| q.waiting() > 0)
+        self.held() > 0
+            && self
+                .lock()
+                .partitions
+                .get(key)
+                .is_some_and(|q| q.waiting() > 0)
     }
 
     /// Queues `waiting` (a retry of a queued request takes its entry's place): admitted with
@@ -165,7 +204,8 @@ impl Admission {
         arrived_ms: u64,
         now_ms: u64,
     ) -> Joined {
-        let mut partitions = self.lock();
+        let mut state = self.lock();
+        let partitions = &mut state.partitions;
         let config = self.config;
         let queue = partitions
             .entry(key.clone())
@@ -202,20 +242,21 @@ impl Admission {
         if queue.is_empty() {
             partitions.remove(key);
         }
-        self.recount(&partitions);
-        drop(partitions);
+        self.recount(partitions);
+        drop(state);
         self.wake.notify_one();
         joined
     }
 
     /// Takes `id` out of its partition (served or refused).
     fn take(&self, key: &PartitionKey, id: &RequestId) -> Option<Left<Waiting>> {
-        let mut partitions = self.lock();
+        let mut state = self.lock();
+        let partitions = &mut state.partitions;
         let left = partitions.get_mut(key)?.take(id);
         if partitions.get(key).is_some_and(AdmissionQueue::is_empty) {
             partitions.remove(key);
         }
-        self.recount(&partitions);
+        self.recount(partitions);
         left
     }
 
@@ -224,7 +265,8 @@ impl Admission {
         &self,
         keep: impl Fn(&PartitionKey) -> bool,
     ) -> Vec<(PartitionKey, Left<Waiting>)> {
-        let mut partitions = self.lock();
+        let mut state = self.lock();
+        let partitions = &mut state.partitions;
         let keys: Vec<PartitionKey> = partitions.keys().filter(|k| !keep(k)).cloned().collect();
         let mut out = Vec::new();
         for key in keys {
@@ -232,7 +274,7 @@ impl Admission {
                 out.extend(queue.drain().into_iter().map(|l| (key.clone(), l)));
             }
         }
-        self.recount(&partitions);
+        self.recount(partitions);
         out
     }
 
@@ -242,13 +284,16 @@ impl Admission {
     #[allow(clippy::type_complexity)]
     fn round(
         &self,
-        classifiers: &Classifiers,
         now_ms: u64,
     ) -> (
         Vec<(PartitionKey, Left<Waiting>)>,
         Vec<(PartitionKey, Vec<Turn>)>,
     ) {
-        let mut partitions = self.lock();
+        let mut state = self.lock();
+        let State {
+            partitions,
+            classifiers,
+        } = &mut *state;
         let mut expired = Vec::new();
         let mut tries = Vec::new();
         for (key, queue) in partitions.iter_mut() {
@@ -283,7 +328,7 @@ impl Admission {
             }
         }
         partitions.retain(|_, q| !q.is_empty());
-        self.recount(&partitions);
+        self.recount(partitions);
         (expired, tries)
     }
 
@@ -294,8 +339,8 @@ impl Admission {
         overlap: SignalSnapshot,
         at: u64,
     ) {
-        let mut partitions = self.lock();
-        if let Some(queue) = partitions.get_mut(key)
+        let mut state = self.lock();
+        if let Some(queue) = state.partitions.get_mut(key)
             && let Some(w) = queue.get_mut(id)
         {
             w.overlap = Some((overlap, at));
@@ -305,6 +350,7 @@ impl Admission {
     /// When the dispatcher must run next by itself: the earliest deadline or ageing.
     fn next_timer(&self) -> Option<u64> {
         self.lock()
+            .partitions
             .values()
             .filter_map(AdmissionQueue::next_timer)
             .min()
@@ -315,8 +361,8 @@ impl Admission {
         let m = &router.metrics;
         m.queue_depth.clear();
         m.queue_deferred.clear();
-        let partitions = self.lock();
-        for ((model, role), queue) in partitions.iter() {
+        let state = self.lock();
+        for ((model, role), queue) in state.partitions.iter() {
             if queue.deferred() > 0 {
                 m.queue_deferred
                     .with(&[model, role.as_str()])
@@ -362,7 +408,7 @@ impl Router {
     async fn dispatch_round(&self) {
         self.hand_over().await;
         let now = now_ms();
-        let (expired, tries) = self.admission.round(&self.classifiers, now);
+        let (expired, tries) = self.admission.round(now);
         for (key, left) in expired {
             self.answer_left(&key, left, ErrorCode::QueueTimeout, now)
                 .await;
@@ -430,13 +476,13 @@ impl Router {
                 m.queue_dispatched.with(&labels).inc();
                 m.queue_wait.with(&labels).observe(waited);
                 let rank = crate::worker::WorkerRank::new(reply.worker_id, reply.dp_rank);
-                self.classifiers.sent(id, rank, now);
+                self.admission.classifiers(|c| c.sent(id, rank, now));
             }
             SelectResponse::Error(e) => {
                 m.errors.inc(e.code.as_str());
                 m.queue_refused.with(&labels).inc();
-                self.classifiers
-                    .completed(id, crate::classify::Completion::Rejected, now);
+                self.admission
+                    .classifiers(|c| c.completed(id, crate::classify::Completion::Rejected, now));
             }
         }
         if let Some(d) = decision {
@@ -458,8 +504,8 @@ impl Router {
         let class = left.ticket.class.to_string();
         let labels = [key.0.as_str(), key.1.as_str(), class.as_str()];
         let waited = now.saturating_sub(left.ticket.arrived_ms);
-        self.classifiers
-            .completed(left.id, crate::classify::Completion::Expired, now);
+        self.admission
+            .classifiers(|c| c.completed(left.id, crate::classify::Completion::Expired, now));
         let message = match code {
             ErrorCode::QueueTimeout => {
                 m.queue_timeouts.with(&labels).inc();

@@ -11,7 +11,6 @@
 //! Without a configured classifier nothing here runs (pass-through admission).
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 
 use kvroute_common::RequestId;
 use kvroute_common::WorkerId;
@@ -45,10 +44,11 @@ struct State {
     tracked: HashMap<RequestId, Tracked>,
 }
 
-/// The configured classifier's instances and the requests they follow.
+/// The configured classifier's instances and the requests they follow. Owned by the admission
+/// state (`super::admission::Admission`), under its lock.
 pub(super) struct Classifiers {
     resolved: Option<ResolvedClassifier>,
-    state: Mutex<State>,
+    state: State,
 }
 
 impl std::fmt::Debug for Classifiers {
@@ -66,17 +66,13 @@ impl Classifiers {
     pub fn new(resolved: Option<ResolvedClassifier>) -> Self {
         Self {
             resolved,
-            state: Mutex::new(State::default()),
+            state: State::default(),
         }
     }
 
     /// Whether a classifier is configured.
     pub fn enabled(&self) -> bool {
         self.resolved.is_some()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The classification request of a new request.
@@ -94,15 +90,14 @@ impl Classifiers {
     /// without a configured classifier. A request classified for the first time is followed
     /// until it completes; an admission is reported to the classifier as `Admitted`.
     pub fn classify(
-        &self,
+        &mut self,
         key: &PartitionKey,
         partition: &Partition,
         request: &mut ClassifyRequest,
         now_ms: u64,
     ) -> Option<Verdict> {
         let resolved = self.resolved.as_ref()?;
-        let mut state = self.lock();
-        let state = &mut *state;
+        let state = &mut self.state;
         let classifier = state.by_partition.entry(key.clone()).or_insert_with(|| {
             tracing::info!(model = key.0, role = %key.1, classifier = resolved.type_name(), "built a request classifier");
             resolved.build(&RequestClassifierContext::from_partition(partition))
@@ -131,12 +126,11 @@ impl Classifiers {
     }
 
     /// A decision chose `worker` for a followed request.
-    pub fn sent(&self, request_id: RequestId, worker: WorkerRank, now_ms: u64) {
+    pub fn sent(&mut self, request_id: RequestId, worker: WorkerRank, now_ms: u64) {
         if !self.enabled() {
             return;
         }
-        let mut state = self.lock();
-        let state = &mut *state;
+        let state = &mut self.state;
         let Some(tracked) = state.tracked.get_mut(&request_id) else {
             return;
         };
@@ -148,20 +142,20 @@ impl Classifiers {
     }
 
     /// A followed request is over.
-    pub fn completed(&self, request_id: RequestId, outcome: Completion, now_ms: u64) {
+    pub fn completed(&mut self, request_id: RequestId, outcome: Completion, now_ms: u64) {
         if !self.enabled() {
             return;
         }
-        let mut state = self.lock();
-        complete(&mut state, request_id, outcome, now_ms);
+        let state = &mut self.state;
+        complete(state, request_id, outcome, now_ms);
     }
 
     /// A lifecycle event: `finished` completes the request; every event raises its progress.
-    pub fn lifecycle(&self, event: &RequestLifecycle, now_ms: u64) {
+    pub fn lifecycle(&mut self, event: &RequestLifecycle, now_ms: u64) {
         if !self.enabled() {
             return;
         }
-        let mut state = self.lock();
+        let state = &mut self.state;
         let Some(tracked) = state.tracked.get(&event.request_id) else {
             return;
         };
@@ -170,7 +164,7 @@ impl Classifiers {
                 tracked
                     .progress
                     .observe(tracked.input_tokens.saturating_add(output_tokens));
-                complete(&mut state, event.request_id, Completion::Finished, now_ms);
+                complete(state, event.request_id, Completion::Finished, now_ms);
             }
             LifecycleKind::PrefillDone { .. } => {
                 tracked.progress.observe(tracked.input_tokens);
@@ -184,11 +178,11 @@ impl Classifiers {
     }
 
     /// A worker left: its requests will not report.
-    pub fn worker_departed(&self, worker_id: WorkerId, now_ms: u64) {
+    pub fn worker_departed(&mut self, worker_id: WorkerId, now_ms: u64) {
         if !self.enabled() {
             return;
         }
-        let mut state = self.lock();
+        let state = &mut self.state;
         let gone: Vec<RequestId> = state
             .tracked
             .iter()
@@ -196,17 +190,17 @@ impl Classifiers {
             .map(|(id, _)| *id)
             .collect();
         for id in gone {
-            complete(&mut state, id, Completion::Failed, now_ms);
+            complete(state, id, Completion::Failed, now_ms);
         }
     }
 
     /// Requests sent longer than `max_age_ms` ago without a `finished` are completed as
     /// `Failed` (the router's load view forgets them at the same age).
-    pub fn expire(&self, now_ms: u64, max_age_ms: u64) {
+    pub fn expire(&mut self, now_ms: u64, max_age_ms: u64) {
         if !self.enabled() {
             return;
         }
-        let mut state = self.lock();
+        let state = &mut self.state;
         let old: Vec<RequestId> = state
             .tracked
             .iter()
@@ -214,16 +208,16 @@ impl Classifiers {
             .map(|(id, _)| *id)
             .collect();
         for id in old {
-            complete(&mut state, id, Completion::Failed, now_ms);
+            complete(state, id, Completion::Failed, now_ms);
         }
     }
 
     /// The partitions' workers changed: each classifier hears its partition's new view.
-    pub fn workers_changed(&self, partition_of: impl Fn(&PartitionKey) -> Option<Partition>) {
+    pub fn workers_changed(&mut self, partition_of: impl Fn(&PartitionKey) -> Option<Partition>) {
         if !self.enabled() {
             return;
         }
-        let mut state = self.lock();
+        let state = &mut self.state;
         for (key, classifier) in state.by_partition.iter_mut() {
             let context = partition_of(key)
                 .map(|p| RequestClassifierContext::from_partition(&p))
@@ -234,13 +228,13 @@ impl Classifiers {
 
     /// Classifies a deferred request again (the dispatcher's), without following it anew.
     pub fn reclassify(
-        &self,
+        &mut self,
         key: &PartitionKey,
         request: &mut ClassifyRequest,
         now_ms: u64,
     ) -> Option<Verdict> {
         self.resolved.as_ref()?;
-        let mut state = self.lock();
+        let state = &mut self.state;
         let classifier = state.by_partition.get_mut(key)?;
         let verdict = classifier.classify(request, now_ms);
         if let Verdict::Admit(_) = verdict {
@@ -256,7 +250,7 @@ impl Classifiers {
 
     /// Requests followed now (for tests and `/status`).
     pub fn tracked(&self) -> usize {
-        self.lock().tracked.len()
+        self.state.tracked.len()
     }
 }
 

@@ -63,13 +63,17 @@ pub async fn watch_workers(router: Arc<Router>, mut events: mpsc::Receiver<Worke
             }
             drop(view);
             for worker_id in &change.departed {
-                router.classifiers.worker_departed(*worker_id, now_ms());
+                router
+                    .admission
+                    .classifiers(|c| c.worker_departed(*worker_id, now_ms()));
             }
         }
-        if router.classifiers.enabled() {
+        if router.admission.classifying() {
             let candidates = router.candidates.read().unwrap_or_else(|p| p.into_inner());
-            router.classifiers.workers_changed(|(model, role)| {
-                candidates.partition(model, *role).map(|p| (*p).clone())
+            router.admission.classifiers(|c| {
+                c.workers_changed(|(model, role)| {
+                    candidates.partition(model, *role).map(|p| (*p).clone())
+                });
             });
         }
         // A worker that joined (or left, failing requests pinned to it) changes what queued
@@ -169,15 +173,18 @@ impl Router {
                 Ok(event) => {
                     let now = now_ms();
                     self.lock_load().apply_lifecycle(&event, now);
-                    self.classifiers.lifecycle(&event, now);
+                    self.admission.classifiers(|c| c.lifecycle(&event, now));
                     m.lifecycle_events.inc();
                 }
                 Err(e) => self.bad("lifecycle", &e),
             },
             Feed::Tick => {
                 let now = now_ms();
-                self.classifiers.expire(now, self.prediction_max_age_ms);
-                m.classifier_tracked.set(self.classifiers.tracked() as i64);
+                let tracked = self.admission.classifiers(|c| {
+                    c.expire(now, self.prediction_max_age_ms);
+                    c.tracked()
+                });
+                m.classifier_tracked.set(tracked as i64);
                 let mut view = self.lock_load();
                 view.expire(now);
                 m.predicted_requests.set(view.predictions() as i64);

@@ -133,7 +133,6 @@ pub struct Router {
     peers: Option<tokio::sync::watch::Receiver<peers::PeerSet>>,
     forward_timeout: Duration,
     admission: admission::Admission,
-    classifiers: classifying::Classifiers,
     prediction_max_age_ms: u64,
 }
 
@@ -231,8 +230,10 @@ pub async fn run(
         max_in_flight: config.max_in_flight,
         peers: (!config.no_partition_owner).then_some(peers_rx),
         forward_timeout: Duration::from_millis(config.forward_timeout_ms),
-        admission: admission::Admission::new(config.queue()),
-        classifiers: classifying::Classifiers::new(plugins.classifier.clone()),
+        admission: admission::Admission::new(
+            config.queue(),
+            classifying::Classifiers::new(plugins.classifier.clone()),
+        ),
         prediction_max_age_ms: config.prediction_max_age_secs.saturating_mul(1000),
     });
     let registration = Arc::new(peers::Registration::default());

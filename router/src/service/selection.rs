@@ -314,12 +314,15 @@ impl Router {
         // The classifier (when configured) admits, defers, or classifies for the queue.
         let arrived_ms = queue.as_ref().map_or(clock.wall_ms, |q| q.1);
         let mut classify = self
-            .classifiers
-            .enabled()
+            .admission
+            .classifying()
             .then(|| Classifiers::request(request, request_id, prepared.prompt.tokens, arrived_ms));
         let mut entry = Entry::Default;
         if let Some(creq) = &mut classify {
-            match self.classifiers.classify(&key, partition, creq, now) {
+            match self
+                .admission
+                .classifiers(|c| c.classify(&key, partition, creq, now))
+            {
                 Some(Verdict::Admit(c)) => entry = Entry::Classified(c),
                 Some(Verdict::Defer) => entry = Entry::Deferred,
                 None => {}
@@ -332,8 +335,8 @@ impl Router {
         if joins_now {
             let Some((reply_to, arrived_ms, forwarded)) = queue else {
                 // Deferred where nothing may queue (`--queue-max-len 0`).
-                self.classifiers
-                    .completed(request_id, Completion::Rejected, now);
+                self.admission
+                    .classifiers(|c| c.completed(request_id, Completion::Rejected, now));
                 return Err(wire::error(
                     ErrorCode::QueueFull,
                     format!(
@@ -372,8 +375,8 @@ impl Router {
             }
             (Ended::Join(_), None) => unreachable!("only a request that may queue joins"),
             (Ended::Reply(Err(f)), _) => {
-                self.classifiers
-                    .completed(request_id, Completion::Rejected, now);
+                self.admission
+                    .classifiers(|c| c.completed(request_id, Completion::Rejected, now));
                 return Err(fail(f));
             }
             (Ended::Reply(Ok(decided)), _) => decided,
@@ -381,7 +384,8 @@ impl Router {
         let outcome = self.conclude(&prepared, decided, clock);
         if let Outcome::Answer(SelectResponse::Ok(reply), Some(_)) = &outcome {
             let rank = WorkerRank::new(reply.worker_id, reply.dp_rank);
-            self.classifiers.sent(request_id, rank, clock.now_ms());
+            self.admission
+                .classifiers(|c| c.sent(request_id, rank, clock.now_ms()));
         }
         Ok(outcome)
     }
@@ -408,8 +412,8 @@ impl Router {
             }
             Joined::Full(e) => {
                 self.metrics.queue_full.with(&labels).inc();
-                self.classifiers
-                    .completed(request_id, Completion::Rejected, clock.now_ms());
+                self.admission
+                    .classifiers(|c| c.completed(request_id, Completion::Rejected, clock.now_ms()));
                 Err(Box::new(wire::error(
                     ErrorCode::QueueFull,
                     format!(
