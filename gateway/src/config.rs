@@ -68,6 +68,11 @@ pub struct GatewayArgs {
     /// `Retry-After`.
     #[arg(long, env = "KVROUTE_GATEWAY_TOKENIZE_QUEUE", default_value_t = 64)]
     pub tokenize_queue: usize,
+    /// Memory per model for the token ids of long text pieces between the tokenizer's special
+    /// tokens (a chat's messages), so a conversation's next turn tokenizes only its new
+    /// messages; 0 turns it off. The ids are the same either way.
+    #[arg(long, env = "KVROUTE_GATEWAY_TOKENIZE_CACHE_MIB", default_value_t = 64)]
+    pub tokenize_cache_mib: usize,
     /// Client connections open at once. Past it a new connection closes the oldest one that has
     /// no request in flight; when every connection is busy, a reserve of 16 more answers only
     /// /health, /healthz, /readyz and /metrics, and beyond that new connections are closed. The
@@ -174,6 +179,8 @@ pub const MAX_CONNECTIONS_LIMIT: usize = 1_000_000;
 /// so that every refusal of a head this size is the gateway's JSON 431.
 pub const MAX_HEADER_BYTES_LIMIT: usize = 256 * 1024;
 
+/// The largest segment cache accepted, per model (MiB).
+const MAX_TOKENIZE_CACHE_MIB: usize = 64 * 1024;
 /// The longest tokenize queue accepted.
 pub const MAX_QUEUE: usize = 100_000;
 
@@ -212,6 +219,12 @@ impl GatewayArgs {
             return Err(ConfigError::new(
                 "max-concurrent-tokenizations",
                 "must be positive",
+            ));
+        }
+        if self.tokenize_cache_mib > MAX_TOKENIZE_CACHE_MIB {
+            return Err(ConfigError::new(
+                "tokenize-cache-mib",
+                format!("must be at most {MAX_TOKENIZE_CACHE_MIB}"),
             ));
         }
         if self.tokenize_queue > MAX_QUEUE {

@@ -300,10 +300,11 @@ async fn readyz(State(app): State<Arc<App>>) -> Response {
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        app.metrics.render(),
-    )
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], {
+        let mut text = app.metrics.render();
+        app.models.render_metrics(&mut text);
+        text
+    })
         .into_response()
 }
 

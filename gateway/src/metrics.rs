@@ -109,7 +109,7 @@ impl<const N: usize> CounterVec<N> {
     }
 }
 
-fn escape(v: &str) -> String {
+pub(crate) fn escape(v: &str) -> String {
     v.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")

@@ -26,9 +26,14 @@ pub struct Models {
 }
 
 impl Models {
-    /// Loads every `--model` and every folder of `--models-dir`; a model that cannot be loaded
-    /// stops startup with a message naming it.
-    pub fn load(specs: &[ModelSpec], dir: Option<&Path>) -> Result<Self, ConfigError> {
+    /// Loads every `--model` and every folder of `--models-dir`, each with a segment cache of
+    /// `cache_bytes` (0: none); a model that cannot be loaded stops startup with a message
+    /// naming it.
+    pub fn load(
+        specs: &[ModelSpec],
+        dir: Option<&Path>,
+        cache_bytes: usize,
+    ) -> Result<Self, ConfigError> {
         let mut by_name = HashMap::new();
         let mut context = HashMap::new();
         if let Some(dir) = dir {
@@ -38,7 +43,10 @@ impl Models {
                 if let Some(n) = context_length(&dir.join(m.name())) {
                     context.insert(m.name().to_owned(), n);
                 }
-                by_name.insert(m.name().to_owned(), Arc::new(m));
+                by_name.insert(
+                    m.name().to_owned(),
+                    Arc::new(m.with_segment_cache(cache_bytes)),
+                );
             }
         }
         for spec in specs {
@@ -48,9 +56,64 @@ impl Models {
                 Some(n) => context.insert(spec.name.clone(), n),
                 None => context.remove(&spec.name),
             };
-            by_name.insert(spec.name.clone(), Arc::new(m));
+            by_name.insert(
+                spec.name.clone(),
+                Arc::new(m.with_segment_cache(cache_bytes)),
+            );
+        }
+        for (name, m) in &by_name {
+            match m.segment_cache() {
+                Ok(_) => {}
+                Err(why) if cache_bytes > 0 => {
+                    tracing::info!(model = %name, "no tokenize cache for this model: {why}");
+                }
+                Err(_) => {}
+            }
         }
         Ok(Self { by_name, context })
+    }
+
+    /// The segment caches' counters, as Prometheus text (`kvroute_gateway_tokenize_cache_*`).
+    pub fn render_metrics(&self, out: &mut String) {
+        use std::fmt::Write as _;
+        let mut names: Vec<&String> = self.by_name.keys().collect();
+        names.sort();
+        let stats: Vec<(&String, kvroute_text::SegmentStats)> = names
+            .into_iter()
+            .filter_map(|n| Some((n, self.by_name[n].segment_cache().ok()?)))
+            .collect();
+        for (name, kind, help, value) in [
+            (
+                "kvroute_gateway_tokenize_cache_hits_total",
+                "counter",
+                "Long text pieces (between special tokens) whose token ids came from the tokenize cache.",
+                (|s: &kvroute_text::SegmentStats| s.hits) as fn(&kvroute_text::SegmentStats) -> u64,
+            ),
+            (
+                "kvroute_gateway_tokenize_cache_misses_total",
+                "counter",
+                "Long text pieces tokenized and added to the tokenize cache.",
+                |s| s.misses,
+            ),
+            (
+                "kvroute_gateway_tokenize_cache_bytes",
+                "gauge",
+                "Memory the tokenize cache holds (bounded by --tokenize-cache-mib).",
+                |s| s.bytes,
+            ),
+            (
+                "kvroute_gateway_tokenize_cache_disabled",
+                "gauge",
+                "1 once a sampled check found the cache's ids differ from the whole text's (the cache is then off).",
+                |s| u64::from(s.disabled),
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (model, s) in &stats {
+                let model = crate::metrics::escape(model);
+                let _ = writeln!(out, "{name}{{model=\"{model}\"}} {}", value(s));
+            }
+        }
     }
 
     /// The context length the model's folder declares, if any.
@@ -289,6 +352,38 @@ mod context_tests {
             "llama3 scaling is already counted"
         );
         assert_eq!(len(json!({"hidden_size": 8})), None);
+    }
+
+    #[test]
+    fn the_tokenize_cache_is_counted_per_model() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/models/chatml");
+        let spec = ModelSpec {
+            name: "m\"x".into(),
+            dir: dir.clone(),
+        };
+        let render = |models: &Models| {
+            let mut out = String::new();
+            models.render_metrics(&mut out);
+            out
+        };
+        let off = Models::load(std::slice::from_ref(&spec), None, 0).expect("loads");
+        assert!(!render(&off).contains("{model="), "no cache, no series");
+        let models = Models::load(&[spec], None, 1 << 20).expect("loads");
+        let m = models.get("m\"x").expect("loaded");
+        let long = "tell me more about the routers and their caches ".repeat(8);
+        let messages = [json!({"role": "user", "content": long})];
+        for _ in 0..3 {
+            m.chat_tokens(&ChatInput::new(&messages)).expect("encodes");
+        }
+        let text = render(&models);
+        for line in [
+            "kvroute_gateway_tokenize_cache_hits_total{model=\"m\\\"x\"} 2",
+            "kvroute_gateway_tokenize_cache_misses_total{model=\"m\\\"x\"} 1",
+            "kvroute_gateway_tokenize_cache_disabled{model=\"m\\\"x\"} 0",
+            "# TYPE kvroute_gateway_tokenize_cache_bytes gauge",
+        ] {
+            assert!(text.contains(line), "{line} in\n{text}");
+        }
     }
 
     #[test]

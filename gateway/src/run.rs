@@ -29,7 +29,11 @@ pub fn prepare(
     args: &GatewayArgs,
 ) -> Result<(Models, Option<HashSet<String>>), kvroute_common::config::ConfigError> {
     args.validate()?;
-    let models = Models::load(&args.model_specs()?, args.models_dir.as_deref())?;
+    let models = Models::load(
+        &args.model_specs()?,
+        args.models_dir.as_deref(),
+        args.tokenize_cache_mib << 20,
+    )?;
     let keys = match &args.api_keys_file {
         None => None,
         Some(path) => {

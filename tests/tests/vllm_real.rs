@@ -504,6 +504,16 @@ async fn conversations(c: &Cluster) {
         "vllm_real: later turns on the engine with the longest cached prefix: {on_longest} of {later}\n{table}"
     );
     assert_eq!(on_longest, later, "{table}");
+    // The system prompt (one piece of over 256 bytes between the template's special tokens)
+    // came from the gateway's tokenize cache on every turn through it but the first: the ids
+    // above, which matched vLLM's own cached tokens, were the cache's.
+    let hits = c.gateway.metric(&format!(
+        "kvroute_gateway_tokenize_cache_hits_total{{model=\"{MODEL}\"}}"
+    ));
+    assert!(
+        hits >= (later - 1) as f64,
+        "tokenize cache hits {hits} for {later} turns through the gateway"
+    );
 }
 
 /// A busy engine (requests waiting) loses a prompt whose prefix it holds to the idle one.

@@ -36,10 +36,12 @@ mod chat;
 mod config;
 mod error;
 mod model;
+mod segments;
 mod template;
 
 pub use bound::max_bytes_per_token;
 pub use chat::ChatInput;
 pub use error::{LoadCause, LoadError, TextError};
-pub use model::{ModelText, load_dir};
+pub use model::{DEFAULT_SEGMENT_CACHE_BYTES, ModelText, load_dir};
+pub use segments::SegmentStats;
 pub use template::{ChatTemplate, ContentFormat, Limits};

@@ -5,12 +5,13 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::Path;
 
-use tokenizers::Tokenizer;
 use tokenizers::models::ModelWrapper;
+use tokenizers::{PostProcessor, Tokenizer};
 
 use crate::chat::{self, ChatInput};
 use crate::config::read_config;
 use crate::error::{LoadCause, LoadError, TextError};
+use crate::segments::{SegmentStats, Segmenter};
 use crate::template::{ChatTemplate, Limits};
 
 /// A model's text side. `Send + Sync`: share it in an `Arc`.
@@ -26,7 +27,16 @@ pub struct ModelText {
     clean_up_spaces: bool,
     /// Every token stands for at most this many bytes of text (`None`: no sound bound).
     max_bytes_per_token: Option<usize>,
+    /// Encodes piece by piece between added tokens with a cache of the pieces' ids, or why it
+    /// cannot for this tokenizer ([`crate::segments`]).
+    segmenter: Result<Segmenter, String>,
+    /// The post-processor adds tokens to a single sequence (then an encoding with
+    /// `add_special_tokens` goes the whole-text way).
+    post_adds_tokens: bool,
 }
+
+/// The segment cache's budget unless [`ModelText::with_segment_cache`] sets one: 64 MiB.
+pub const DEFAULT_SEGMENT_CACHE_BYTES: usize = 64 << 20;
 
 impl ModelText {
     /// Loads `dir/tokenizer.json`, `dir/tokenizer_config.json` (may be absent) and the chat
@@ -90,8 +100,14 @@ impl ModelText {
         }
         let is_bpe = matches!(tokenizer.get_model(), ModelWrapper::BPE(_));
         let max_bytes_per_token = crate::bound::max_bytes_per_token(&tokenizer);
+        let post_adds_tokens = tokenizer
+            .get_post_processor()
+            .is_some_and(|p| p.added_tokens(false) > 0);
+        let segmenter = Segmenter::new(&tokenizer, DEFAULT_SEGMENT_CACHE_BYTES);
         Ok(ModelText {
             max_bytes_per_token,
+            segmenter,
+            post_adds_tokens,
             name: name.to_owned(),
             bos_token: config.token("bos_token").map(str::to_owned),
             eos_token: config.token("eos_token").map(str::to_owned),
@@ -106,9 +122,46 @@ impl ModelText {
         &self.name
     }
 
+    /// Sets the segment cache's budget in bytes (0: no segment cache, every text encoded
+    /// whole).
+    pub fn with_segment_cache(mut self, bytes: usize) -> Self {
+        self.segmenter = if bytes == 0 {
+            Err("turned off (a budget of 0 bytes)".into())
+        } else {
+            Segmenter::new(&self.tokenizer, bytes)
+        };
+        self
+    }
+
+    /// The segment cache's counters, or why this model has none.
+    pub fn segment_cache(&self) -> Result<SegmentStats, &str> {
+        self.segmenter
+            .as_ref()
+            .map(Segmenter::stats)
+            .map_err(String::as_str)
+    }
+
     /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (a BOS,
     /// say), as for a completion prompt.
+    ///
+    /// Encoded piece by piece with the segment cache where the tokenizer allows it (see
+    /// [`crate::segments`]): the same ids, faster for texts whose long pieces were seen.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
+        if let Ok(segmenter) = &self.segmenter
+            && (!add_special_tokens || !self.post_adds_tokens)
+            && let Some(ids) = segmenter.encode(&self.tokenizer, text)
+        {
+            return ids.map_err(TextError::Tokenizer);
+        }
+        self.encode_whole(text, add_special_tokens)
+    }
+
+    /// [`encode`](Self::encode) the whole text at once, without the segment cache.
+    pub fn encode_whole(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TextError> {
         let encoding = self
             .tokenizer
             .encode_fast(text, add_special_tokens)

@@ -163,3 +163,133 @@ fn load_errors_name_the_model_the_file_and_the_cause() {
         "/nonexistent-models: cannot be read: No such file or directory"
     );
 }
+
+/// The segment cache ([`ModelText::encode`] piece by piece between added tokens) gives the ids
+/// the whole text gives — which `parity.rs` ties to transformers — on a conversation growing
+/// turn by turn (later turns find their earlier messages cached), for every committed model
+/// whose tokenizer allows it; and it does find them cached.
+#[test]
+fn conversations_encode_piece_by_piece_as_the_whole_text() {
+    let words = [
+        "router",
+        "prefix",
+        "KV-cache",
+        "blocks",
+        "日本語",
+        "🚀",
+        "  spaced",
+        "\n",
+        "\t",
+        "x",
+        "Hello,",
+        "world.",
+        "<|im_start",
+        "|>",
+        "<s>",
+        "é",
+        "42",
+        "'s",
+        "don't",
+        " ",
+    ];
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = |n: usize| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed % n as u64) as usize
+    };
+    let mut cached = 0;
+    for model in load_dir(&models()).unwrap() {
+        let Ok(before) = model.segment_cache() else {
+            println!(
+                "{}: no segment cache ({:?})",
+                model.name(),
+                model.segment_cache()
+            );
+            continue;
+        };
+        cached += 1;
+        let mut messages = Vec::new();
+        for turn in 0..12 {
+            let len = 20 + next(300);
+            let content: Vec<&str> = (0..len).map(|_| words[next(words.len())]).collect();
+            let role = if turn % 2 == 0 { "user" } else { "assistant" };
+            messages.push(json!({"role": role, "content": content.join(" ")}));
+            let Ok(text) = model.render_chat(&ChatInput::new(&messages)) else {
+                continue;
+            };
+            for add_special_tokens in [false, true] {
+                assert_eq!(
+                    model.encode(&text, add_special_tokens).unwrap(),
+                    model.encode_whole(&text, add_special_tokens).unwrap(),
+                    "{} turn {turn}: {text:?}",
+                    model.name()
+                );
+            }
+            // The same text again: every long piece from the cache.
+            assert_eq!(
+                model.encode(&text, false).unwrap(),
+                model.encode_whole(&text, false).unwrap()
+            );
+        }
+        let after = model.segment_cache().unwrap();
+        assert!(!after.disabled, "{}: a check disagreed", model.name());
+        assert!(
+            after.hits > before.hits + 10 && after.misses > 0 && after.bytes > 0,
+            "{}: {after:?}",
+            model.name()
+        );
+        // With the cache off, the same ids.
+        let off = ModelText::load(model.name(), &models().join(model.name()))
+            .unwrap()
+            .with_segment_cache(0);
+        assert!(off.segment_cache().is_err());
+        let text = model.render_chat(&ChatInput::new(&messages)).unwrap();
+        assert_eq!(
+            off.encode(&text, false).unwrap(),
+            model.encode(&text, false).unwrap()
+        );
+    }
+    assert!(cached >= 1, "no committed model has a segment cache");
+}
+
+/// Tokenizers whose rules look across a piece's edge get no segment cache: an added token
+/// that strips the spaces beside it (refused by its flags), and a pre-tokenizer that adds its
+/// prefix only at the text's start (refused by the load-time probes); both still encode as
+/// the whole text does.
+#[test]
+fn tokenizers_that_look_across_pieces_get_no_segment_cache() {
+    let chatml: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(models().join("chatml/tokenizer.json")).unwrap(),
+    )
+    .unwrap();
+    let mut lstrip = chatml.clone();
+    lstrip["added_tokens"][1]["lstrip"] = json!(true);
+    let mut first_only = chatml.clone();
+    // Metaspace's "▁" prefix at the text's start only, then the byte-level vocabulary's bytes.
+    first_only["pre_tokenizer"] = json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}
+    ]});
+    for (name, tokenizer, why) in [
+        ("lstrip", lstrip, "lstrip"),
+        ("first-only", first_only, "probe"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), tokenizer.to_string()).unwrap();
+        let model = ModelText::load(name, dir.path()).unwrap();
+        let reason = model.segment_cache().unwrap_err();
+        assert!(reason.contains(why), "{name}: {reason}");
+        println!("{name}: no segment cache: {reason}");
+        let text = format!(
+            "{}<|im_start|>user\n{} x<|im_end|>",
+            "a b ".repeat(100),
+            "c d ".repeat(100)
+        );
+        assert_eq!(
+            model.encode(&text, false).unwrap(),
+            model.encode_whole(&text, false).unwrap()
+        );
+    }
+}

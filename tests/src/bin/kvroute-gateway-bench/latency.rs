@@ -236,3 +236,62 @@ pub fn tokenize_times(
     }
     Ok(Samples::new(out))
 }
+
+/// A conversation's next turn: seeded conversations (a system prompt, then user messages of
+/// `user_words` words and assistant answers of a fifth of that) grow turn by turn until their
+/// chat reaches `tokens` tokens; each turn is tokenized whole by `cached` (a model with the
+/// segment cache, which saw the conversation's earlier turns) and by `plain` (without it), in
+/// the same loop. Returns the samples of the turns of at least `from_tokens` tokens: (cached,
+/// plain, their token counts' mean).
+pub fn conversation_times(
+    cached: &crate::prompts::TextModel,
+    plain: &crate::prompts::TextModel,
+    conversations: usize,
+    tokens: usize,
+    from_tokens: usize,
+    user_words: usize,
+) -> anyhow::Result<(Samples, Samples, f64)> {
+    use rand::SeedableRng;
+    let (mut with, mut without, mut sizes) = (Vec::new(), Vec::new(), Vec::new());
+    for c in 0..conversations {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0xc0_0000 + c as u64);
+        let mut messages = vec![serde_json::json!({
+            "role": "system",
+            "content": format!("You are assistant {c}. {}", crate::prompts::words(&mut rng, 120)),
+        })];
+        loop {
+            messages.push(serde_json::json!({
+                "role": "user",
+                "content": crate::prompts::words(&mut rng, user_words),
+            }));
+            let at = std::time::Instant::now();
+            let ids = cached
+                .chat_messages(&messages)
+                .ok_or_else(|| anyhow::anyhow!("the model has no chat template"))?;
+            let took_cached = at.elapsed();
+            let at = std::time::Instant::now();
+            let whole = plain
+                .chat_messages(&messages)
+                .ok_or_else(|| anyhow::anyhow!("the model has no chat template"))?;
+            let took_plain = at.elapsed();
+            anyhow::ensure!(
+                ids == whole,
+                "the segment cache's ids differ from the whole text's"
+            );
+            if ids.len() >= from_tokens {
+                with.push(took_cached);
+                without.push(took_plain);
+                sizes.push(ids.len() as f64);
+            }
+            if ids.len() >= tokens {
+                break;
+            }
+            messages.push(serde_json::json!({
+                "role": "assistant",
+                "content": crate::prompts::words(&mut rng, user_words / 5),
+            }));
+        }
+    }
+    let mean = sizes.iter().sum::<f64>() / sizes.len().max(1) as f64;
+    Ok((Samples::new(with), Samples::new(without), mean))
+}

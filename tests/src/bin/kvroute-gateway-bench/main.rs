@@ -88,6 +88,9 @@ pub struct Args {
     /// Targets of the throughput phase, comma-separated (gateway, bare, nginx).
     #[arg(long, value_delimiter = ',', default_value = "gateway,bare,nginx")]
     throughput_targets: Vec<String>,
+    /// Conversations tokenized turn by turn for the next-turn rows (`--model-dir` only).
+    #[arg(long, default_value_t = 40)]
+    conversations: usize,
     /// Skip the latency phase.
     #[arg(long)]
     no_latency: bool,
@@ -196,6 +199,39 @@ fn main() -> anyhow::Result<()> {
     result
 }
 
+/// Tokenizing a conversation's next turn with the segment cache (as the gateway does by
+/// default) and without it, in the same loop.
+fn conversation_turns(args: &Args, dir: &std::path::Path) -> anyhow::Result<()> {
+    let name = "conversation";
+    let cached =
+        prompts::TextModel::load_with_cache(name, dir, kvroute_text::DEFAULT_SEGMENT_CACHE_BYTES)?;
+    let plain = prompts::TextModel::load(name, dir)?;
+    println!(
+        "\n## Tokenizing a conversation's next turn (chat template + encode, µs; the bench's own thread)\n"
+    );
+    println!(
+        "| turns from .. to tokens | user message words | turns | mean tokens | with the tokenize cache p50 / p99 | without p50 / p99 | without / with (p50) |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (from, to, words) in [(7168, 8192, 300), (1024, 2048, 100)] {
+        let (with, without, mean) =
+            latency::conversation_times(&cached, &plain, args.conversations, to, from, words)?;
+        let ratio = match (with.p50(), without.p50()) {
+            (Some(w), Some(o)) if w > 0.0 => format!("{:.1}×", o / w),
+            _ => "—".into(),
+        };
+        println!(
+            "| {from}..{to} | {words} | {} | {mean:.0} | {} | {} | {ratio} |",
+            with.len(),
+            report::pair(with.p50(), with.p99()),
+            report::pair(without.p50(), without.p99()),
+        );
+    }
+    let stats = cached.model.segment_cache();
+    println!("\nthe cache after the run: {stats:?}");
+    Ok(())
+}
+
 fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
@@ -250,6 +286,10 @@ async fn run(
             }
         }
         out.print_latency();
+    }
+
+    if let (Some(dir), false) = (&args.model_dir, args.no_latency) {
+        conversation_turns(args, dir)?;
     }
 
     if !args.no_throughput {

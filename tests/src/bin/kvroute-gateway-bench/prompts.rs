@@ -176,10 +176,23 @@ pub struct TextModel {
 }
 
 impl TextModel {
+    /// The model without its segment cache: the bench's own tokenization of its prompts, which
+    /// it repeats, then measures tokenizing each whole text (what a text not seen before costs).
     pub fn load(name: &str, dir: &Path) -> anyhow::Result<Self> {
+        Self::load_with_cache(name, dir, 0)
+    }
+
+    /// The model with a segment cache of `cache_bytes` (0: none).
+    pub fn load_with_cache(name: &str, dir: &Path, cache_bytes: usize) -> anyhow::Result<Self> {
         let model = ModelText::load(name, dir)
-            .map_err(|e| anyhow::anyhow!("loading model {name} from {}: {e}", dir.display()))?;
+            .map_err(|e| anyhow::anyhow!("loading model {name} from {}: {e}", dir.display()))?
+            .with_segment_cache(cache_bytes);
         Ok(Self { model })
+    }
+
+    /// The chat tokens of `messages` (the template's generation prompt added).
+    pub fn chat_messages(&self, messages: &[Value]) -> Option<Vec<u32>> {
+        self.model.chat_tokens(&ChatInput::new(messages)).ok()
     }
 
     pub fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
@@ -221,6 +234,14 @@ pub fn build(size: usize, count: usize, model: Option<&TextModel>) -> anyhow::Re
         });
     }
     Ok(PromptSet { size, prompts })
+}
+
+/// `count` seeded words.
+pub fn words(rng: &mut StdRng, count: usize) -> String {
+    (0..count)
+        .map(|_| WORDS[rng.random_range(0..WORDS.len())])
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The shortest run of seeded words that encodes to at least `size` tokens.

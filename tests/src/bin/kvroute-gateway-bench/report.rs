@@ -56,7 +56,7 @@ fn loadavg() -> String {
         .join(" ")
 }
 
-fn pair(a: Option<f64>, b: Option<f64>) -> String {
+pub fn pair(a: Option<f64>, b: Option<f64>) -> String {
     format!("{} / {}", fmt_us(a), fmt_us(b))
 }
 

@@ -148,6 +148,18 @@ impl Stack {
                 format!("{}={}", config.model, dir.display()),
             ]);
         }
+        // The latency rows send the same few prompts again and again: the gateway's tokenize
+        // cache would serve them after the first round, so the rows run without it (they
+        // measure a text not seen before) unless a --gateway-arg sets it; the conversation
+        // rows measure the cache.
+        if config.model_dir.is_some()
+            && !config
+                .gateway_args
+                .iter()
+                .any(|a| a.contains("tokenize-cache-mib"))
+        {
+            gateway_args.extend(["--tokenize-cache-mib".into(), "0".into()]);
+        }
         gateway_args.extend(config.gateway_args.iter().cloned());
         let gateway_args: Vec<&str> = gateway_args.iter().map(String::as_str).collect();
         let gateway = block(|| {
