@@ -203,6 +203,9 @@ impl Worker {
     ) {
         let mut load_tick = tokio::time::interval(self.settings.load_interval);
         load_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // An ended subscription answers `None` at once on every poll: without this guard a
+        // closed reset subscription would spin the loop.
+        let mut resets_open = true;
         let mode = loop {
             let wake = {
                 let core = self.core.lock();
@@ -216,9 +219,18 @@ impl Worker {
                     Some(msg) => self.on_request(msg).await,
                     None => break StopMode::Graceful,
                 },
-                msg = resets.next() => if let Some(msg) = msg {
-                    self.on_reset(msg).await;
-                    force_load = true;
+                msg = resets.next(), if resets_open => match msg {
+                    Some(msg) => {
+                        self.on_reset(msg).await;
+                        force_load = true;
+                    }
+                    None => {
+                        resets_open = false;
+                        tracing::warn!(
+                            worker_id = self.worker_id,
+                            "the cache-reset subscription ended: resets are no longer served"
+                        );
+                    }
                 },
                 _ = sleep_until(wake) => {}
                 _ = load_tick.tick() => {
