@@ -178,34 +178,16 @@ impl RetryMemory {
 
 #[cfg(test)]
 mod tests {
-    use kvroute_common::messages::SchemaVersion;
     use uuid::Uuid;
 
     use super::*;
 
     fn decision(request_id: Uuid, attempt: u32, decision_id: Uuid) -> Decision {
-        Decision {
-            v: SchemaVersion::CURRENT,
-            decision_id,
-            request_id,
-            router_id: "r".into(),
-            model: "m".into(),
-            role: Default::default(),
-            worker_id: 1,
-            dp_rank: 0,
-            session_id: None,
-            request_blocks: 1,
-            overlap_blocks: 0,
-            prefill_tokens: 16,
-            expected_output_tokens: None,
-            block_size: 16,
-            cost: Default::default(),
-            policy: "default".into(),
-            binding: None,
-            ts: 0,
-            attempt,
-            prefix_hashes: vec![1, 2],
-        }
+        let mut d = super::super::tests::decision(1, request_id, 1, 16);
+        d.attempt = attempt;
+        d.decision_id = decision_id;
+        d.prefix_hashes = vec![1, 2];
+        d
     }
 
     fn rank(worker_id: u64) -> WorkerRank {

@@ -16,7 +16,7 @@ fn view() -> LoadView {
     })
 }
 
-fn decision(worker_id: u64, request_id: Uuid, blocks: u32, prefill: u64) -> Decision {
+pub(super) fn decision(worker_id: u64, request_id: Uuid, blocks: u32, prefill: u64) -> Decision {
     Decision {
         v: SchemaVersion::CURRENT,
         decision_id: Uuid::new_v4(),
