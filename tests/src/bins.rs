@@ -140,8 +140,7 @@ impl IndexerProcess {
             .nats
             .data_dir()
             .join(format!("indexer-{replica_id}.log"));
-        let mut spec = Supervised::new(bin, args, log);
-        spec.env.push(("RUST_LOG".into(), "info".into()));
+        let spec = Supervised::new(bin, args, log).service_env();
         let child = Some(spec.spawn()?);
         let p = Self {
             replica_id: replica_id.into(),

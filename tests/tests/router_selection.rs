@@ -10,6 +10,7 @@ use kvroute_common::codec::encode;
 use kvroute_common::messages::{
     ErrorCode, Pin, SelectReply, SelectRequest, SelectResponse, WorkerRole,
 };
+use kvroute_common::ops::watchdog;
 use kvroute_router::service::metrics as rm;
 use kvroute_router::service::overlap::Fallback;
 use kvroute_tests::{
@@ -211,9 +212,15 @@ async fn equal_overlap_spreads_by_load_through_one_replica_or_two() {
     );
     let answered_a = a.metric("kvroute_router_request_blocks_total");
     let answered_b = b.metric("kvroute_router_request_blocks_total");
+    let leaves =
+        |r: &RouterProcess| r.metric(&labelled(rm::labels::GROUP_LEAVES, watchdog::LEFT_LAGGING));
     assert!(
         answered_a > 0.0 && answered_b > 0.0,
-        "both replicas answered"
+        "both replicas answered: blocks {answered_a} and {answered_b}, queue-group leaves {} and {}\n{}\n{}",
+        leaves(&a),
+        leaves(&b),
+        a.log(),
+        b.log()
     );
     assert!(a.metric("kvroute_router_decisions_applied_total") >= 40.0);
     assert!(

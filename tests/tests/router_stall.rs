@@ -110,9 +110,11 @@ async fn a_stopped_router_loses_no_selection_and_charges_none_twice() {
     );
     assert!(
         run.success() >= 0.995,
-        "success {:.4} below 99.5 %: {:?}",
+        "success {:.4} below 99.5 %: {:?}; r1 left its group {} times:\n{}",
         run.success(),
-        run.failures()
+        run.failures(),
+        r1.metric(&labelled(rm::labels::GROUP_LEAVES, watchdog::LEFT_LAGGING)),
+        r1.log()
     );
     assert!(
         stalled.retries() > 0,
