@@ -140,7 +140,8 @@ impl IndexerProcess {
             .nats
             .data_dir()
             .join(format!("indexer-{replica_id}.log"));
-        let spec = Supervised::new(bin, args, log).service_env();
+        let mut spec = Supervised::new(bin, args, log);
+        spec.env.push(("RUST_LOG".into(), "info".into()));
         let child = Some(spec.spawn()?);
         let p = Self {
             replica_id: replica_id.into(),

@@ -24,13 +24,6 @@ kill "$killer" 2>/dev/null
 exit 0
 "#;
 
-/// The watchdog limit of the routers and indexers the harness starts (`KVROUTE_MAX_LAG_MS`),
-/// in place of the 1 s default. CI runs four tests at a time on two cores, where a process
-/// can miss its timers by more than a second without being stuck (the host pauses it): at
-/// 1 s it would leave its queue group for a while and fail a test about something else. The
-/// stall tests stop a process for 30 s, past either limit; a `--max-lag-ms` flag still wins.
-pub const TEST_MAX_LAG_MS: &str = "5000";
-
 /// A program and its arguments, restartable with the same arguments.
 #[derive(Debug, Clone)]
 pub struct Supervised {
@@ -56,14 +49,6 @@ impl Supervised {
             env: Vec::new(),
             log: log.as_ref().to_owned(),
         }
-    }
-
-    /// The environment of a kvroute service under test: info logs and [`TEST_MAX_LAG_MS`].
-    pub fn service_env(mut self) -> Self {
-        self.env.push(("RUST_LOG".into(), "info".into()));
-        self.env
-            .push(("KVROUTE_MAX_LAG_MS".into(), TEST_MAX_LAG_MS.into()));
-        self
     }
 
     pub fn spawn(&self) -> anyhow::Result<ChildGuard> {

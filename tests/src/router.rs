@@ -96,7 +96,8 @@ impl RouterProcess {
         ]);
         args.extend(extra.iter().map(|s| s.to_string()));
         let log = env.nats.data_dir().join(format!("router-{router_id}.log"));
-        let spec = Supervised::new(program, args, log).service_env();
+        let mut spec = Supervised::new(program, args, log);
+        spec.env.push(("RUST_LOG".into(), "info".into()));
         let child = Some(spec.spawn()?);
         Ok(Self {
             router_id: router_id.into(),
