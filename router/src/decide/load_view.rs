@@ -267,11 +267,14 @@ impl LoadView {
         self.foresight.remove_worker(worker_id);
     }
 
-    /// Drops every prediction added before `cutoff_ms`: after this replica lost its NATS
+    /// Drops every prediction added at or before `cutoff_ms`: after this replica lost its NATS
     /// connection, lifecycle events (and other replicas' decisions) of that time may have been
-    /// missed, so its older predictions cannot be trusted; the next reports carry that load.
-    pub fn forget_predictions_before(&mut self, cutoff_ms: u64) -> usize {
-        self.loads.forget_before(cutoff_ms)
+    /// missed, so the predictions it held then cannot be trusted; the next reports carry that
+    /// load. The cutoff is when the connection is back, not when its loss was noticed: the
+    /// messages read from the dead connection (decisions whose lifecycle events went with it)
+    /// are applied until then, within the same millisecond as the loss as often as not.
+    pub fn forget_predictions_until(&mut self, cutoff_ms: u64) -> usize {
+        self.loads.forget_until(cutoff_ms)
     }
 
     /// Drops predictions and remembered decisions past the maximum age, and ranks with

@@ -95,7 +95,7 @@ pub async fn run_load_feed(
     let mut lifecycle = nats.subscribe(names.lifecycle_all()).await?;
     Ok(tokio::spawn(async move {
         let mut tick = tokio::time::interval(TICK);
-        let mut disconnected_at = None;
+        let mut disconnected = false;
         loop {
             // Biased: of what is already waiting (a backlog after a stall), decisions go before
             // the lifecycle events that end their requests.
@@ -107,7 +107,7 @@ pub async fn run_load_feed(
                 Some(e) = connection.recv() => Feed::Nats(e),
                 _ = tick.tick() => Feed::Tick,
             };
-            router.on_feed(feed, &mut disconnected_at);
+            router.on_feed(feed, &mut disconnected);
         }
     }))
 }
@@ -119,14 +119,14 @@ impl Router {
             .inc(&format!("{input}_{}", e.reason()));
     }
 
-    /// `disconnected_at`: when the NATS connection was last lost (until it is back).
-    fn on_feed(&self, feed: Feed, disconnected_at: &mut Option<u64>) {
-        self.apply_feed(feed, disconnected_at);
+    /// `disconnected`: the NATS connection was lost and is not back yet.
+    fn on_feed(&self, feed: Feed, disconnected: &mut bool) {
+        self.apply_feed(feed, disconnected);
         // Whatever changed the load view may have freed capacity for queued requests.
         self.admission.poke();
     }
 
-    fn apply_feed(&self, feed: Feed, disconnected_at: &mut Option<u64>) {
+    fn apply_feed(&self, feed: Feed, disconnected: &mut bool) {
         let m = &self.metrics;
         match feed {
             Feed::Decision(msg) => match decode::<Decision>(&msg.payload) {
@@ -144,17 +144,17 @@ impl Router {
                 }
                 Err(e) => self.bad("decision", &e),
             },
-            Feed::Nats(async_nats::Event::Disconnected) => {
-                disconnected_at.get_or_insert_with(now_ms);
-            }
+            Feed::Nats(async_nats::Event::Disconnected) => *disconnected = true,
             Feed::Nats(async_nats::Event::Connected) => {
-                if let Some(at) = disconnected_at.take() {
-                    let dropped = self.lock_load().forget_predictions_before(at);
+                if std::mem::take(disconnected) {
+                    // Up to now: what was read from the dead connection was applied after the
+                    // loss was noticed (decisions first), and its lifecycle events may be gone.
+                    let dropped = self.lock_load().forget_predictions_until(now_ms());
                     m.nats_reconnects.inc();
                     m.predictions_forgotten.add(dropped as u64);
                     tracing::warn!(
                         dropped,
-                        "reconnected to NATS; dropped the predictions made before the connection was lost (their lifecycle events may be missing)"
+                        "reconnected to NATS; dropped the predictions held until now (their lifecycle events may be missing)"
                     );
                 }
             }

@@ -295,10 +295,10 @@ impl RankLoads {
     }
 
     /// Drops every prediction added before `cutoff_ms`; returns how many.
-    pub fn forget_before(&mut self, cutoff_ms: u64) -> usize {
+    pub fn forget_until(&mut self, cutoff_ms: u64) -> usize {
         let before = self.predictions();
         for rank in self.ranks.values_mut() {
-            rank.retain(|p| p.added_ms >= cutoff_ms);
+            rank.retain(|p| p.added_ms > cutoff_ms);
         }
         before - self.predictions()
     }
