@@ -15,7 +15,7 @@ use kvroute_common::messages::{
     SessionBindingRecord, WorkerCard, WorkerLoad,
 };
 use kvroute_common::{Names, Namespace};
-use kvroute_gateway::openai::{Api, POLICY, Parsed, SESSION_FINAL, SESSION_ID};
+use kvroute_gateway::openai::{Api, POLICY, Parsed, SESSION_FINAL, SESSION_ID, forwarded_body};
 use kvroute_gateway::select_api::parse_body;
 use kvroute_indexer::replica::{LogEntry, ReplicaState, decode_entry};
 use kvroute_indexer::{IndexConfig, SharedIndex};
@@ -146,9 +146,17 @@ pub fn gateway_openai(data: &[u8]) {
         Ok(parsed) => {
             assert!(!parsed.model.is_empty());
             assert_eq!(parsed.api, api);
-            assert!(!parsed.body.contains_key("kvroute"));
-            // What the gateway forwards is itself a request it reads the same way.
-            let forwarded = serde_json::to_vec(&parsed.body).expect("a JSON map serializes");
+            // What the gateway forwards when it rewrites the body is itself a request it reads
+            // the same way (or, for a number beyond f64 in a field it skips, a 400).
+            let body = match forwarded_body(body) {
+                Ok(body) => body,
+                Err(e) => {
+                    assert!(e.status.is_client_error(), "{e:?}");
+                    return;
+                }
+            };
+            assert!(!body.contains_key("kvroute"));
+            let forwarded = serde_json::to_vec(&body).expect("a JSON map serializes");
             let again = Parsed::from_body(api, &forwarded, &HeaderMap::new())
                 .unwrap_or_else(|e| panic!("the forwarded body is refused: {e:?}"));
             assert!(!again.edited);
@@ -158,6 +166,7 @@ pub fn gateway_openai(data: &[u8]) {
             assert_eq!(again.stream, parsed.stream);
             assert_eq!(again.include_usage, parsed.include_usage);
             assert_eq!(again.max_tokens, parsed.max_tokens);
+            assert_eq!(again.chat_options, parsed.chat_options);
         }
         Err(e) => assert!(e.status.is_client_error(), "{e:?}"),
     }

@@ -261,7 +261,7 @@ pub fn prompt_tokens(
         },
         Api::Chat => {
             let model = model.ok_or_else(no_tokenizer)?;
-            let body = &parsed.body;
+            let body = &parsed.chat_options;
             let flag = |name: &'static str, default: bool| -> Result<bool, ApiError> {
                 match body.get(name) {
                     None | Some(Value::Null) => Ok(default),

@@ -8,6 +8,7 @@
 
 use axum::http::HeaderMap;
 use kvroute_common::messages::{SessionContext, SessionTrigger};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
@@ -62,11 +63,14 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
-/// A parsed request: the body (without kvroute's extension) and what routing needs.
+/// A parsed request: what routing and tokenizing need. The body itself is forwarded as the
+/// client sent it unless it must change ([`forwarded_body`]).
 #[derive(Debug, Clone)]
 pub struct Parsed {
     pub api: Api,
-    pub body: Map<String, Value>,
+    /// Chat: the body fields templating reads (`tools`, `chat_template_kwargs`,
+    /// `add_generation_prompt`, `continue_final_message`), those present.
+    pub chat_options: Map<String, Value>,
     pub model: String,
     /// Completions: the prompts (a batch routes on the first; all go to one worker).
     pub prompts: Vec<Prompt>,
@@ -77,34 +81,54 @@ pub struct Parsed {
     pub max_tokens: Option<u32>,
     pub session: Option<SessionContext>,
     pub policy: Option<String>,
-    /// Whether the body changed (the extension removed): it must be serialized again.
+    /// Whether the body carried kvroute's extension: the forwarded body must go without it.
     pub edited: bool,
 }
 
+/// The body fields chat templating reads.
+const CHAT_OPTIONS: [&str; 4] = [
+    "tools",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+];
+
 impl Parsed {
     /// Reads a request body. `headers` carry the session and policy overrides.
+    ///
+    /// Only the fields read here are built; the rest of the body (and a token-id prompt,
+    /// read straight into its ids) is never turned into `serde_json::Value`s. The answer is
+    /// the one a whole-body `Value` parse gives, errors included (a repeated key's last value
+    /// wins; a body the fast reading refuses is read again whole for its error), but for a
+    /// number beyond `f64` in a field the gateway does not read: the engine judges that one.
     pub fn from_body(api: Api, bytes: &[u8], headers: &HeaderMap) -> Result<Self, ApiError> {
-        let value: Value = serde_json::from_slice(bytes)
-            .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}")))?;
-        let Value::Object(mut body) = value else {
-            return Err(ApiError::invalid("the body must be a JSON object"));
+        // UTF-8 checked whole first: skipping a field does not check its strings.
+        let fast = std::str::from_utf8(bytes)
+            .ok()
+            .and_then(|text| serde_json::from_str::<Fields<'_>>(text).ok());
+        let Some(fields) = fast else {
+            return Err(match serde_json::from_slice::<Value>(bytes) {
+                Err(e) => ApiError::invalid(format!("the body is not valid JSON: {e}")),
+                Ok(Value::Object(_)) => ApiError::internal("a JSON object the gateway misread"),
+                Ok(_) => ApiError::invalid("the body must be a JSON object"),
+            });
         };
-        let extension = body.remove(EXTENSION);
-        let edited = extension.is_some();
-        let model = match body.get("model") {
-            Some(Value::String(m)) if !m.is_empty() => m.clone(),
+        let value = |raw: Option<&RawValue>| built(raw, bytes);
+        let edited = fields.extension.is_some();
+        let model = match value(fields.model)? {
+            Some(Value::String(m)) if !m.is_empty() => m,
             Some(Value::String(_)) | None => {
                 return Err(ApiError::invalid_param("model", "`model` is required"));
             }
             Some(other) => {
                 return Err(ApiError::invalid_param(
                     "model",
-                    format!("`model` must be a string, got {}", kind(other)),
+                    format!("`model` must be a string, got {}", kind(&other)),
                 ));
             }
         };
-        let stream = optional_bool(&body, "stream")?.unwrap_or(false);
-        let include_usage = match body.get("stream_options") {
+        let stream = optional_bool(value(fields.stream)?.as_ref(), "stream")?.unwrap_or(false);
+        let include_usage = match value(fields.stream_options)? {
             None | Some(Value::Null) => false,
             Some(Value::Object(o)) => match o.get("include_usage") {
                 None | Some(Value::Null) => false,
@@ -122,21 +146,34 @@ impl Parsed {
             Some(other) => {
                 return Err(ApiError::invalid_param(
                     "stream_options",
-                    format!("`stream_options` must be an object, got {}", kind(other)),
+                    format!("`stream_options` must be an object, got {}", kind(&other)),
                 ));
             }
         };
         let max_tokens = match api {
-            Api::Completions => optional_u32(&body, "max_tokens")?,
+            Api::Completions => optional_u32(value(fields.max_tokens)?.as_ref(), "max_tokens")?,
+            Api::Chat => optional_u32(
+                value(fields.max_completion_tokens)?.as_ref(),
+                "max_completion_tokens",
+            )?
+            .or(optional_u32(
+                value(fields.max_tokens)?.as_ref(),
+                "max_tokens",
+            )?),
+        };
+        let (prompts, messages, chat_options) = match api {
+            Api::Completions => (prompts(fields.prompt, bytes)?, Vec::new(), Map::new()),
             Api::Chat => {
-                optional_u32(&body, "max_completion_tokens")?.or(optional_u32(&body, "max_tokens")?)
+                let mut options = Map::new();
+                for (name, raw) in CHAT_OPTIONS.into_iter().zip(fields.chat_options) {
+                    if let Some(v) = value(raw)? {
+                        options.insert(name.to_owned(), v);
+                    }
+                }
+                (Vec::new(), messages(value(fields.messages)?)?, options)
             }
         };
-        let (prompts, messages) = match api {
-            Api::Completions => (prompts(&body)?, Vec::new()),
-            Api::Chat => (Vec::new(), messages(&body)?),
-        };
-        let ext = Extension::parse(extension.as_ref())?;
+        let ext = Extension::parse(value(fields.extension)?.as_ref())?;
         let session = session(headers, ext.session)?;
         let policy = match header(headers, POLICY)? {
             Some(p) => Some(p.to_owned()),
@@ -144,7 +181,7 @@ impl Parsed {
         };
         Ok(Self {
             api,
-            body,
+            chat_options,
             model,
             prompts,
             messages,
@@ -155,6 +192,132 @@ impl Parsed {
             policy,
             edited,
         })
+    }
+}
+
+/// A field of `body` as a `Value`. Its raw JSON parsed, but a `Value` holds less: a number
+/// beyond `f64` is an error, reported as the whole body's.
+fn built(raw: Option<&RawValue>, body: &[u8]) -> Result<Option<Value>, ApiError> {
+    raw.map(|r| {
+        serde_json::from_str(r.get()).map_err(|e| {
+            let e = serde_json::from_slice::<Value>(body).err().unwrap_or(e);
+            ApiError::invalid(format!("the body is not valid JSON: {e}"))
+        })
+    })
+    .transpose()
+}
+
+/// The body for the engine when it must change: the client's body (which
+/// [`Parsed::from_body`] accepted) without kvroute's extension, to edit further. A body the
+/// gateway cannot write again as it came (a number beyond `f64` in a field it skipped) is a
+/// 400 here.
+pub fn forwarded_body(raw: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice(raw) {
+        Ok(Value::Object(mut body)) => {
+            body.remove(EXTENSION);
+            Ok(body)
+        }
+        Ok(_) => Err(ApiError::invalid("the body must be a JSON object")),
+        Err(e) => Err(ApiError::invalid(format!(
+            "the body is not valid JSON: {e}"
+        ))),
+    }
+}
+
+/// The top-level fields [`Parsed::from_body`] reads, each as its raw JSON; the other fields
+/// are skipped unbuilt. A repeated key's last value wins, as in a `serde_json::Map`.
+#[derive(Debug, Default)]
+struct Fields<'a> {
+    model: Option<&'a RawValue>,
+    stream: Option<&'a RawValue>,
+    stream_options: Option<&'a RawValue>,
+    max_tokens: Option<&'a RawValue>,
+    max_completion_tokens: Option<&'a RawValue>,
+    prompt: Option<&'a RawValue>,
+    messages: Option<&'a RawValue>,
+    extension: Option<&'a RawValue>,
+    /// In [`CHAT_OPTIONS`]' order.
+    chat_options: [Option<&'a RawValue>; 4],
+}
+
+/// A top-level key of a body.
+enum Key {
+    Model,
+    Stream,
+    StreamOptions,
+    MaxTokens,
+    MaxCompletionTokens,
+    Prompt,
+    Messages,
+    Extension,
+    ChatOption(usize),
+    Other,
+}
+
+impl<'de> serde::Deserialize<'de> for Key {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl serde::de::Visitor<'_> for Visit {
+            type Value = Key;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E: serde::de::Error>(self, key: &str) -> Result<Key, E> {
+                Ok(match key {
+                    "model" => Key::Model,
+                    "stream" => Key::Stream,
+                    "stream_options" => Key::StreamOptions,
+                    "max_tokens" => Key::MaxTokens,
+                    "max_completion_tokens" => Key::MaxCompletionTokens,
+                    "prompt" => Key::Prompt,
+                    "messages" => Key::Messages,
+                    EXTENSION => Key::Extension,
+                    other => CHAT_OPTIONS
+                        .iter()
+                        .position(|o| *o == other)
+                        .map_or(Key::Other, Key::ChatOption),
+                })
+            }
+        }
+        d.deserialize_identifier(Visit)
+    }
+}
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for Fields<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Visit<'a> {
+            type Value = Fields<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<M: serde::de::MapAccess<'de>>(
+                self,
+                mut map: M,
+            ) -> Result<Fields<'a>, M::Error> {
+                let mut f = Fields::default();
+                while let Some(key) = map.next_key::<Key>()? {
+                    let slot = match key {
+                        Key::Model => &mut f.model,
+                        Key::Prompt => &mut f.prompt,
+                        Key::Stream => &mut f.stream,
+                        Key::StreamOptions => &mut f.stream_options,
+                        Key::MaxTokens => &mut f.max_tokens,
+                        Key::MaxCompletionTokens => &mut f.max_completion_tokens,
+                        Key::Messages => &mut f.messages,
+                        Key::Extension => &mut f.extension,
+                        Key::ChatOption(i) => &mut f.chat_options[i],
+                        Key::Other => {
+                            map.next_value::<serde::de::IgnoredAny>()?;
+                            continue;
+                        }
+                    };
+                    *slot = Some(map.next_value()?);
+                }
+                Ok(f)
+            }
+        }
+        d.deserialize_map(Visit(std::marker::PhantomData))
     }
 }
 
@@ -169,8 +332,8 @@ fn kind(v: &Value) -> &'static str {
     }
 }
 
-fn optional_bool(body: &Map<String, Value>, field: &'static str) -> Result<Option<bool>, ApiError> {
-    match body.get(field) {
+fn optional_bool(value: Option<&Value>, field: &'static str) -> Result<Option<bool>, ApiError> {
+    match value {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
         Some(other) => Err(ApiError::invalid_param(
@@ -180,8 +343,8 @@ fn optional_bool(body: &Map<String, Value>, field: &'static str) -> Result<Optio
     }
 }
 
-fn optional_u32(body: &Map<String, Value>, field: &'static str) -> Result<Option<u32>, ApiError> {
-    match body.get(field) {
+fn optional_u32(value: Option<&Value>, field: &'static str) -> Result<Option<u32>, ApiError> {
+    match value {
         None | Some(Value::Null) => Ok(None),
         Some(v) => match v.as_u64().and_then(|n| u32::try_from(n).ok()) {
             Some(n) => Ok(Some(n)),
@@ -209,15 +372,71 @@ fn token_ids(items: &[Value]) -> Result<Vec<u32>, ApiError> {
         .collect()
 }
 
-/// `prompt`: a string, a list of token ids, or a list of strings or of token-id lists.
-fn prompts(body: &Map<String, Value>) -> Result<Vec<Prompt>, ApiError> {
-    let out = match body.get("prompt") {
+/// `prompt`: a string, a list of token ids, or a list of strings or of token-id lists. A list
+/// of token ids is read straight into its ids ([`token_id_list`]); any other form, and a list
+/// that reading declines, goes through `Value` (for the same answer and the same error).
+fn prompts(raw: Option<&RawValue>, body: &[u8]) -> Result<Vec<Prompt>, ApiError> {
+    if let Some(ids) = raw.and_then(|r| token_id_list(r.get()))
+        && !ids.is_empty()
+    {
+        return Ok(vec![Prompt::Tokens(ids)]);
+    }
+    prompts_of(built(raw, body)?)
+}
+
+/// `text`, JSON already checked, as a list of token ids: `[`, then decimal integers below
+/// 2^32 separated by commas, then `]`, with JSON whitespace between. `None` for anything else
+/// (a sign, a fraction, an exponent, a larger number, another kind of value), which the
+/// caller reads as a `Value`. A token id takes a few instructions per digit here, against some
+/// 300 per token through serde_json's `Value` (BENCHMARKS.md, "Gateway").
+fn token_id_list(text: &str) -> Option<Vec<u32>> {
+    let b = text.as_bytes();
+    let skip = |mut i: usize| {
+        while b
+            .get(i)
+            .is_some_and(|c| matches!(c, b' ' | b'\t' | b'\n' | b'\r'))
+        {
+            i += 1;
+        }
+        i
+    };
+    if b.first() != Some(&b'[') {
+        return None;
+    }
+    let mut ids = Vec::with_capacity(b.len() / 4);
+    let mut i = skip(1);
+    if b.get(i) == Some(&b']') {
+        return Some(ids);
+    }
+    loop {
+        let start = i;
+        let mut id: u32 = 0;
+        while let Some(d) = b.get(i).filter(|c| c.is_ascii_digit()) {
+            id = id.checked_mul(10)?.checked_add(u32::from(d - b'0'))?;
+            i += 1;
+        }
+        if i == start {
+            return None;
+        }
+        ids.push(id);
+        i = skip(i);
+        match b.get(i) {
+            Some(b',') => i = skip(i + 1),
+            Some(b']') => return Some(ids),
+            _ => return None,
+        }
+    }
+}
+
+/// `prompt` read from its `Value`: the reading [`prompts`] must agree with.
+fn prompts_of(value: Option<Value>) -> Result<Vec<Prompt>, ApiError> {
+    let out = match value {
         None | Some(Value::Null) => {
             return Err(ApiError::invalid_param("prompt", "`prompt` is required"));
         }
-        Some(Value::String(s)) => vec![Prompt::Text(s.clone())],
+        Some(Value::String(s)) => vec![Prompt::Text(s)],
         Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_number) => {
-            vec![Prompt::Tokens(token_ids(items)?)]
+            vec![Prompt::Tokens(token_ids(&items)?)]
         }
         Some(Value::Array(items)) if !items.is_empty() => items
             .iter()
@@ -241,7 +460,7 @@ fn prompts(body: &Map<String, Value>) -> Result<Vec<Prompt>, ApiError> {
                 "prompt",
                 format!(
                     "`prompt` must be a string, a list of token ids, or a list of those, got {}",
-                    kind(other)
+                    kind(&other)
                 ),
             ));
         }
@@ -257,8 +476,8 @@ fn prompts(body: &Map<String, Value>) -> Result<Vec<Prompt>, ApiError> {
 }
 
 /// `messages`: a non-empty list of objects with a string `role`.
-fn messages(body: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
-    let items = match body.get("messages") {
+fn messages(value: Option<Value>) -> Result<Vec<Value>, ApiError> {
+    let items = match value {
         Some(Value::Array(items)) if !items.is_empty() => items,
         Some(Value::Array(_)) => {
             return Err(ApiError::invalid_param(
@@ -275,7 +494,7 @@ fn messages(body: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
         Some(other) => {
             return Err(ApiError::invalid_param(
                 "messages",
-                format!("`messages` must be an array, got {}", kind(other)),
+                format!("`messages` must be an array, got {}", kind(&other)),
             ));
         }
     };
@@ -308,7 +527,7 @@ fn messages(body: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
             }
         }
     }
-    Ok(items.clone())
+    Ok(items)
 }
 
 /// kvroute's body extension.

@@ -25,7 +25,7 @@ use crate::directory::Upstream;
 use crate::error::ApiError;
 use crate::lifecycle::Placement;
 use crate::models::{INLINE_TOKENIZE_BYTES, precheck, prompt_bytes, prompt_tokens, too_long};
-use crate::openai::{Api, Parsed, Prompt};
+use crate::openai::{Api, Parsed, Prompt, forwarded_body};
 use crate::relay::{BodyError, InFlight, Outcome, read_whole, relay};
 use crate::request_id::{self, RequestIds};
 
@@ -148,14 +148,20 @@ async fn forward(
             )));
             continue;
         };
-        let body = upstream_body(
+        let body = match upstream_body(
             &parsed,
             raw,
             forwarded.as_deref(),
             &upstream,
             reply.dp_rank,
             app,
-        );
+        ) {
+            Ok(body) => body,
+            Err(e) => {
+                guard.abandon("body");
+                return Err(e);
+            }
+        };
         match send(app, api, &upstream, ids, reply.dp_rank, body).await {
             Ok(answer) if answer.status().is_server_error() => {
                 let status = answer.status();
@@ -288,22 +294,24 @@ fn upstream_body(
     upstream: &Upstream,
     dp_rank: u32,
     app: &App,
-) -> Bytes {
+) -> Result<Bytes, ApiError> {
     let sglang_rank = upstream.engine == "sglang" && upstream.dp_size > 1;
     let as_ids = app.settings.forward_token_ids
         && parsed.api == Api::Completions
         && matches!(parsed.prompts.as_slice(), [Prompt::Text(_)]);
     if !parsed.edited && !sglang_rank && !as_ids {
-        return raw.clone();
+        return Ok(raw.clone());
     }
-    let mut body = parsed.body.clone();
+    let mut body = forwarded_body(raw)?;
     if as_ids && let Some(ids) = prompt_ids {
         body.insert("prompt".into(), json!(ids));
     }
     if sglang_rank {
         body.insert("routed_dp_rank".into(), Value::from(dp_rank));
     }
-    Bytes::from(serde_json::to_vec(&body).expect("a JSON map serializes"))
+    Ok(Bytes::from(
+        serde_json::to_vec(&body).expect("a JSON map serializes"),
+    ))
 }
 
 async fn send(

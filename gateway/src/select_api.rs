@@ -330,7 +330,7 @@ async fn tokenize_text(
     };
     let parsed = Parsed {
         api,
-        body,
+        chat_options: body,
         model: model.to_owned(),
         prompts,
         messages,
