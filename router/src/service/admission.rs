@@ -463,7 +463,7 @@ impl Router {
             // Expired or handed over meanwhile (only this task does either): the decision
             // was charged; withdraw it, nobody will use it.
             if let Some(d) = &decision {
-                self.lock_load().withdraw(d);
+                self.load.withdraw(d);
             }
             return Tried::Done;
         };

@@ -16,6 +16,7 @@ use kvroute_common::messages::{Decision, RequestLifecycle, WorkerLoad, now_ms};
 use tokio::sync::mpsc;
 
 use super::Router;
+use super::load_views::Reported;
 use crate::decide::load_view::Applied;
 
 const TICK: Duration = Duration::from_secs(1);
@@ -35,33 +36,28 @@ pub async fn watch_workers(router: Arc<Router>, mut events: mpsc::Receiver<Worke
         if let WorkerEvent::Invalid { reason, .. } = &event {
             router.metrics.bad_cards.inc(reason.label());
         }
-        let (change, without_events) = {
+        let change = {
             let mut candidates = router.candidates.write().unwrap_or_else(|p| p.into_inner());
             let change = candidates.apply(event);
             router.metrics.workers.set(candidates.len() as i64);
-            let without_events: Vec<_> = candidates
-                .cards()
-                .filter(|c| !c.kv_events)
-                .cloned()
-                .collect();
-            (change, without_events)
+            // Each partition's view: departed workers go, workers without KV events get (or
+            // lose) their approximate caches.
+            router
+                .load
+                .set_workers(candidates.cards(), &change.departed);
+            change
         };
-        // Workers without KV events get (or lose) their approximate caches.
-        router.lock_load().set_workers(&without_events);
         if change.loaded {
             tracing::info!("worker snapshot loaded");
             router.loaded.store(true, Ordering::Release);
         }
         if !change.departed.is_empty() {
-            let mut view = router.lock_load();
             for worker_id in &change.departed {
                 tracing::info!(
                     worker_id,
                     "worker departed; its load and bindings are dropped"
                 );
-                view.remove_worker(*worker_id);
             }
-            drop(view);
             for worker_id in &change.departed {
                 router
                     .admission
@@ -134,7 +130,7 @@ impl Router {
                     // This replica's own decisions come back on the subject too: the selection
                     // already applied and counted them, so their echo is no duplicate.
                     let own = d.router_id == self.router_id;
-                    match self.lock_load().apply_decision(&d, now_ms()) {
+                    match self.load.apply_decision(&d, now_ms()) {
                         Applied::Added | Applied::Replaced | Applied::AlreadyCounted => {
                             m.decisions_applied.inc()
                         }
@@ -149,7 +145,7 @@ impl Router {
                 if std::mem::take(disconnected) {
                     // Up to now: what was read from the dead connection was applied after the
                     // loss was noticed (decisions first), and its lifecycle events may be gone.
-                    let dropped = self.lock_load().forget_predictions_until(now_ms());
+                    let dropped = self.load.forget_predictions_until(now_ms());
                     m.nats_reconnects.inc();
                     m.predictions_forgotten.add(dropped as u64);
                     tracing::warn!(
@@ -160,19 +156,16 @@ impl Router {
             }
             Feed::Nats(_) => {}
             Feed::Load(msg) => match decode::<WorkerLoad>(&msg.payload) {
-                Ok(report) => {
-                    if self.lock_load().apply_report(&report, now_ms()) {
-                        m.load_reports.inc();
-                    } else {
-                        m.load_reports_stale.inc();
-                    }
-                }
+                Ok(report) => match self.load.apply_report(&report, now_ms()) {
+                    Reported::Applied | Reported::Unplaced => m.load_reports.inc(),
+                    Reported::Stale => m.load_reports_stale.inc(),
+                },
                 Err(e) => self.bad("load", &e),
             },
             Feed::Lifecycle(msg) => match decode::<RequestLifecycle>(&msg.payload) {
                 Ok(event) => {
                     let now = now_ms();
-                    self.lock_load().apply_lifecycle(&event, now);
+                    self.load.apply_lifecycle(&event, now);
                     self.admission.classifiers(|c| c.lifecycle(&event, now));
                     m.lifecycle_events.inc();
                 }
@@ -185,12 +178,10 @@ impl Router {
                     c.tracked()
                 });
                 m.classifier_tracked.set(tracked as i64);
-                let mut view = self.lock_load();
-                view.expire(now);
-                m.predicted_requests.set(view.predictions() as i64);
-                m.approx_ranks.set(view.approx().ranks() as i64);
-                m.approx_blocks.set(view.approx().total_blocks() as i64);
-                drop(view);
+                let totals = self.load.expire(now);
+                m.predicted_requests.set(totals.predictions as i64);
+                m.approx_ranks.set(totals.approx_ranks as i64);
+                m.approx_blocks.set(totals.approx_blocks as i64);
                 if let super::overlap::OverlapSource::Local(replica) = &self.overlap {
                     m.local_applied_seq.set(replica.applied_seq() as i64);
                 }

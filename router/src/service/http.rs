@@ -52,7 +52,7 @@ fn status(router: &Router) -> serde_json::Value {
         })
         .collect();
     let load: Vec<serde_json::Value> = router
-        .lock_load()
+        .load
         .ranks(now_ms())
         .into_iter()
         .map(|r| {

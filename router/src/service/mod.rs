@@ -14,6 +14,7 @@ mod feeds;
 mod http;
 pub mod intake;
 pub mod load_models;
+mod load_views;
 pub mod metrics;
 pub mod overlap;
 mod peers;
@@ -23,7 +24,7 @@ mod selection;
 pub mod sessions_kv;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use kvroute_common::discovery::watch_workers;
@@ -33,12 +34,13 @@ use kvroute_common::ops::{InFlight, spawn_watchdog, watchdog_observer};
 use kvroute_indexer::service::{IndexFollower, IndexFollowerConfig};
 
 pub use self::config::{OverlapMode, RouterConfig};
+use self::load_views::LoadViews;
 use self::metrics::RouterMetrics;
 use self::overlap::OverlapSource;
 use self::policies::{Policies, PolicySlot};
 use self::sessions_kv::{BucketConfig, KvSessionStore};
 use crate::decide::candidates::Candidates;
-use crate::decide::load_view::{LoadView, LoadViewConfig};
+use crate::decide::load_view::LoadViewConfig;
 use crate::registry::{
     ConfigError as PolicyConfigError, PolicyFileError, RouterPluginRegistry, RouterPlugins,
     RouterPluginsConfig,
@@ -121,7 +123,8 @@ pub struct Router {
     loaded: AtomicBool,
     /// In the select queue group (subscribed, and the server has the subscription).
     serving: AtomicBool,
-    load: Mutex<LoadView>,
+    /// One load view per partition.
+    load: LoadViews,
     overlap: OverlapSource,
     sessions: SessionTable<KvSessionStore>,
     policies: Policies,
@@ -153,10 +156,6 @@ impl Router {
     /// In the select queue group: ready and keeping up (what `/readyz` reports).
     pub fn is_serving(&self) -> bool {
         self.is_ready() && self.serving.load(Ordering::Acquire)
-    }
-
-    fn lock_load(&self) -> MutexGuard<'_, LoadView> {
-        self.load.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -214,14 +213,14 @@ pub async fn run(
         candidates: RwLock::new(Candidates::new()),
         loaded: AtomicBool::new(false),
         serving: AtomicBool::new(false),
-        load: Mutex::new(LoadView::new(LoadViewConfig {
+        load: LoadViews::new(LoadViewConfig {
             report_interval_ms: config.load_report_interval_ms,
             confirm_window_ms: config.prediction_confirm_ms,
             prediction_max_age_ms: config.prediction_max_age_secs.saturating_mul(1000),
             predicted_overlap_ttl_ms: config.predicted_overlap_ttl_ms,
             approx_cache_ttl_ms: config.approx_cache_ttl_ms,
             models: config.load_models.models()?,
-        })),
+        }),
         overlap,
         sessions: SessionTable::new(store, sessions_config),
         policies: Policies::new(policies, seed),

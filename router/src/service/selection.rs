@@ -33,6 +33,7 @@ use super::admission::{Entry, Joined, Queued, Waiting};
 use super::classifying::Classifiers;
 use super::clock::Clock;
 use super::intake::{self, Rejected};
+use super::load_views::{self, SharedView};
 use super::metrics::labels;
 use super::reply;
 use super::{PolicySlot, Router};
@@ -80,14 +81,14 @@ enum Outcome {
 /// in that order for one decision.
 struct Locked<'a> {
     slot: &'a PolicySlot,
-    router: &'a Router,
+    view: SharedView,
     clock: Clock,
 }
 
 impl DecisionState for Locked<'_> {
     fn with<R>(&mut self, f: impl FnOnce(&mut PartitionPolicy, &mut LoadView, u64) -> R) -> R {
         let mut policy = self.slot.lock();
-        let mut view = self.router.lock_load();
+        let mut view = load_views::lock(&self.view);
         f(&mut policy, &mut view, self.clock.now_ms())
     }
 
@@ -489,9 +490,10 @@ impl Router {
             target,
             queues,
         };
+        let request = &prepared.request;
         let mut state = Locked {
             slot,
-            router: self,
+            view: self.load.partition(&(request.model.clone(), request.role)),
             clock,
         };
         let (selection, need) = Selection::start(prepared, context, start, &mut state);
@@ -517,7 +519,7 @@ impl Router {
         // The session round trips may have taken the rest of the deadline (or the process
         // was stopped mid-selection): nobody would use this decision.
         if request.session.is_some() && clock.expired(request) {
-            self.lock_load().withdraw(&new.decision);
+            self.load.withdraw(&new.decision);
             return Outcome::Expired(labels::EXPIRED_SELECTED);
         }
         let m = &self.metrics;
