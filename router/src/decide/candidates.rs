@@ -65,6 +65,11 @@ impl Candidates {
         self.partitions.get(&(model.to_owned(), role)).cloned()
     }
 
+    /// Every partition.
+    pub fn partitions(&self) -> HashMap<PartitionKey, Arc<Partition>> {
+        self.partitions.clone()
+    }
+
     pub fn apply(&mut self, event: WorkerEvent) -> Change {
         let mut change = Change::default();
         match event {

@@ -51,30 +51,21 @@ pub async fn watch_workers(router: Arc<Router>, mut events: mpsc::Receiver<Worke
             tracing::info!("worker snapshot loaded");
             router.loaded.store(true, Ordering::Release);
         }
-        if !change.departed.is_empty() {
-            for worker_id in &change.departed {
-                tracing::info!(
-                    worker_id,
-                    "worker departed; its load and bindings are dropped"
-                );
-            }
-            for worker_id in &change.departed {
-                router
-                    .admission
-                    .classifiers(|c| c.worker_departed(*worker_id, now_ms()));
-            }
-        }
-        if router.admission.classifying() {
-            let candidates = router.candidates.read().unwrap_or_else(|p| p.into_inner());
-            router.admission.classifiers(|c| {
-                c.workers_changed(|(model, role)| {
-                    candidates.partition(model, *role).map(|p| (*p).clone())
-                });
-            });
+        for worker_id in &change.departed {
+            tracing::info!(
+                worker_id,
+                "worker departed; its load and bindings are dropped"
+            );
         }
         // A worker that joined (or left, failing requests pinned to it) changes what queued
-        // requests can get.
-        router.admission.poke();
+        // requests can get, and the classifiers hear of it.
+        router.admission.workers(change.departed, || {
+            router
+                .candidates
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .partitions()
+        });
     }
 }
 
@@ -166,18 +157,14 @@ impl Router {
                 Ok(event) => {
                     let now = now_ms();
                     self.load.apply_lifecycle(&event, now);
-                    self.admission.classifiers(|c| c.lifecycle(&event, now));
+                    self.admission.lifecycle(&event);
                     m.lifecycle_events.inc();
                 }
                 Err(e) => self.bad("lifecycle", &e),
             },
             Feed::Tick => {
                 let now = now_ms();
-                let tracked = self.admission.classifiers(|c| {
-                    c.expire(now, self.prediction_max_age_ms);
-                    c.tracked()
-                });
-                m.classifier_tracked.set(tracked as i64);
+                self.admission.tick();
                 let totals = self.load.expire(now);
                 m.predicted_requests.set(totals.predictions as i64);
                 m.approx_ranks.set(totals.approx_ranks as i64);

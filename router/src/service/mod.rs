@@ -205,6 +205,10 @@ pub async fn run(
     }
     let seed = config.seed.unwrap_or_else(rand::random);
     let (peers_tx, peers_rx) = tokio::sync::watch::channel(peers::PeerSet::default());
+    let (admission, admission_actor) = admission::Admission::new(
+        config.queue(),
+        classifying::Classifiers::new(plugins.classifier.clone()),
+    );
     let router = Arc::new(Router {
         router_id: router_id.clone(),
         decisions_subject: names.decisions(),
@@ -229,10 +233,7 @@ pub async fn run(
         max_in_flight: config.max_in_flight,
         peers: (!config.no_partition_owner).then_some(peers_rx),
         forward_timeout: Duration::from_millis(config.forward_timeout_ms),
-        admission: admission::Admission::new(
-            config.queue(),
-            classifying::Classifiers::new(plugins.classifier.clone()),
-        ),
+        admission,
         prediction_max_age_ms: config.prediction_max_age_secs.saturating_mul(1000),
     });
     let registration = Arc::new(peers::Registration::default());
@@ -275,7 +276,7 @@ pub async fn run(
         watchdog_observer("select", router.metrics.watchdog()),
     );
     let intake_task = tokio::spawn(intake::serve(router.clone(), serve, in_flight));
-    let dispatch_task = tokio::spawn(admission::dispatch_loop(router.clone()));
+    let admission_task = tokio::spawn(admission_actor.run(router.clone()));
     tracing::info!(router_id, subject = names.select(), overlap = ?config.overlap_mode, "router started; serving once ready");
 
     shutdown.await;
@@ -286,9 +287,9 @@ pub async fn run(
     }
     registration.revoke(&mut etcd_for_shutdown).await;
     intake_task.abort();
-    dispatch_task.abort();
     // Queued requests get an answer they can retry elsewhere, not silence.
-    router.refuse_queued().await;
+    router.admission.shutdown().await;
+    admission_task.abort();
     watchdog_task.abort();
     watch_task.abort();
     feed_task.abort();

@@ -29,15 +29,13 @@ use kvroute_common::messages::{Decision, ErrorCode, SelectRequest, SelectRespons
 use kvroute_common::names::headers;
 use uuid::Uuid;
 
-use super::admission::{Entry, Joined, Queued, Waiting};
-use super::classifying::Classifiers;
+use super::admission::{Admit, Admitted, Arrival, Join, Queued, Waiting};
 use super::clock::Clock;
 use super::intake::{self, Rejected};
 use super::load_views::{self, SharedView};
 use super::metrics::labels;
 use super::reply;
 use super::{PolicySlot, Router};
-use crate::classify::{ClassifyRequest, Completion, Verdict};
 use std::sync::Arc;
 
 use crate::decide::load_view::LoadView;
@@ -284,100 +282,59 @@ impl Router {
     ) -> Result<Outcome, SelectResponse> {
         let fail = |f: SelectFailure| SelectResponse::Error(f.to_select_error(Some(request_id)));
         let (prepared, slot) = self.prepare(Ok(request), request_id)?;
-        let request = &prepared.request;
-        let partition = &prepared.partition;
-        let key = (request.model.clone(), request.role);
-        let now = clock.now_ms();
-        // A retry of a queued request takes its place (classified once, when it came first).
-        if let Some((reply_to, arrived_ms, forwarded)) = &queue
-            && self.admission.is_queued(&key, &request_id)
-        {
-            let waiting = Waiting {
+        let key = (prepared.request.model.clone(), prepared.request.role);
+        let forwarded = queue.as_ref().is_some_and(|q| q.2);
+        let arrived_ms = queue.as_ref().map_or(clock.wall_ms, |q| q.1);
+        let reply_to = queue.map(|q| q.0);
+        // Admission (a classifier, or requests already waiting) may queue or refuse it first.
+        let mut admitted = Admitted::default();
+        if self.admission.consulted(reply_to.is_some()) {
+            let arrival = Arrival {
+                key: key.clone(),
                 prepared: prepared.clone(),
                 reply_to: reply_to.clone(),
-                overlap: None,
-                classify: None,
+                arrived_ms,
+                now_ms: clock.now_ms(),
             };
-            return self
-                .join_queue(
-                    &key,
-                    request_id,
-                    waiting,
-                    Entry::Default,
-                    *arrived_ms,
-                    clock,
-                )
-                .map(|()| Outcome::Queued {
-                    forwarded: *forwarded,
-                })
-                .map_err(|full| *full);
-        }
-        // The classifier (when configured) admits, defers, or classifies for the queue.
-        let arrived_ms = queue.as_ref().map_or(clock.wall_ms, |q| q.1);
-        let mut classify = self
-            .admission
-            .classifying()
-            .then(|| Classifiers::request(request, request_id, prepared.prompt.tokens, arrived_ms));
-        let mut entry = Entry::Default;
-        if let Some(creq) = &mut classify {
-            match self
-                .admission
-                .classifiers(|c| c.classify(&key, partition, creq, now))
-            {
-                Some(Verdict::Admit(c)) => entry = Entry::Classified(c),
-                Some(Verdict::Defer) => entry = Entry::Deferred,
-                None => {}
+            match self.admission.arrive(arrival).await {
+                Admit::Select(a) => admitted = a,
+                Admit::Queued => return Ok(Outcome::Queued { forwarded }),
+                Admit::Refused(response) => return Err(*response),
             }
         }
-        let target = classify
-            .as_ref()
-            .and_then(ClassifyRequest::worker_selection_target);
-        let joins_now = matches!(entry, Entry::Deferred) || self.admission.others_wait(&key);
-        if joins_now {
-            let Some((reply_to, arrived_ms, forwarded)) = queue else {
-                // Deferred where nothing may queue (`--queue-max-len 0`).
-                self.admission
-                    .classifiers(|c| c.completed(request_id, Completion::Rejected, now));
-                return Err(wire::error(
-                    ErrorCode::QueueFull,
-                    format!(
-                        "the request classifier deferred the request and router {} has no admission queue (--queue-max-len 0)",
-                        self.router_id
-                    ),
-                    Some(request_id),
-                ));
-            };
-            let waiting = Waiting {
-                prepared: prepared.clone(),
-                reply_to,
-                overlap: None,
-                classify,
-            };
-            return self
-                .join_queue(&key, request_id, waiting, entry, arrived_ms, clock)
-                .map(|()| Outcome::Queued { forwarded })
-                .map_err(|full| *full);
-        }
         let ended = self
-            .select(&prepared, &slot, None, target, queue.is_some(), clock)
+            .select(
+                &prepared,
+                &slot,
+                None,
+                admitted.target(),
+                reply_to.is_some(),
+                clock,
+            )
             .await;
-        let decided = match (ended, queue) {
-            (Ended::Join(overlap), Some((reply_to, arrived_ms, forwarded))) => {
-                let waiting = Waiting {
-                    prepared: prepared.clone(),
-                    reply_to,
-                    overlap: Some((overlap, clock.now_ms())),
-                    classify,
+        let decided = match (ended, reply_to) {
+            (Ended::Join(overlap), Some(reply_to)) => {
+                let now = clock.now_ms();
+                let join = Join {
+                    key,
+                    waiting: Waiting {
+                        prepared: prepared.clone(),
+                        reply_to,
+                        overlap: Some((overlap, now)),
+                        classify: admitted.classify.take(),
+                    },
+                    admitted,
+                    arrived_ms,
+                    now_ms: now,
                 };
-                return self
-                    .join_queue(&key, request_id, waiting, entry, arrived_ms, clock)
-                    .map(|()| Outcome::Queued { forwarded })
-                    .map_err(|full| *full);
+                return match self.admission.join(join).await {
+                    Admit::Refused(response) => Err(*response),
+                    Admit::Queued | Admit::Select(_) => Ok(Outcome::Queued { forwarded }),
+                };
             }
             (Ended::Join(_), None) => unreachable!("only a request that may queue joins"),
             (Ended::Reply(Err(f)), _) => {
-                self.admission
-                    .classifiers(|c| c.completed(request_id, Completion::Rejected, now));
+                self.admission.ended(request_id, None, clock.now_ms());
                 return Err(fail(f));
             }
             (Ended::Reply(Ok(decided)), _) => decided,
@@ -385,46 +342,9 @@ impl Router {
         let outcome = self.conclude(&prepared, decided, clock);
         if let Outcome::Answer(SelectResponse::Ok(reply), Some(_)) = &outcome {
             let rank = WorkerRank::new(reply.worker_id, reply.dp_rank);
-            self.admission
-                .classifiers(|c| c.sent(request_id, rank, clock.now_ms()));
+            self.admission.ended(request_id, Some(rank), clock.now_ms());
         }
         Ok(outcome)
-    }
-
-    /// [`super::admission::Admission::join`] with the metrics; `Err` is the `queue_full`
-    /// answer.
-    fn join_queue(
-        &self,
-        key: &crate::decide::candidates::PartitionKey,
-        request_id: Uuid,
-        waiting: Waiting,
-        entry: Entry,
-        arrived_ms: u64,
-        clock: Clock,
-    ) -> Result<(), Box<SelectResponse>> {
-        let labels = [key.0.as_str(), key.1.as_str()];
-        let joined =
-            self.admission
-                .join(key, request_id, waiting, entry, arrived_ms, clock.now_ms());
-        match joined {
-            Joined::Queued => {
-                self.metrics.queue_joined.with(&labels).inc();
-                Ok(())
-            }
-            Joined::Full(e) => {
-                self.metrics.queue_full.with(&labels).inc();
-                self.admission
-                    .classifiers(|c| c.completed(request_id, Completion::Rejected, clock.now_ms()));
-                Err(Box::new(wire::error(
-                    ErrorCode::QueueFull,
-                    format!(
-                        "every eligible worker is busy and router {}'s queue for this model is full: {e}",
-                        self.router_id
-                    ),
-                    Some(request_id),
-                )))
-            }
-        }
     }
 
     /// A queued request's turn (the dispatcher's): decided with the overlap it had when not
