@@ -24,18 +24,20 @@
 use kvroute_common::messages::{Decision, LifecycleKind, RequestLifecycle, WorkerCard, WorkerLoad};
 use kvroute_common::{RequestId, WorkerId};
 
+use self::approx::ApproxCache;
 use self::foresight::Foresight;
 use self::models::LoadModels;
+use self::predicted::PredictedOverlap;
 use self::predictions::Prediction;
 use self::ranks::RankLoads;
 use self::retries::{Known, RetryMemory};
-use super::approx::ApproxCache;
-use super::predicted::PredictedOverlap;
 use crate::signals::ObservedLoad;
 use crate::worker::WorkerRank;
 
+pub mod approx;
 mod foresight;
 pub mod models;
+pub mod predicted;
 mod predictions;
 mod ranks;
 mod retries;

@@ -14,11 +14,9 @@
 //! No I/O and no clock: the caller answers the steps' I/O, and passes the ids and the time
 //! (read by the [`DecisionState`] when it takes its lock).
 
-pub mod approx;
 pub mod candidates;
 pub mod load_view;
 pub mod owner;
-pub mod predicted;
 pub mod prompt;
 pub mod selection;
 pub mod wire;
@@ -29,7 +27,7 @@ use kvroute_common::{DecisionId, RequestId};
 use rand::rngs::StdRng;
 
 use self::candidates::Partition;
-use self::load_view::{Applied, LoadView};
+use self::load_view::{Applied, LoadView, predicted};
 use self::prompt::Prompt;
 use crate::pipeline::{WorkerInputs, WorkerSelectionPolicy};
 use crate::select::{Chosen, SelectFailure, SelectInput, SelectionSettings, select_worker};

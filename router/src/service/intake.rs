@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use kvroute_common::codec::{DecodeError, decode};
-use kvroute_common::messages::{ErrorCode, SelectRequest};
+use kvroute_common::messages::{ErrorCode, SelectRequest, now_ms};
 use kvroute_common::ops::{InFlight, Membership, serve_membership};
 use tokio::sync::{Semaphore, watch};
 
@@ -104,6 +104,46 @@ pub async fn serve(router: Arc<Router>, serve: watch::Receiver<bool>, in_flight:
         }
     };
     serve_membership(&router.nats, &membership, serve, on_state, take).await;
+}
+
+/// The request's clock: one wall-clock reading at intake, advanced by the monotonic clock;
+/// the one place the selection path reads the clocks (the pure core takes `now_ms` as an
+/// argument).
+#[derive(Debug, Clone, Copy)]
+#[allow(
+    clippy::disallowed_types,
+    reason = "a shell: stamps each request with the clock at intake"
+)]
+pub(super) struct Clock {
+    pub(super) wall_ms: u64,
+    at: std::time::Instant,
+}
+
+#[allow(
+    clippy::disallowed_types,
+    clippy::disallowed_methods,
+    reason = "a shell: stamps each request with the clock at intake"
+)]
+impl Clock {
+    pub(super) fn now() -> Self {
+        Self {
+            wall_ms: now_ms(),
+            at: std::time::Instant::now(),
+        }
+    }
+
+    pub(super) fn now_ms(&self) -> u64 {
+        self.wall_ms + u64::try_from(self.at.elapsed().as_millis()).unwrap_or(u64::MAX / 2)
+    }
+
+    /// Time since the reading at intake.
+    pub(super) fn elapsed(&self) -> std::time::Duration {
+        self.at.elapsed()
+    }
+
+    pub(super) fn expired(&self, request: &SelectRequest) -> bool {
+        request.deadline_ms.is_some_and(|d| self.now_ms() > d)
+    }
 }
 
 #[cfg(test)]

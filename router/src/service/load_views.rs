@@ -17,8 +17,11 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use kvroute_common::WorkerId;
 use kvroute_common::messages::{Decision, RequestLifecycle, WorkerCard, WorkerLoad};
 
+use super::intake::Clock;
+use super::policies::PolicySlot;
 use crate::decide::candidates::PartitionKey;
 use crate::decide::load_view::{Applied, LoadView, LoadViewConfig, RankView};
+use crate::decide::{DecisionState, PartitionPolicy};
 use crate::worker::WorkerRank;
 
 /// One partition's view, shared by the selections of the partition and the feeds.
@@ -242,6 +245,26 @@ pub(super) struct Totals {
     pub predictions: usize,
     pub approx_ranks: usize,
     pub approx_blocks: u64,
+}
+
+/// The service's decision state: a partition's policy slot and the replica's load view, locked
+/// in that order for one decision.
+pub(super) struct Locked<'a> {
+    pub slot: &'a PolicySlot,
+    pub view: SharedView,
+    pub clock: Clock,
+}
+
+impl DecisionState for Locked<'_> {
+    fn with<R>(&mut self, f: impl FnOnce(&mut PartitionPolicy, &mut LoadView, u64) -> R) -> R {
+        let mut policy = self.slot.lock();
+        let mut view = lock(&self.view);
+        f(&mut policy, &mut view, self.clock.now_ms())
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
+    }
 }
 
 #[cfg(test)]

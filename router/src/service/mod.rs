@@ -8,7 +8,6 @@
 
 mod admission;
 mod classifying;
-mod clock;
 pub mod config;
 mod feeds;
 mod http;

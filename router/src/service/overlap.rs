@@ -14,6 +14,10 @@ use kvroute_common::messages::{
 use kvroute_common::names::Names;
 use kvroute_indexer::service::IndexFollower;
 
+use super::Router;
+use crate::decide::prompt::Prompt;
+use crate::signals::SignalSnapshot;
+
 /// Why a remote query gave no overlap (the label of `overlap_fallbacks_total`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fallback {
@@ -132,5 +136,42 @@ impl OverlapSource {
             Err(GroupError::TimedOut { .. }) => Err(Fallback::Timeout),
             Err(GroupError::Transport(_)) => Err(Fallback::Failed),
         }
+    }
+}
+
+#[allow(
+    clippy::disallowed_types,
+    clippy::disallowed_methods,
+    reason = "a shell: times the query for its histogram"
+)]
+impl Router {
+    /// The prompt's overlap per rank (the policy reads `CACHE`); none for a prompt without a
+    /// block.
+    pub(super) async fn overlap_signals(&self, model: &str, prompt: &Prompt) -> SignalSnapshot {
+        let mut signals = SignalSnapshot::new();
+        if !prompt.hashes.is_empty() {
+            let started = std::time::Instant::now();
+            match self.overlap.matches(model, &prompt.hashes).await {
+                Ok(found) => {
+                    if found.attempts > 1 {
+                        self.metrics
+                            .overlap_retries
+                            .add(u64::from(found.attempts - 1));
+                    }
+                    signals = SignalSnapshot::from_matches(&found.matches);
+                }
+                Err(fallback) => {
+                    self.metrics.overlap_fallbacks.inc(fallback.reason());
+                    tracing::debug!(
+                        reason = fallback.reason(),
+                        "no overlap available; scoring on load alone"
+                    );
+                }
+            }
+            self.metrics
+                .overlap_latency
+                .observe(started.elapsed().as_secs_f64());
+        }
+        signals
     }
 }

@@ -17,7 +17,12 @@ use etcd_client::{EventType, GetOptions, PutOptions, WatchOptions};
 use kvroute_common::names::Names;
 use tokio::sync::watch;
 
+use kvroute_common::messages::SelectRequest;
+use kvroute_common::names::headers;
+
 use super::Router;
+use super::intake::Clock;
+use super::metrics::labels;
 
 /// The registered replicas' ids, as last read.
 pub type PeerSet = Arc<BTreeSet<String>>;
@@ -184,4 +189,88 @@ fn id_of(prefix: &str, key: &[u8]) -> Option<String> {
     let key = std::str::from_utf8(key).ok()?;
     let id = key.strip_prefix(prefix)?;
     (!id.is_empty()).then(|| id.to_owned())
+}
+
+/// The owner's answer to a forwarded request.
+pub(super) enum Forwarded {
+    /// Its reply, to pass on to the client.
+    Answered(bytes::Bytes),
+    /// It queued the request and answers the client itself.
+    Queued,
+}
+
+impl Router {
+    /// The replica owning the request's partition, when it is another one (see
+    /// `crate::decide::owner`); `None` when this replica owns it, forwarding is off, or no
+    /// replica is registered yet.
+    pub(super) fn owner_of(&self, request: &SelectRequest) -> Option<String> {
+        let peers = self.peers.as_ref()?.borrow().clone();
+        let owner = crate::decide::owner::owner(
+            peers.iter().map(String::as_str),
+            &request.model,
+            request.role,
+        )?;
+        (owner != self.router_id).then(|| owner.to_owned())
+    }
+
+    /// Forwards the request to `owner` with the client's inbox; its encoded reply, or word
+    /// that it queued the request; `None` when the owner cannot answer in time (gone,
+    /// stalled, not serving), and this replica decides instead.
+    pub(super) async fn forward(
+        &self,
+        owner: &str,
+        msg: &async_nats::Message,
+        request: &SelectRequest,
+        clock: Clock,
+    ) -> Option<Forwarded> {
+        let mut timeout = self.forward_timeout;
+        if let Some(deadline) = request.deadline_ms {
+            let left = deadline.saturating_sub(clock.now_ms());
+            timeout = timeout.min(std::time::Duration::from_millis(left.max(1)));
+        }
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(headers::FORWARDED_BY, self.router_id.as_str());
+        if let Some(inbox) = &msg.reply {
+            headers.insert(headers::REPLY_TO, inbox.as_str());
+        }
+        let forward = async_nats::Request::new()
+            .payload(msg.payload.clone())
+            .headers(headers)
+            .timeout(Some(timeout));
+        let outcome = self
+            .nats
+            .send_request(self.names.router_select(owner), forward)
+            .await;
+        let forwards = &self.metrics.forwards;
+        match outcome {
+            Ok(reply)
+                if reply
+                    .headers
+                    .as_ref()
+                    .is_some_and(|h| h.get(headers::QUEUED).is_some()) =>
+            {
+                forwards.inc(labels::FORWARD_QUEUED);
+                Some(Forwarded::Queued)
+            }
+            Ok(reply) => {
+                forwards.inc(labels::FORWARD_ANSWERED);
+                Some(Forwarded::Answered(reply.payload))
+            }
+            Err(e) => {
+                use async_nats::client::RequestErrorKind;
+                let reason = match e.kind() {
+                    RequestErrorKind::NoResponders => labels::FORWARD_NO_RESPONDERS,
+                    RequestErrorKind::TimedOut => labels::FORWARD_TIMEOUT,
+                    _ => labels::FORWARD_ERROR,
+                };
+                forwards.inc(reason);
+                tracing::debug!(
+                    owner,
+                    reason,
+                    "the partition's owner did not answer; deciding here"
+                );
+                None
+            }
+        }
+    }
 }

@@ -17,31 +17,23 @@
 //! its admission queue ([`super::admission`]) instead of failing `all_overloaded`; so does a
 //! request whose partition already has requests waiting (they go first).
 
-#![allow(
-    clippy::disallowed_types,
-    clippy::disallowed_methods,
-    reason = "a shell: stamps each request with the clock at intake"
-)]
-
-use std::time::Instant;
-
 use kvroute_common::messages::{Decision, ErrorCode, SelectRequest, SelectResponse};
 use kvroute_common::names::headers;
 use uuid::Uuid;
 
 use super::admission::{Admit, Admitted, Arrival, Join, Queued, Waiting};
-use super::clock::Clock;
-use super::intake::{self, Rejected};
-use super::load_views::{self, SharedView};
+use super::intake::{self, Clock, Rejected};
+use super::load_views::Locked;
 use super::metrics::labels;
+use super::peers::Forwarded;
 use super::reply;
+use super::reply::Concluded;
 use super::{PolicySlot, Router};
 use std::sync::Arc;
 
-use crate::decide::load_view::LoadView;
-use crate::decide::prompt::{Prepared, Prompt};
+use crate::decide::prompt::Prepared;
 use crate::decide::selection::{Context, Selection, Start};
-use crate::decide::{Decided, DecisionState, PartitionPolicy, wire};
+use crate::decide::wire;
 use crate::drive::{self, Ended};
 use crate::eligibility::EligibilityError;
 use crate::pipeline::WorkerInputs;
@@ -49,14 +41,6 @@ use crate::registry::ConfigError;
 use crate::select::SelectFailure;
 use crate::signals::SignalSnapshot;
 use crate::worker::{WorkerRank, WorkerTarget};
-
-/// The owner's answer to a forwarded request.
-enum Forwarded {
-    /// Its reply, to pass on to the client.
-    Answered(bytes::Bytes),
-    /// It queued the request and answers the client itself.
-    Queued,
-}
 
 /// What became of one request message (lives for one request: not worth a box).
 #[allow(clippy::large_enum_variant)]
@@ -73,26 +57,6 @@ enum Outcome {
     Queued { forwarded: bool },
     /// The partition's owner queued it and answers the client itself.
     QueuedByOwner,
-}
-
-/// The service's decision state: a partition's policy slot and the replica's load view, locked
-/// in that order for one decision.
-struct Locked<'a> {
-    slot: &'a PolicySlot,
-    view: SharedView,
-    clock: Clock,
-}
-
-impl DecisionState for Locked<'_> {
-    fn with<R>(&mut self, f: impl FnOnce(&mut PartitionPolicy, &mut LoadView, u64) -> R) -> R {
-        let mut policy = self.slot.lock();
-        let mut view = load_views::lock(&self.view);
-        f(&mut policy, &mut view, self.clock.now_ms())
-    }
-
-    fn now_ms(&self) -> u64 {
-        self.clock.now_ms()
-    }
 }
 
 impl Router {
@@ -339,7 +303,10 @@ impl Router {
             }
             (Ended::Reply(Ok(decided)), _) => decided,
         };
-        let outcome = self.conclude(&prepared, decided, clock);
+        let outcome = match self.conclude(&prepared, decided, clock) {
+            Concluded::Answer(response, decision) => Outcome::Answer(response, decision),
+            Concluded::Expired(stage) => Outcome::Expired(stage),
+        };
         if let Outcome::Answer(SelectResponse::Ok(reply), Some(_)) = &outcome {
             let rank = WorkerRank::new(reply.worker_id, reply.dp_rank);
             self.admission.ended(request_id, Some(rank), clock.now_ms());
@@ -377,8 +344,8 @@ impl Router {
                 None,
             ),
             Ended::Reply(Ok(decided)) => match self.conclude(&prepared, decided, clock) {
-                Outcome::Answer(response, decision) => Queued::Answer(response, decision),
-                _ => Queued::Expired,
+                Concluded::Answer(response, decision) => Queued::Answer(response, decision),
+                Concluded::Expired(_) => Queued::Expired,
             },
         }
     }
@@ -422,150 +389,5 @@ impl Router {
             self.overlap_signals(model, prompt)
         })
         .await
-    }
-
-    /// What a decision comes to: the answer and the decision to publish, or nothing.
-    fn conclude(&self, prepared: &Prepared, decided: Decided, clock: Clock) -> Outcome {
-        let (request, request_id, prompt) =
-            (&prepared.request, prepared.request_id, &prepared.prompt);
-        let new = match decided {
-            Decided::Known(reply) => {
-                self.metrics.repeated.inc();
-                return Outcome::Answer(SelectResponse::Ok(*reply), None);
-            }
-            Decided::Expired => return Outcome::Expired(labels::EXPIRED_QUEUED),
-            Decided::New(new) => new,
-        };
-        // The session round trips may have taken the rest of the deadline (or the process
-        // was stopped mid-selection): nobody would use this decision.
-        if request.session.is_some() && clock.expired(request) {
-            self.load.withdraw(&new.decision);
-            return Outcome::Expired(labels::EXPIRED_SELECTED);
-        }
-        let m = &self.metrics;
-        m.decisions_applied.inc();
-        m.decisions.inc(&new.selection.worker.to_string());
-        m.request_blocks.add(u64::from(prompt.blocks()));
-        m.overlap_blocks.add(u64::from(new.decision.overlap_blocks));
-        if let Some(binding) = new.selection.binding {
-            m.sessions.inc(binding.as_str());
-        }
-        tracing::debug!(
-            %request_id,
-            worker_id = new.selection.worker.worker_id,
-            dp_rank = new.selection.worker.dp_rank,
-            overlap_blocks = new.decision.overlap_blocks,
-            cost = new.selection.cost.total,
-            policy = new.selection.policy,
-            binding = ?new.selection.binding,
-            attempt = request.attempt,
-            "selected"
-        );
-        let reply = new.reply();
-        Outcome::Answer(SelectResponse::Ok(reply), Some(new.decision))
-    }
-
-    /// The replica owning the request's partition, when it is another one (see
-    /// `crate::decide::owner`); `None` when this replica owns it, forwarding is off, or no
-    /// replica is registered yet.
-    pub(super) fn owner_of(&self, request: &SelectRequest) -> Option<String> {
-        let peers = self.peers.as_ref()?.borrow().clone();
-        let owner = crate::decide::owner::owner(
-            peers.iter().map(String::as_str),
-            &request.model,
-            request.role,
-        )?;
-        (owner != self.router_id).then(|| owner.to_owned())
-    }
-
-    /// Forwards the request to `owner` with the client's inbox; its encoded reply, or word
-    /// that it queued the request; `None` when the owner cannot answer in time (gone,
-    /// stalled, not serving), and this replica decides instead.
-    async fn forward(
-        &self,
-        owner: &str,
-        msg: &async_nats::Message,
-        request: &SelectRequest,
-        clock: Clock,
-    ) -> Option<Forwarded> {
-        let mut timeout = self.forward_timeout;
-        if let Some(deadline) = request.deadline_ms {
-            let left = deadline.saturating_sub(clock.now_ms());
-            timeout = timeout.min(std::time::Duration::from_millis(left.max(1)));
-        }
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert(headers::FORWARDED_BY, self.router_id.as_str());
-        if let Some(inbox) = &msg.reply {
-            headers.insert(headers::REPLY_TO, inbox.as_str());
-        }
-        let forward = async_nats::Request::new()
-            .payload(msg.payload.clone())
-            .headers(headers)
-            .timeout(Some(timeout));
-        let outcome = self
-            .nats
-            .send_request(self.names.router_select(owner), forward)
-            .await;
-        let forwards = &self.metrics.forwards;
-        match outcome {
-            Ok(reply)
-                if reply
-                    .headers
-                    .as_ref()
-                    .is_some_and(|h| h.get(headers::QUEUED).is_some()) =>
-            {
-                forwards.inc(labels::FORWARD_QUEUED);
-                Some(Forwarded::Queued)
-            }
-            Ok(reply) => {
-                forwards.inc(labels::FORWARD_ANSWERED);
-                Some(Forwarded::Answered(reply.payload))
-            }
-            Err(e) => {
-                use async_nats::client::RequestErrorKind;
-                let reason = match e.kind() {
-                    RequestErrorKind::NoResponders => labels::FORWARD_NO_RESPONDERS,
-                    RequestErrorKind::TimedOut => labels::FORWARD_TIMEOUT,
-                    _ => labels::FORWARD_ERROR,
-                };
-                forwards.inc(reason);
-                tracing::debug!(
-                    owner,
-                    reason,
-                    "the partition's owner did not answer; deciding here"
-                );
-                None
-            }
-        }
-    }
-
-    /// The prompt's overlap per rank (the policy reads `CACHE`); none for a prompt without a
-    /// block.
-    async fn overlap_signals(&self, model: &str, prompt: &Prompt) -> SignalSnapshot {
-        let mut signals = SignalSnapshot::new();
-        if !prompt.hashes.is_empty() {
-            let started = Instant::now();
-            match self.overlap.matches(model, &prompt.hashes).await {
-                Ok(found) => {
-                    if found.attempts > 1 {
-                        self.metrics
-                            .overlap_retries
-                            .add(u64::from(found.attempts - 1));
-                    }
-                    signals = SignalSnapshot::from_matches(&found.matches);
-                }
-                Err(fallback) => {
-                    self.metrics.overlap_fallbacks.inc(fallback.reason());
-                    tracing::debug!(
-                        reason = fallback.reason(),
-                        "no overlap available; scoring on load alone"
-                    );
-                }
-            }
-            self.metrics
-                .overlap_latency
-                .observe(started.elapsed().as_secs_f64());
-        }
-        signals
     }
 }

@@ -7,8 +7,8 @@ use kvroute_common::WorkerId;
 use kvroute_common::messages::{Decision, WorkerCard};
 
 use super::Applied;
-use crate::decide::approx::ApproxCache;
-use crate::decide::predicted::{PredictedOverlap, PromptPrefixes};
+use super::approx::ApproxCache;
+use super::predicted::{PredictedOverlap, PromptPrefixes};
 use crate::worker::WorkerRank;
 
 #[derive(Debug)]

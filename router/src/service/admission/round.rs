@@ -15,7 +15,7 @@ use super::{Input, Queued, Turned};
 use crate::decide::candidates::PartitionKey;
 use crate::queue::Left;
 use crate::service::Router;
-use crate::service::clock::Clock;
+use crate::service::intake::Clock;
 
 /// A round stops trying a partition after this many consecutive requests found every
 /// eligible worker busy.
