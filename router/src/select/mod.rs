@@ -1,6 +1,7 @@
-//! The core's entry points: [`select_worker`] (eligibility → policy, no session) and
-//! [`select`] (session lookup → selection → commit). No I/O besides the session store; time,
-//! randomness and signals come in as arguments.
+//! The core's selection of one rank: [`select_worker`] (validate → eligibility → a pin or a
+//! hard binding, or the policy) under the route a session gives. No I/O; randomness and
+//! signals come in as arguments. `crate::decide` runs it for every request, with the session
+//! steps around it.
 
 mod failure;
 mod settings;
@@ -16,7 +17,7 @@ pub use settings::{SelectionSettings, SelectionSettingsError};
 use crate::eligibility::{EligibleRank, Rules, eligible_ranks};
 use crate::pipeline::{PolicyChoice, WorkerSelectionPolicy};
 use crate::request::RequestContext;
-use crate::session::{Chooser, SessionRoute, SessionStore, SessionTable, choose_in_session};
+use crate::session::SessionRoute;
 use crate::signals::{Overlap, SignalSource};
 use crate::worker::{WorkerRank, WorkerTarget};
 
@@ -110,7 +111,7 @@ pub fn select_worker(
         match route {
             SessionRoute::Exact(target) => {
                 // A hard binding that is no longer eligible falls through to a rebind.
-                if let Some(selection) = try_exact(input, policy, &context, target, rng) {
+                if let Some(selection) = try_exact(input, &rules, policy, &context, target, rng) {
                     return selection;
                 }
             }
@@ -131,13 +132,16 @@ pub fn select_worker(
 /// The exact-target path for `target`, or `None` when no rank of it is eligible.
 fn try_exact(
     input: &SelectInput<'_>,
+    rules: &Rules<'_>,
     policy: &mut WorkerSelectionPolicy,
     context: &RequestContext,
     target: WorkerTarget,
     rng: &mut dyn RngCore,
 ) -> Option<Result<Chosen, SelectFailure>> {
-    let mut rules = Rules::from_request(input.request);
-    rules.exact = Some(target);
+    let rules = Rules {
+        exact: Some(target),
+        ..*rules
+    };
     let ranks = eligible(input, &rules).ok()?;
     Some(choose(
         input,
@@ -190,76 +194,4 @@ fn choose(
         binding: None,
         path,
     })
-}
-
-/// Selects a rank and, for a request in a session, commits its binding (see
-/// [`choose_in_session`]): the core's selection without a load view, for callers that keep
-/// none. The router service and the simulator go through `crate::decide`, which also records
-/// and charges the decision.
-pub async fn select<S: SessionStore>(
-    input: &SelectInput<'_>,
-    policy: &mut WorkerSelectionPolicy,
-    sessions: &SessionTable<S>,
-    now_ms: u64,
-    rng: &mut (dyn RngCore + Send),
-) -> Result<Chosen, SelectFailure> {
-    let mut chooser = PolicyOnly { input, policy, rng };
-    choose_for_request(sessions, input.request, input.workers, now_ms, &mut chooser).await
-}
-
-/// Runs `chooser` for `request`: once, without a session; through [`choose_in_session`] with
-/// one, where a binding counts only while its rank is a registered rank of a card in
-/// `workers` serving the request.
-pub async fn choose_for_request<S: SessionStore, C: Chooser>(
-    sessions: &SessionTable<S>,
-    request: &SelectRequest,
-    workers: &[WorkerCard],
-    now_ms: u64,
-    chooser: &mut C,
-) -> Result<C::Choice, C::Error> {
-    let Some(session) = &request.session else {
-        return chooser.choose(SessionRoute::Open { affinity: None });
-    };
-    let rules = Rules::from_request(request);
-    let registered = |worker: WorkerRank| {
-        workers.iter().any(|c| {
-            c.worker_id == worker.worker_id
-                && rules.serves(c)
-                && c.dp_ranks().any(|r| r == worker.dp_rank)
-        })
-    };
-    choose_in_session(
-        sessions,
-        session,
-        request.pin.is_some(),
-        &registered,
-        now_ms,
-        chooser,
-    )
-    .await
-}
-
-struct PolicyOnly<'a, 'b> {
-    input: &'a SelectInput<'b>,
-    policy: &'a mut WorkerSelectionPolicy,
-    rng: &'a mut (dyn RngCore + Send),
-}
-
-impl Chooser for PolicyOnly<'_, '_> {
-    type Choice = Chosen;
-    type Error = SelectFailure;
-
-    fn choose(&mut self, route: SessionRoute) -> Result<Chosen, SelectFailure> {
-        select_worker(self.input, self.policy, route, self.rng)
-    }
-
-    fn worker(&self, choice: &Chosen) -> Option<WorkerRank> {
-        Some(choice.worker)
-    }
-
-    fn bound(&mut self, choice: &mut Chosen, state: Option<BindingState>) {
-        choice.binding = state;
-    }
-
-    fn withdraw(&mut self, _choice: Chosen) {}
 }

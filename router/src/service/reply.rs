@@ -12,7 +12,10 @@ use crate::decide::prompt::Prepared;
 
 /// What a decision came to.
 #[derive(Debug)]
-#[allow(clippy::large_enum_variant, reason = "lives for one request: not worth a box")]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "lives for one request: not worth a box"
+)]
 pub(super) enum Concluded {
     /// Answer with this, and publish the decision if one was made.
     Answer(SelectResponse, Option<Decision>),

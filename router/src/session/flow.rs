@@ -6,16 +6,14 @@
 //! it, otherwise chosen anew and written over it.
 //!
 //! [`SessionFlow`] is those rules as a step machine without I/O: its caller reads and writes
-//! the store and hands back the results. [`choose_in_session`] drives it over a
-//! [`SessionStore`] for a [`Chooser`].
+//! the store and hands back the results (the selection machine, `crate::decide::selection`).
 
 use kvroute_common::messages::{BindingState, SessionContext};
 
 use super::binding::{SessionConfig, Versioned};
-use super::store::{SessionStore, SessionWrite, WriteOutcome, write};
+use super::store::{SessionWrite, WriteOutcome};
 use super::table::{
-    BindingStatus, CommitPlan, SessionError, SessionLookup, SessionRoute, SessionTable,
-    plan_commit, read,
+    BindingStatus, CommitPlan, SessionError, SessionLookup, SessionRoute, plan_commit, read,
 };
 use crate::worker::{WorkerRank, WorkerTarget};
 
@@ -122,66 +120,6 @@ impl SessionFlow {
             WriteOutcome::Conflict => {
                 self.attempts += 1;
                 AfterWrite::Reread
-            }
-        }
-    }
-}
-
-/// The step that chooses, run once per attempt.
-pub trait Chooser {
-    type Choice;
-    type Error: From<SessionError>;
-    /// Chooses under `route` (takes and releases whatever the choice needs locked).
-    fn choose(&mut self, route: SessionRoute) -> Result<Self::Choice, Self::Error>;
-    /// The rank to bind; `None` when the choice commits nothing (the request was already
-    /// answered, or is past its deadline).
-    fn worker(&self, choice: &Self::Choice) -> Option<WorkerRank>;
-    /// The commit succeeded with `state`.
-    fn bound(&mut self, choice: &mut Self::Choice, state: Option<BindingState>);
-    /// The choice will not be used (its commit lost a race or failed): undo what choosing did.
-    fn withdraw(&mut self, choice: Self::Choice);
-}
-
-/// Chooses for a request in `session` and commits its binding, driving a [`SessionFlow`] over
-/// `table`'s store. `pinned`: the request names its worker. `registered` says whether a rank
-/// is still registered for the request's model and role.
-pub async fn choose_in_session<S: SessionStore, C: Chooser>(
-    table: &SessionTable<S>,
-    session: &SessionContext,
-    pinned: bool,
-    registered: &(dyn Fn(WorkerRank) -> bool + Sync),
-    now_ms: u64,
-    chooser: &mut C,
-) -> Result<C::Choice, C::Error> {
-    let mut flow = SessionFlow::new(session.clone(), pinned, *table.config());
-    let store = table.store();
-    let current = store.get(flow.key()).await.map_err(SessionError::from)?;
-    let mut route = flow.read(current, registered, now_ms)?;
-    loop {
-        let mut choice = chooser.choose(route)?;
-        let Some(worker) = chooser.worker(&choice) else {
-            return Ok(choice);
-        };
-        let op = match flow.chose(worker, now_ms) {
-            AfterChoice::Bound(state) => {
-                chooser.bound(&mut choice, state);
-                return Ok(choice);
-            }
-            AfterChoice::Write(op) => op,
-        };
-        match write(store, flow.key(), op).await.map(|o| flow.written(o)) {
-            Ok(AfterWrite::Bound(state)) => {
-                chooser.bound(&mut choice, state);
-                return Ok(choice);
-            }
-            Ok(AfterWrite::Reread) => {
-                let current = store.get(flow.key()).await;
-                chooser.withdraw(choice);
-                route = flow.read(current.map_err(SessionError::from)?, registered, now_ms)?;
-            }
-            Err(e) => {
-                chooser.withdraw(choice);
-                return Err(SessionError::from(e).into());
             }
         }
     }

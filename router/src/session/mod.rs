@@ -12,12 +12,9 @@ mod tests;
 pub use binding::{
     AffinityMode, InvalidSessionConfig, Revision, SessionBinding, SessionConfig, Versioned,
 };
-pub use flow::{
-    AfterChoice, AfterWrite, Chooser, MAX_COMMIT_ATTEMPTS, SessionFlow, choose_in_session,
-};
+pub use flow::{AfterChoice, AfterWrite, MAX_COMMIT_ATTEMPTS, SessionFlow};
 pub use memory::MemSessionStore;
 pub use store::{SessionStore, SessionWrite, StoreError, WriteOutcome, write};
 pub use table::{
-    BindingStatus, CommitOutcome, CommitPlan, SessionError, SessionLookup, SessionRoute,
-    SessionTable,
+    BindingStatus, CommitPlan, SessionError, SessionLookup, SessionRoute, SessionTable,
 };

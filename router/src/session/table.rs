@@ -1,11 +1,12 @@
-//! The session table: reads a session's binding, says how it constrains selection (exact
-//! target or affinity hint), and after a successful selection commits the binding and decides
-//! what to report (new / kept / rebound / released).
+//! The session table: a session store with its configuration, and the pure rules of a
+//! binding — how what the store holds constrains selection (exact target or affinity hint,
+//! [`read`]), and what committing a successful selection writes and reports (new / kept /
+//! rebound / released, [`plan_commit`]). [`super::SessionFlow`] runs them as steps.
 
 use kvroute_common::messages::{BindingState, SessionContext};
 
 use super::binding::{AffinityMode, SessionBinding, SessionConfig, Versioned};
-use super::store::{SessionStore, SessionWrite, StoreError, WriteOutcome, write};
+use super::store::{SessionStore, SessionWrite, StoreError};
 use crate::worker::{WorkerRank, WorkerTarget};
 
 /// The session table failed to read or commit a binding.
@@ -38,7 +39,7 @@ pub enum SessionRoute {
     Exact(WorkerTarget),
 }
 
-/// A session's binding as read before selection; handed back to [`SessionTable::commit`].
+/// A session's binding as read before selection; handed back to [`plan_commit`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SessionLookup {
     session: SessionContext,
@@ -69,17 +70,7 @@ impl SessionLookup {
     }
 }
 
-/// What committing a selection did.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CommitOutcome {
-    /// The store holds the choice (or, for a final request, no binding any more).
-    Committed(Option<BindingState>),
-    /// Another writer changed the binding since the lookup; here is the fresh one. The caller
-    /// adopts its worker if eligible, or commits again over it.
-    Conflict(SessionLookup),
-}
-
-/// Session bindings over a [`SessionStore`].
+/// The session store and its configuration.
 #[derive(Debug)]
 pub struct SessionTable<S> {
     store: S,
@@ -97,54 +88,6 @@ impl<S: SessionStore> SessionTable<S> {
 
     pub fn store(&self) -> &S {
         &self.store
-    }
-
-    /// Reads the session's binding. `registered` says whether a rank is still registered
-    /// for the request's model and role (a departed worker's binding is invalid).
-    pub async fn lookup(
-        &self,
-        session: &SessionContext,
-        registered: &(dyn Fn(WorkerRank) -> bool + Sync),
-        now_ms: u64,
-    ) -> Result<SessionLookup, SessionError> {
-        let current = self.store.get(&session.id).await?;
-        Ok(read(
-            &self.config,
-            session.clone(),
-            current,
-            registered,
-            now_ms,
-        ))
-    }
-
-    /// Commits `chosen` after a successful selection: one conditional write (or a delete for
-    /// a final request). Never called when selection failed, so a failure leaves the previous
-    /// binding intact.
-    pub async fn commit(
-        &self,
-        lookup: &SessionLookup,
-        chosen: WorkerRank,
-        registered: &(dyn Fn(WorkerRank) -> bool + Sync),
-        now_ms: u64,
-    ) -> Result<CommitOutcome, SessionError> {
-        let (write_op, state) = match plan_commit(lookup, chosen, now_ms) {
-            CommitPlan::Done(state) => return Ok(CommitOutcome::Committed(state)),
-            CommitPlan::Write(write, state) => (write, state),
-        };
-        let id = lookup.session.id.as_str();
-        match write(&self.store, id, write_op).await? {
-            WriteOutcome::Written(_) => Ok(CommitOutcome::Committed(Some(state))),
-            WriteOutcome::Conflict => {
-                let fresh = self.store.get(id).await?;
-                Ok(CommitOutcome::Conflict(read(
-                    &self.config,
-                    lookup.session.clone(),
-                    fresh,
-                    registered,
-                    now_ms,
-                )))
-            }
-        }
     }
 }
 

@@ -1,4 +1,4 @@
-//! Session behaviour through `select`: hard and soft affinity, rebinding, final requests, the
+//! Session behaviour through the selection machine: hard and soft affinity, rebinding, final requests, the
 //! idle TTL, departed workers and failures that keep the binding. Races are in `race.rs`.
 
 mod race;
@@ -7,16 +7,24 @@ use std::sync::{Arc, Mutex};
 
 use futures::executor::block_on;
 use kvroute_common::messages::{BindingState, SelectRequest, SessionContext, WorkerCard};
+use kvroute_common::{Names, Namespace};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
+use uuid::Uuid;
 
 use super::*;
+use crate::decide::candidates::Partition;
+use crate::decide::load_view::{LoadView, LoadViewConfig};
+use crate::decide::prompt::{Prepared, Prompt};
+use crate::decide::selection::{Context, Selection, Start};
+use crate::decide::{Decided, Owned, PartitionPolicy};
+use crate::drive::{self, Ended};
 use crate::pipeline::{
     ComponentError, ScoredCandidate, WorkerInputs, WorkerPicker, WorkerSelectionPolicy,
 };
 use crate::policies::default::DefaultPolicyParameters;
 use crate::request::RequestContext;
-use crate::select::{Chosen, SelectFailure, SelectInput, SelectionSettings, select};
+use crate::select::{Chosen, SelectFailure, SelectionSettings};
 use crate::signals::{Overlap, SignalSnapshot};
 use crate::testing::cards;
 use crate::worker::{WorkerRank, WorkerTarget};
@@ -55,9 +63,10 @@ fn prefix_on(hot: u64) -> SignalSnapshot {
 
 struct Harness<S> {
     table: SessionTable<S>,
-    policy: WorkerSelectionPolicy,
-    rng: StdRng,
+    policy: PartitionPolicy,
     settings: SelectionSettings,
+    names: Names,
+    next_id: u128,
 }
 
 impl Harness<MemSessionStore> {
@@ -68,6 +77,7 @@ impl Harness<MemSessionStore> {
 
 impl<S: SessionStore> Harness<S> {
     fn with_store(store: S, mode: AffinityMode) -> Self {
+        let settings = SelectionSettings::default();
         Self {
             table: SessionTable::new(
                 store,
@@ -76,12 +86,19 @@ impl<S: SessionStore> Harness<S> {
                     idle_ttl_ms: TTL,
                 },
             ),
-            policy: DefaultPolicyParameters::default().policy(),
-            rng: StdRng::seed_from_u64(3),
-            settings: SelectionSettings::default(),
+            policy: PartitionPolicy::new(
+                DefaultPolicyParameters::default().policy(),
+                StdRng::seed_from_u64(3),
+                &settings,
+            ),
+            settings,
+            names: Names::new(&Namespace::new("t").unwrap()),
+            next_id: 0,
         }
     }
 
+    /// Selects through the selection machine and its driver, as every caller does, with a
+    /// fresh load view each time (what these tests look at is the session).
     fn select(
         &mut self,
         request: &SelectRequest,
@@ -89,21 +106,66 @@ impl<S: SessionStore> Harness<S> {
         signals: &SignalSnapshot,
         now_ms: u64,
     ) -> Result<Chosen, SelectFailure> {
-        let input = SelectInput {
-            request,
-            request_blocks: 10,
+        block_on(self.run(request, workers, signals, now_ms))
+    }
+
+    async fn run(
+        &mut self,
+        request: &SelectRequest,
+        workers: &[WorkerCard],
+        signals: &SignalSnapshot,
+        now_ms: u64,
+    ) -> Result<Chosen, SelectFailure> {
+        self.next_id += 1;
+        let id = Uuid::from_u128(self.next_id);
+        let partition = Arc::new(Partition {
+            cards: workers.to_vec(),
             block_size: 16,
-            workers,
-            signals,
-            settings: &self.settings,
+        });
+        let prompt = Prompt {
+            hashes: (0..10).collect(),
+            tokens: 160,
         };
-        block_on(select(
-            &input,
-            &mut self.policy,
-            &self.table,
+        let prepared = Prepared::with_prompt(request.clone(), id, partition, prompt);
+        let context = Context {
+            settings: &self.settings,
+            names: &self.names,
+            router_id: "r",
+            sessions: *self.table.config(),
+        };
+        let start = Start {
+            decision_id: id,
+            reads_cache: true,
+            overlap: Some(signals.clone()),
+            target: None,
+            queues: false,
+        };
+        let mut view = LoadView::new(LoadViewConfig {
+            report_interval_ms: 1_000,
+            confirm_window_ms: 2_000,
+            prediction_max_age_ms: 60_000,
+            predicted_overlap_ttl_ms: 0,
+            approx_cache_ttl_ms: 0,
+            models: Default::default(),
+        });
+        let mut state = Owned {
+            policy: &mut self.policy,
+            view: &mut view,
             now_ms,
-            &mut self.rng,
-        ))
+        };
+        let (selection, need) = Selection::start(&prepared, context, start, &mut state);
+        let no_fetch = || std::future::ready(SignalSnapshot::new());
+        match drive::run(selection, need, &mut state, self.table.store(), no_fetch).await {
+            Ended::Reply(Ok(Decided::New(new))) => Ok(new.selection),
+            Ended::Reply(Ok(other)) => panic!("a new request decided as {other:?}"),
+            Ended::Reply(Err(e)) => Err(e),
+            Ended::Join(_) => unreachable!("nothing queues here"),
+        }
+    }
+
+    /// Selects with `policy` from now on.
+    fn use_policy(&mut self, policy: WorkerSelectionPolicy) {
+        self.policy = PartitionPolicy::new(policy, StdRng::seed_from_u64(3), &self.settings);
     }
 
     fn bound(&self, id: &str) -> Option<WorkerRank> {
@@ -203,7 +265,10 @@ fn soft_binding_is_offered_and_follows_the_policy_choice() {
 
     // A policy that honours the hint keeps the session where it is.
     let sticky = Sticky::default();
-    h.policy = WorkerSelectionPolicy::new(Vec::new(), Box::new(sticky.clone()));
+    h.use_policy(WorkerSelectionPolicy::new(
+        Vec::new(),
+        Box::new(sticky.clone()),
+    ));
     let s = h
         .select(&in_session("s"), &workers, &prefix_on(3), 20)
         .unwrap();
@@ -261,7 +326,10 @@ fn an_idle_binding_expires_after_the_ttl() {
 fn a_departed_workers_binding_is_invalid() {
     let mut h = Harness::new(AffinityMode::Soft);
     let sticky = Sticky::default();
-    h.policy = WorkerSelectionPolicy::new(Vec::new(), Box::new(sticky.clone()));
+    h.use_policy(WorkerSelectionPolicy::new(
+        Vec::new(),
+        Box::new(sticky.clone()),
+    ));
     let workers = cards(3);
     h.select(&in_session("s"), &workers, &prefix_on(1), 0)
         .unwrap();

@@ -7,13 +7,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
 use futures::executor::block_on;
-use kvroute_common::messages::{BindingState, SessionContext};
+use kvroute_common::messages::BindingState;
 
 use super::{Harness, in_session, prefix_on};
-use crate::select::{SelectInput, select};
 use crate::session::*;
 use crate::testing::cards;
-use crate::worker::{WorkerRank, WorkerTarget};
 
 /// Delegates to a shared store, yielding once before each operation so that concurrent
 /// selections interleave at every store access.
@@ -80,19 +78,10 @@ fn racing_first_requests_bind_once_and_the_loser_adopts_the_winner() {
     let mut b = Harness::with_store(shared(), AffinityMode::Soft);
     let (view_a, view_b) = (prefix_on(1), prefix_on(2));
     let request = in_session("s");
-    let input = |signals, settings| SelectInput {
-        request: &request,
-        request_blocks: 10,
-        block_size: 16,
-        workers: &workers,
-        signals,
-        settings,
-    };
-    let (input_a, input_b) = (input(&view_a, &a.settings), input(&view_b, &b.settings));
     let (ra, rb) = block_on(async {
         futures::join!(
-            select(&input_a, &mut a.policy, &a.table, 0, &mut a.rng),
-            select(&input_b, &mut b.policy, &b.table, 0, &mut b.rng),
+            a.run(&request, &workers, &view_a, 0),
+            b.run(&request, &workers, &view_b, 0),
         )
     });
     let (ra, rb) = (ra.unwrap(), rb.unwrap());
@@ -121,28 +110,15 @@ fn racing_first_requests_bind_once_and_the_loser_adopts_the_winner() {
 }
 
 #[test]
-fn the_table_reports_conflicts_with_the_fresh_binding() {
-    let table = SessionTable::new(MemSessionStore::new(), SessionConfig::default());
-    let session = SessionContext {
-        id: "s".into(),
-        ..SessionContext::default()
-    };
-    let registered = |_: WorkerRank| true;
-    let first = block_on(table.lookup(&session, &registered, 0)).unwrap();
-    let second = block_on(table.lookup(&session, &registered, 0)).unwrap();
-    assert_eq!(first.status(), BindingStatus::Absent);
-    let w1 = WorkerRank::new(1, 0);
-    let won = block_on(table.commit(&first, w1, &registered, 0)).unwrap();
-    assert_eq!(won, CommitOutcome::Committed(Some(BindingState::New)));
-    let lost = block_on(table.commit(&second, WorkerRank::new(2, 0), &registered, 0)).unwrap();
-    let CommitOutcome::Conflict(fresh) = lost else {
-        panic!("{lost:?}")
-    };
-    assert_eq!(fresh.status(), BindingStatus::Live(w1));
-    assert_eq!(
-        fresh.route(AffinityMode::Hard),
-        SessionRoute::Exact(WorkerTarget::exact(w1))
-    );
+fn the_selection_future_is_send_so_the_service_can_spawn_it() {
+    fn assert_send<T: Send>(_: &T) {}
+    let mut h = Harness::new(AffinityMode::Hard);
+    let workers = cards(1);
+    let signals = prefix_on(1);
+    let request = in_session("s");
+    let future = h.run(&request, &workers, &signals, 0);
+    assert_send(&future);
+    assert!(block_on(future).is_ok());
     assert!(
         SessionConfig {
             idle_ttl_ms: 0,
@@ -151,24 +127,4 @@ fn the_table_reports_conflicts_with_the_fresh_binding() {
         .validate()
         .is_err()
     );
-}
-
-#[test]
-fn the_select_future_is_send_so_the_service_can_spawn_it() {
-    fn assert_send<T: Send>(_: &T) {}
-    let mut h = Harness::new(AffinityMode::Hard);
-    let workers = cards(1);
-    let signals = prefix_on(1);
-    let request = in_session("s");
-    let input = SelectInput {
-        request: &request,
-        request_blocks: 1,
-        block_size: 16,
-        workers: &workers,
-        signals: &signals,
-        settings: &h.settings,
-    };
-    let future = select(&input, &mut h.policy, &h.table, 0, &mut h.rng);
-    assert_send(&future);
-    assert!(block_on(future).is_ok());
 }
