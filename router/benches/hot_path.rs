@@ -251,7 +251,7 @@ impl Bench {
         m.decisions.inc(&new.selection.worker.to_string());
         m.request_blocks.add(u64::from(prompt.blocks()));
         m.overlap_blocks.add(u64::from(new.decision.overlap_blocks));
-        let reply = new.reply();
+        let reply = new.reply.clone();
         let decision = new.decision;
         let reply_bytes = encode(&SelectResponse::Ok(reply)).expect("encode reply");
         let decision_bytes = encode(&decision).expect("encode decision");

@@ -215,7 +215,7 @@ impl LocalSelector {
                 {
                     worker.cache.observe(sequence);
                 }
-                Ok(new.reply())
+                Ok(new.reply)
             }
             Decided::Known(reply) => Ok(*reply),
             Decided::Expired => Err(refused(ErrorCode::Unavailable, "past its deadline".into())),

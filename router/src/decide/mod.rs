@@ -91,27 +91,18 @@ pub struct DecideInput<'a> {
 pub struct NewDecision {
     pub selection: Chosen,
     pub decision: Decision,
+    /// The reply announcing it (built with the decision, so answering it builds nothing).
+    pub reply: SelectReply,
     /// What charging it to the view did (`Added`, or `AlreadyCounted` when its worker had
     /// already reported the request).
     pub applied: Applied,
 }
 
 impl NewDecision {
-    /// The reply announcing it.
-    pub fn reply(&self) -> SelectReply {
-        let d = &self.decision;
-        wire::reply(
-            &self.selection,
-            d.request_id,
-            d.decision_id,
-            d.request_blocks,
-            &d.router_id,
-        )
-    }
-
     fn bound(&mut self, state: Option<BindingState>) {
         self.selection.binding = state;
         self.decision.binding = state;
+        self.reply.binding = state;
     }
 }
 
@@ -208,9 +199,17 @@ pub fn decide(
     // arrived meanwhile: this one is added (or was already counted by its worker).
     let applied = view.apply_decision(&decision, now_ms);
     debug_assert!(matches!(applied, Applied::Added | Applied::AlreadyCounted));
+    let reply = wire::reply(
+        &selection,
+        input.request_id,
+        input.decision_id,
+        decision.request_blocks,
+        input.router_id,
+    );
     Ok(Decided::New(Box::new(NewDecision {
         selection,
         decision,
+        reply,
         applied,
     })))
 }

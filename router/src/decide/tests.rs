@@ -184,7 +184,7 @@ fn a_burst_sees_each_earlier_decision_of_it() {
         assert_eq!(d.applied, Applied::Added);
         assert_eq!(d.decision.ts, 1_000);
         assert_eq!(d.decision.prefill_tokens, 512);
-        assert_eq!(d.reply().worker_id, d.decision.worker_id);
+        assert_eq!(d.reply.worker_id, d.decision.worker_id);
         *per_worker.entry(d.decision.worker_id).or_default() += 1;
     }
     // Same cost everywhere but for the charges: eight requests go two per worker.
@@ -356,7 +356,7 @@ fn a_commit_that_lost_a_race_withdraws_its_charge_and_adopts_the_winner() {
         assert_eq!(d.selection.worker, winner, "{mode:?}");
         assert_eq!(d.decision.worker_id, 3);
         assert_eq!(d.decision.binding, Some(BindingState::Kept));
-        assert_eq!(d.reply().binding, Some(BindingState::Kept));
+        assert_eq!(d.reply.binding, Some(BindingState::Kept));
         // One charge, on the adopted worker; worker 1's was withdrawn.
         assert_eq!(f.view.predictions(), 1);
         assert_eq!(

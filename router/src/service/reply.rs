@@ -98,7 +98,7 @@ impl Router {
             attempt = request.attempt,
             "selected"
         );
-        let reply = new.reply();
-        Concluded::Answer(SelectResponse::Ok(reply), Some(new.decision))
+        let new = *new;
+        Concluded::Answer(SelectResponse::Ok(new.reply), Some(new.decision))
     }
 }
