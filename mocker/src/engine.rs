@@ -3,7 +3,10 @@
 //!
 //! Each step is planned when it starts (decodes first, then prefill chunks of running requests,
 //! then admissions from the queue while budget, batch slots and cache allow) and takes
-//! [`EngineConfig::step_duration`] of its work; its outputs are dated at its end.
+//! [`EngineConfig::step_duration`] of its work; its outputs are dated at its end. Prefill
+//! chunks and decodes share steps, so every decode in a step with a prefill chunk waits for
+//! that chunk: the interference disaggregated serving removes (a decode worker whose prompts
+//! arrive as [`SimRequest::transferred_tokens`] computes one token of each).
 //!
 //! Deliberately simple: a request reserves its output blocks at admission, so there is no
 //! preemption; a block is reusable by other requests from the step that allocates it. No
@@ -13,6 +16,8 @@
 //! `advance_to` is called (submit everything arriving at or before `t` first).
 
 mod config;
+#[cfg(test)]
+mod interference;
 mod io;
 #[cfg(test)]
 mod tests;
@@ -314,7 +319,8 @@ impl Engine {
                 * self.config.block_size)
                 .min(last - cached_tokens);
             work.shared_load_tokens += u64::from(loaded);
-            let not_computed = cached_tokens + loaded;
+            // A prefill worker's transferred KV covers what the device prefix does not.
+            let not_computed = (cached_tokens + loaded).max(w.req.transferred_tokens.min(last));
             let scheduled = (w.req.prompt_tokens - not_computed).min(budget);
             budget -= scheduled;
             work.prefill_tokens += u64::from(scheduled);

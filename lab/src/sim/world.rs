@@ -482,6 +482,7 @@ impl World<'_> {
             shared_blocks: self.shared.as_ref().map_or(0, |s| s.prefix(&hashes)),
             hashes,
             report_tokens: false,
+            transferred_tokens: 0,
         };
         if let Err(e) = self.workers[w].engine.submit(sim, now) {
             tracing::debug!(error = %e, "the simulated worker refused a request");

@@ -23,6 +23,11 @@ pub struct SimRequest {
     /// when it submits): those beyond the device cache's prefix are loaded, at
     /// `shared_load_ns_per_token`, instead of prefilled. 0 without a shared tier.
     pub shared_blocks: u32,
+    /// Leading prompt tokens whose KV a prefill worker computed and this (decode) worker
+    /// received before submitting (disaggregated serving): neither computed nor charged to
+    /// any step — the caller has already waited out the transfer. The last prompt token is
+    /// still computed, as the engines recompute it to sample the next one. 0 when aggregated.
+    pub transferred_tokens: u32,
 }
 
 impl SimRequest {
@@ -40,6 +45,7 @@ impl SimRequest {
             hashes: BlockHashes::of_tokens(tokens, block_size as usize, lora_name),
             report_tokens: false,
             shared_blocks: 0,
+            transferred_tokens: 0,
         }
     }
 }

@@ -95,6 +95,7 @@ pub fn to_sim_request(
                 },
                 report_tokens: false,
                 shared_blocks: 0,
+                transferred_tokens: 0,
             })
         }
     }
