@@ -1,6 +1,6 @@
-//! Keeping an etcd lease alive: shared by worker registration and the indexer's leader
-//! election, with the rule that tells a lease holder when to stop trusting its lease
-//! ([`LeaseFence`]).
+//! Keeping the indexer leader's etcd lease alive, with the rule that tells a lease holder when
+//! to stop trusting its lease ([`LeaseFence`]). (A worker's registration keeps its lease its
+//! own way: `worker::registration`.)
 
 use std::time::Duration;
 
@@ -42,15 +42,10 @@ impl LeaseFence {
 }
 
 /// Sends keep-alives every `ttl / 4` and returns when the lease can no longer be kept alive
-/// (an error, an expired lease, or no answer within one interval).
-pub async fn keep_alive(etcd: &mut etcd_client::Client, lease_id: i64, ttl: Duration) {
-    // The worker's lease: no deadline to report.
-    keep_alive_fenced(etcd, lease_id, ttl, Instant::now(), |_| {}).await
-}
-
-/// [`keep_alive`] that reports, after every acknowledged keep-alive, the new
-/// [`LeaseFence::valid_until`]; `granted_sent_at` is when the lease grant was sent. Returns at
-/// the latest when the current deadline passes, whatever etcd does.
+/// (an error, an expired lease, or no answer within one interval); reports, after every
+/// acknowledged keep-alive, the new [`LeaseFence::valid_until`]; `granted_sent_at` is when the
+/// lease grant was sent. Returns at the latest when the current deadline passes, whatever etcd
+/// does.
 pub async fn keep_alive_fenced(
     etcd: &mut etcd_client::Client,
     lease_id: i64,

@@ -47,7 +47,7 @@ pub use router::{
     wait_routers_registered, worker_card,
 };
 pub use secrets::Secrets;
-pub use servers::{EtcdServer, NatsServer, TestEnv, find_binary, workspace_root};
+pub use servers::{EtcdCluster, EtcdServer, NatsServer, TestEnv, find_binary, workspace_root};
 pub use sim_worker::{SimWorker, expected_index, sim_card, stored};
 pub use vllm::{VLLM_BLOCK_SIZE, VLLM_KV_BLOCKS, VLLM_MAX_MODEL_LEN, VllmEngine, vllm_install};
 pub use vllm_events::{EngineBlocks, EventWatch};

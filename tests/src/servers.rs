@@ -97,10 +97,21 @@ impl ServerProcess {
 
     /// Starts the process (again, same arguments and data dir); returns once healthy.
     fn restart(&mut self) -> anyhow::Result<()> {
+        self.spawn()?;
+        self.wait_healthy()
+    }
+
+    /// Starts the process without waiting for it to be healthy (the members of a cluster are
+    /// healthy only once enough of them run).
+    fn spawn(&mut self) -> anyhow::Result<()> {
         if self.child.is_some() {
             bail!("{} is already running", self.what);
         }
         self.child = Some(self.spec.spawn()?);
+        Ok(())
+    }
+
+    fn wait_healthy(&self) -> anyhow::Result<()> {
         let (port, path, body_has) = self.health;
         wait_until(
             self.what,
@@ -253,8 +264,9 @@ impl NatsServer {
     }
 }
 
-/// A single-member `etcd`, optionally with TLS (client and peer URLs) and the users and
-/// roles of a [`Secrets`] (auth enabled). Dropping it stops the server and deletes its data.
+/// A single-member `etcd` (or one member of an [`EtcdCluster`]), optionally with TLS (client
+/// and peer URLs) and the users and roles of a [`Secrets`] (auth enabled). Dropping it stops
+/// the server and deletes its data.
 #[derive(Debug)]
 pub struct EtcdServer {
     pub client_port: u16,
@@ -289,17 +301,32 @@ impl EtcdServer {
     }
 
     fn start_with(secrets: Option<&Secrets>) -> anyhow::Result<Self> {
+        let peer_port = free_port();
+        let scheme = if secrets.is_some() { "https" } else { "http" };
+        let initial_cluster = format!("test={scheme}://127.0.0.1:{peer_port}");
+        let mut server = Self::member("test", peer_port, &initial_cluster, secrets)?;
+        server.restart()?;
+        Ok(server)
+    }
+
+    /// Member `name` of the cluster `initial_cluster` (`name=peer-url,...`), with its peer
+    /// URL on `peer_port`; not started yet.
+    fn member(
+        name: &str,
+        peer_port: u16,
+        initial_cluster: &str,
+        secrets: Option<&Secrets>,
+    ) -> anyhow::Result<Self> {
         let bin = find_binary("etcd", "KVROUTE_ETCD")?;
         let dir = tempfile::Builder::new().prefix("kvroute-etcd-").tempdir()?;
         let client_port = free_port();
-        let peer_port = free_port();
         let metrics_port = free_port();
         let scheme = if secrets.is_some() { "https" } else { "http" };
         let client = format!("{scheme}://127.0.0.1:{client_port}");
         let peer = format!("{scheme}://127.0.0.1:{peer_port}");
         let mut args = vec![
             "--name".into(),
-            "test".into(),
+            name.into(),
             "--data-dir".into(),
             dir.path().join("data").display().to_string(),
             "--listen-client-urls".into(),
@@ -311,7 +338,7 @@ impl EtcdServer {
             "--initial-advertise-peer-urls".into(),
             peer.clone(),
             "--initial-cluster".into(),
-            format!("test={peer}"),
+            initial_cluster.into(),
             // /health in plain HTTP whatever the client URLs' scheme.
             "--listen-metrics-urls".into(),
             format!("http://127.0.0.1:{metrics_port}"),
@@ -321,14 +348,12 @@ impl EtcdServer {
         if let Some(s) = secrets {
             args.extend(etcd_tls_flags(s));
         }
-        let mut server = Self {
+        Ok(Self {
             client_port,
             peer_port,
             tls_ca: secrets.map(|s| s.path("ca.pem")),
             server: ServerProcess::new("etcd", bin, args, dir, (metrics_port, "/health", "true")),
-        };
-        server.restart()?;
-        Ok(server)
+        })
     }
 
     pub fn endpoint(&self) -> String {
@@ -377,6 +402,63 @@ impl EtcdServer {
 
     pub async fn connect(&self) -> anyhow::Result<etcd_client::Client> {
         self.args().connect().await
+    }
+}
+
+/// A plain etcd cluster of several members on loopback ports, each stoppable, killable and
+/// restartable on its own (a member's [`EtcdServer`]). Dropping it stops every member and
+/// deletes their data.
+#[derive(Debug)]
+pub struct EtcdCluster {
+    pub members: Vec<EtcdServer>,
+}
+
+impl EtcdCluster {
+    /// Starts `size` members; returns once every one reports healthy (a leader elected).
+    pub fn start(size: usize) -> anyhow::Result<Self> {
+        let names: Vec<String> = (1..=size).map(|i| format!("member-{i}")).collect();
+        let peer_ports: Vec<u16> = names.iter().map(|_| free_port()).collect();
+        let initial_cluster = names
+            .iter()
+            .zip(&peer_ports)
+            .map(|(name, port)| format!("{name}=http://127.0.0.1:{port}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut members = Vec::with_capacity(size);
+        for (name, port) in names.iter().zip(&peer_ports) {
+            members.push(EtcdServer::member(name, *port, &initial_cluster, None)?);
+        }
+        // All running before any can be healthy: one member alone has no quorum.
+        for member in &mut members {
+            member.server.spawn()?;
+        }
+        for member in &members {
+            member
+                .server
+                .wait_healthy()
+                .with_context(|| format!("etcd member log:\n{}", member.log()))?;
+        }
+        Ok(Self { members })
+    }
+
+    /// Every member's client URL.
+    pub fn endpoints(&self) -> Vec<String> {
+        self.members.iter().map(EtcdServer::endpoint).collect()
+    }
+
+    /// Settings to reach the cluster through every member (as kvroute's processes do).
+    pub fn args(&self) -> EtcdArgs {
+        self.args_of(&(0..self.members.len()).collect::<Vec<_>>())
+    }
+
+    /// Settings to reach the cluster through the members at `indexes` only.
+    pub fn args_of(&self, indexes: &[usize]) -> EtcdArgs {
+        let mut args = EtcdArgs::plain(String::new());
+        args.endpoints = indexes
+            .iter()
+            .map(|&i| self.members[i].endpoint())
+            .collect();
+        args
     }
 }
 
