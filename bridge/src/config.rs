@@ -559,6 +559,36 @@ mod tests {
     }
 
     #[test]
+    fn each_engine_registers_its_disaggregation_role() {
+        use clap::Parser;
+        assert_eq!(spec().role, WorkerRole::Aggregated);
+        let prefill: EngineSpec = serde_norway::from_str(
+            "engine: vllm\nengine_url: http://a:1\nzmq_endpoint: tcp://a:5557\nrole: prefill\n",
+        )
+        .unwrap();
+        assert_eq!(prefill.role, WorkerRole::Prefill);
+        let argv = [
+            "kvroute-bridge",
+            "--engine",
+            "sglang",
+            "--engine-url",
+            "http://127.0.0.1:8000",
+            "--zmq-endpoint",
+            "tcp://127.0.0.1:5557",
+            "--role",
+            "decode",
+        ];
+        let specs = BridgeArgs::try_parse_from(argv).unwrap().engines().unwrap();
+        assert_eq!(specs[0].role, WorkerRole::Decode);
+        assert!(
+            serde_norway::from_str::<EngineSpec>(
+                "engine: vllm\nengine_url: http://a:1\nzmq_endpoint: tcp://a:5557\nrole: both\n"
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
     fn engines_file_errors_name_the_entry_and_field() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("engines.yaml");

@@ -8,7 +8,9 @@
 //! `/metrics`; `info.rs`: `/get_server_info`, `/v1/loads`). `rank.rs` drives each engine in
 //! real time like the kvroute-faced worker does and reports each request's progress
 //! (`progress.rs`, which also aborts the requests of a client that left), and
-//! `block_tokens.rs` keeps the tokens every `BlockStored` carries.
+//! `block_tokens.rs` keeps the tokens every `BlockStored` carries. With
+//! `--disaggregation-role`, `disagg.rs` reads the engines' hand-off fields and `transfer.rs`
+//! moves a prompt's KV from a prefill worker (its outbox and side channel) to a decode worker.
 //!
 //! Deliberately absent: real tokenization (unless `--engine-tokenizer`), sampling and stop
 //! strings, LoRA, offload tiers (the cache has a device tier only), n > 1, logprobs, vLLM's
@@ -19,6 +21,7 @@ mod abort;
 mod block_tokens;
 mod completions;
 mod config;
+mod disagg;
 mod face;
 mod http;
 mod info;
@@ -29,6 +32,7 @@ mod progress;
 mod rank;
 mod shapes;
 mod stream;
+mod transfer;
 mod wire;
 mod zmq;
 
@@ -44,7 +48,10 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 pub use block_tokens::BlockTokens;
-pub use config::{EngineApi, EngineFaceArgs, EngineKind, EventFormat, MAX_DP_SIZE, WorkerPorts};
+pub use config::{
+    DisaggregationRole, EngineApi, EngineFaceArgs, EngineKind, EventFormat, MAX_DP_SIZE,
+    WorkerPorts,
+};
 pub use openai::{DEFAULT_MAX_TOKENS, tokenize};
 pub use wire::{EventWriter, MissingTokens};
 
@@ -92,6 +99,9 @@ pub struct WorkerEndpoints {
     /// Per rank.
     pub replay: Vec<String>,
     pub topic: String,
+    pub role: DisaggregationRole,
+    /// A prefill worker's side channel (vLLM's NIXL side channel, SGLang's bootstrap port).
+    pub side_channel: Option<SocketAddr>,
 }
 
 impl WorkerEndpoints {
@@ -118,6 +128,11 @@ impl fmt::Display for WorkerEndpoints {
         if !self.topic.is_empty() {
             write!(f, " --zmq-topic {}", self.topic)?;
         }
+        match self.role {
+            DisaggregationRole::None => {}
+            DisaggregationRole::Prefill => write!(f, " --role prefill")?,
+            DisaggregationRole::Decode => write!(f, " --role decode")?,
+        }
         Ok(())
     }
 }
@@ -128,6 +143,7 @@ struct FaceWorker {
     ranks: Vec<Arc<Rank>>,
     drivers: Vec<JoinHandle<()>>,
     http: JoinHandle<()>,
+    side_channel: Option<JoinHandle<()>>,
 }
 
 /// A running fleet of impersonated engines. [`EngineFleet::shutdown`] stops it.
@@ -204,6 +220,32 @@ impl EngineFleet {
                         error,
                     })?;
             let http_addr = listener.local_addr()?;
+            let outbox = Arc::new(transfer::Outbox::new(
+                uuid::Uuid::new_v4().to_string(),
+                Duration::from_secs_f64(face.disaggregation_timeout_secs),
+            ));
+            let (side_addr, side_channel) = match ports.side_channel {
+                Some(port) => {
+                    let addr = SocketAddr::new(face.engine_bind_host, port);
+                    let listener =
+                        tokio::net::TcpListener::bind(addr)
+                            .await
+                            .map_err(|error| ListenError {
+                                flag: "engine-side-channel-port",
+                                addr,
+                                error,
+                            })?;
+                    let bound = listener.local_addr()?;
+                    let app = transfer::side_channel(outbox.clone());
+                    let task = tokio::spawn(async move {
+                        if let Err(e) = axum::serve(listener, app).await {
+                            tracing::error!(error = %e, "side channel stopped");
+                        }
+                    });
+                    (Some(bound), Some(task))
+                }
+                None => (None, None),
+            };
             let endpoints = WorkerEndpoints {
                 index,
                 engine: engine_api,
@@ -217,6 +259,27 @@ impl EngineFleet {
                     .map(|r| r.publisher().replay_endpoint.clone())
                     .collect(),
                 topic: face.engine_topic.clone(),
+                role: face.disaggregation_role,
+                side_channel: side_addr,
+            };
+            let transfers = transfer::Transfers {
+                role: face.disaggregation_role,
+                outbox,
+                // vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST default is `localhost`.
+                side_channel: side_addr.map(|a| {
+                    let host = if a.ip().is_unspecified() {
+                        "localhost".to_owned()
+                    } else {
+                        a.ip().to_string()
+                    };
+                    (host, a.port())
+                }),
+                ms_per_block: face.kv_transfer_ms_per_block,
+                failure_rate: face.kv_transfer_failure_rate,
+                room_wait: Duration::from_secs_f64(face.disaggregation_timeout_secs),
+                speedup: config.speedup,
+                counters: Default::default(),
+                client: reqwest::Client::new(),
             };
             let settings = FaceSettings {
                 engine_api,
@@ -237,6 +300,8 @@ impl EngineFleet {
                 settings,
                 ranks: ranks.clone(),
                 healthy: AtomicBool::new(true),
+                transfers,
+                metrics: metrics.clone(),
             });
             let app = http::router(state);
             // Streamed chunks go out at once, as from the engines' own servers (uvicorn sets
@@ -257,6 +322,8 @@ impl EngineFleet {
                 url = endpoints.url(),
                 zmq = endpoints.zmq[0],
                 replay = endpoints.replay[0],
+                role = ?endpoints.role,
+                side_channel = ?endpoints.side_channel,
                 "engine face up"
             );
             workers.push(FaceWorker {
@@ -264,6 +331,7 @@ impl EngineFleet {
                 ranks,
                 drivers,
                 http,
+                side_channel,
             });
         }
         let ops_http = match config.http_addr {
@@ -307,6 +375,10 @@ impl EngineFleet {
             }
             w.http.abort();
             let _ = w.http.await;
+            if let Some(side) = w.side_channel {
+                side.abort();
+                let _ = side.await;
+            }
             for rank in &w.ranks {
                 rank.publisher().stop().await;
             }

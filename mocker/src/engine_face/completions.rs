@@ -5,6 +5,7 @@
 //! SGLang's plain answers, 2 s later for SGLang's streams (its abort task's sleep).
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use axum::body::Bytes;
@@ -14,6 +15,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::abort::AbortOnDrop;
 use super::config::EngineKind;
+use super::disagg::{self, Plan, VllmHandoff};
 use super::face::{ApiError, WorkerFace};
 use super::job::{FINISH_REASON, Job};
 use super::openai::{self, ChatRequest, CommonFields, CompletionRequest};
@@ -23,6 +25,7 @@ use super::shapes::{
     Api, ChoiceExtra, Envelope, Message, MessageChoice, MessageExtra, TextChoice, TopExtra,
 };
 use super::stream;
+use super::transfer::{Pulled, TransferError};
 use crate::engine::SubmitError;
 
 /// How long after a streaming client leaves SGLang aborts its request: the response's
@@ -90,21 +93,115 @@ struct Asked<'r> {
     prompts: Vec<Vec<u32>>,
 }
 
-async fn run(face: Arc<WorkerFace>, headers: &HeaderMap, asked: Asked<'_>) -> Response {
-    let job = match submit(face.clone(), headers, &asked) {
+async fn run(face: Arc<WorkerFace>, headers: &HeaderMap, mut asked: Asked<'_>) -> Response {
+    let api = asked.api;
+    let id = format!("{}{}", api.id_prefix(), uuid::Uuid::new_v4().simple());
+    let streamed = asked.common.streaming();
+    let plan = match disagg::plan(face.disagg_me(&id), asked.common, &asked.prompts) {
+        Ok(p) => p,
+        Err(e) => {
+            face.transfers
+                .counters
+                .refused
+                .fetch_add(1, Ordering::Relaxed);
+            face.metrics.requests_finished.inc("refused");
+            return face.refuse(e);
+        }
+    };
+    // A decode pulls its prompt's KV before the engine sees it: the transfer is in its TTFT.
+    let mut transferred = 0;
+    match &plan {
+        Plan::Decode(pull) => match face.transfers.pull(&pull.url, &pull.request).await {
+            Ok(got) => transferred = got.prompt_tokens,
+            Err(e) => {
+                tracing::warn!(worker = face.settings.index, request = id, error = %e, "KV transfer failed");
+                let c = &face.transfers.counters;
+                c.transfer_failed.fetch_add(1, Ordering::Relaxed);
+                if matches!(
+                    e,
+                    TransferError::Unreachable { .. } | TransferError::Refused { .. }
+                ) {
+                    c.bootstrap_failed.fetch_add(1, Ordering::Relaxed);
+                }
+                face.metrics.requests_finished.inc("kv_transfer_failed");
+                let failure = disagg::transfer_failure(
+                    face.settings.engine_api,
+                    &id,
+                    pull.room,
+                    &e.to_string(),
+                );
+                return face.failure(failure, streamed);
+            }
+        },
+        Plan::Prefill {
+            one_token: true, ..
+        } => asked.max_tokens = Some(1),
+        _ => {}
+    }
+    let job = match submit(face.clone(), headers, &asked, id, transferred) {
         Ok(j) => j,
         Err(e) => return face.refuse(e),
     };
-    if asked.common.streaming() {
+    let handoff = match plan {
+        Plan::Prefill { key, block_ids, .. } => hand_off(&face, &job, key, block_ids),
+        _ => None,
+    };
+    if streamed {
         stream::respond(job, asked.common.include_usage())
     } else {
-        full(job).await
+        full(job, handoff).await
     }
+}
+
+/// Holds a prefill's KV for its decode worker once the prompt is computed; vLLM's answer
+/// carries where it is.
+fn hand_off(
+    face: &Arc<WorkerFace>,
+    job: &Job,
+    key: String,
+    block_ids: Vec<u64>,
+) -> Option<serde_json::Value> {
+    let outbox = face.transfers.outbox.clone();
+    outbox.announce(&key, block_ids.clone());
+    let prompt_tokens = job.prompt_tokens[0];
+    let blocks = prompt_tokens.div_ceil(u64::from(face.settings.engine.block_size));
+    let mut progress = job.progress.clone();
+    let held = key.clone();
+    tokio::spawn(async move {
+        let done = progress
+            .wait_for(|p| p[0].cached_tokens.is_some() || p[0].end.is_some())
+            .await
+            .map(|p| p[0].cached_tokens.is_some())
+            .unwrap_or(false);
+        let ready = done.then_some(Pulled {
+            prompt_tokens,
+            blocks,
+        });
+        outbox.settle(&held, ready);
+    });
+    let (host, port) = face.transfers.side_channel.clone()?;
+    (face.settings.engine_api == EngineKind::Vllm).then(|| {
+        VllmHandoff {
+            key: &key,
+            block_ids: &block_ids,
+            engine_id: face.transfers.outbox.engine_id(),
+            host: &host,
+            port,
+            prompt_tokens,
+        }
+        .params()
+    })
 }
 
 /// Checks the request and submits each prompt to a rank; their progress comes on the job's
 /// channel.
-fn submit(face: Arc<WorkerFace>, headers: &HeaderMap, asked: &Asked<'_>) -> Result<Job, ApiError> {
+fn submit(
+    face: Arc<WorkerFace>,
+    headers: &HeaderMap,
+    asked: &Asked<'_>,
+    id: String,
+    transferred_tokens: u64,
+) -> Result<Job, ApiError> {
     face.check_model(asked.model)?;
     let common = asked.common;
     common.check().map_err(ApiError::bad_request)?;
@@ -121,7 +218,14 @@ fn submit(face: Arc<WorkerFace>, headers: &HeaderMap, asked: &Asked<'_>) -> Resu
     for (index, prompt) in asked.prompts.iter().enumerate() {
         let rank = face.pick_rank(headers, pinned)?.clone();
         let id = rank
-            .submit(prompt, max_tokens, streamed, index, tx.clone())
+            .submit(
+                prompt,
+                max_tokens,
+                streamed,
+                index,
+                tx.clone(),
+                transferred_tokens.min(prompt.len() as u64) as u32,
+            )
             .map_err(|e| ApiError {
                 status: match e {
                     SubmitError::TooLarge { .. } => StatusCode::BAD_REQUEST,
@@ -134,7 +238,7 @@ fn submit(face: Arc<WorkerFace>, headers: &HeaderMap, asked: &Asked<'_>) -> Resu
     let api = asked.api;
     Ok(Job {
         api,
-        id: format!("{}{}", api.id_prefix(), uuid::Uuid::new_v4().simple()),
+        id,
         created: unix_now().as_secs(),
         prompt_tokens: asked.prompts.iter().map(|p| p.len() as u64).collect(),
         max_tokens,
@@ -144,7 +248,7 @@ fn submit(face: Arc<WorkerFace>, headers: &HeaderMap, asked: &Asked<'_>) -> Resu
     })
 }
 
-async fn full(mut job: Job) -> Response {
+async fn full(mut job: Job, handoff: Option<serde_json::Value>) -> Response {
     let engine = job.face.settings.engine_api;
     // Closed only after every rank wrote its prompt's end (the last value is still seen).
     let ended = job
@@ -182,7 +286,7 @@ async fn full(mut job: Job) -> Response {
                 })
                 .collect(),
             usage,
-            extra: TopExtra::full(engine),
+            extra: TopExtra::with_handoff(engine, handoff.clone()),
         }),
         Api::Chat => serde_json::to_string(&Envelope {
             id: &job.id,
@@ -203,7 +307,7 @@ async fn full(mut job: Job) -> Response {
                 })
                 .collect(),
             usage,
-            extra: TopExtra::full(engine),
+            extra: TopExtra::with_handoff(engine, handoff.clone()),
         }),
     }
     .expect("response shapes serialize");

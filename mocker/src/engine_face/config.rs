@@ -42,6 +42,29 @@ pub enum EventFormat {
     Arrays,
 }
 
+/// A worker's part in disaggregated serving (`--disaggregation-role`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum DisaggregationRole {
+    /// Aggregated: the worker prefills and decodes its own requests.
+    #[default]
+    None,
+    /// Computes prompts' KV and holds it for a decode worker to pull (vLLM: NIXL
+    /// `kv_producer`; SGLang: `--disaggregation-mode prefill`, with a bootstrap server).
+    Prefill,
+    /// Decodes requests whose prompts' KV it pulls from a prefill worker (vLLM: NIXL
+    /// `kv_consumer`; SGLang: `--disaggregation-mode decode`).
+    Decode,
+}
+
+/// The side-channel port of a prefill worker 0 when `--engine-side-channel-port` is absent:
+/// vLLM's `VLLM_NIXL_SIDE_CHANNEL_PORT` default, SGLang's `--disaggregation-bootstrap-port`.
+pub fn default_side_channel_port(engine: EngineKind) -> u16 {
+    match engine {
+        EngineKind::Vllm => 5600,
+        EngineKind::Sglang => 8998,
+    }
+}
+
 /// Most data-parallel ranks one simulated worker runs.
 pub const MAX_DP_SIZE: u32 = 64;
 /// Most ranks in one process: each has a ZMQ thread.
@@ -108,6 +131,46 @@ pub struct EngineFaceArgs {
     /// hash the same tokens. Absent: one token per UTF-8 byte and a fixed chat format.
     #[arg(long, env = "KVROUTE_MOCKER_ENGINE_TOKENIZER")]
     pub engine_tokenizer: Option<std::path::PathBuf>,
+    /// Every worker's role in disaggregated serving: `none` (aggregated), `prefill` or
+    /// `decode`. Prefill workers hold prompts' KV for decode workers to pull through their
+    /// side channel (`engine_face/transfer.rs`); see PROTOCOL.md for the request fields.
+    #[arg(
+        long,
+        env = "KVROUTE_MOCKER_DISAGGREGATION_ROLE",
+        value_enum,
+        default_value_t
+    )]
+    pub disaggregation_role: DisaggregationRole,
+    /// A prefill worker 0's side-channel port (vLLM: the NIXL side channel, `remote_port`;
+    /// SGLang: the bootstrap port, `bootstrap_port`); worker i: + i × --engine-port-stride;
+    /// 0: any free port. Default: the engine's, 5600 (vLLM) or 8998 (SGLang).
+    #[arg(long, env = "KVROUTE_MOCKER_ENGINE_SIDE_CHANNEL_PORT")]
+    pub engine_side_channel_port: Option<u16>,
+    /// Simulated milliseconds to move one KV block from a prefill to a decode worker (at
+    /// 25 GB/s, a 64-token block of an 8B model, 8 MiB, takes about 0.3 ms). Default 0.4.
+    #[arg(
+        long,
+        env = "KVROUTE_MOCKER_KV_TRANSFER_MS_PER_BLOCK",
+        default_value_t = 0.4
+    )]
+    pub kv_transfer_ms_per_block: f64,
+    /// Probability, 0 to 1, that a KV transfer fails after its time (1: every one; tests).
+    /// Default 0.
+    #[arg(
+        long,
+        env = "KVROUTE_MOCKER_KV_TRANSFER_FAILURE_RATE",
+        default_value_t = 0.0
+    )]
+    pub kv_transfer_failure_rate: f64,
+    /// Seconds a prefill worker keeps computed KV for its decode worker (vLLM's
+    /// `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`), and an SGLang decode waits for its room (SGLang's
+    /// `SGLANG_DISAGGREGATION_WAITING_TIMEOUT`). Wall seconds. Default 300.
+    #[arg(
+        long,
+        env = "KVROUTE_MOCKER_DISAGGREGATION_TIMEOUT_SECS",
+        default_value_t = 300.0
+    )]
+    pub disaggregation_timeout_secs: f64,
 }
 
 impl Default for EngineFaceArgs {
@@ -124,6 +187,11 @@ impl Default for EngineFaceArgs {
             engine_bind_host: IpAddr::from([127, 0, 0, 1]),
             engine_replay_buffer: 10_000,
             engine_tokenizer: None,
+            disaggregation_role: DisaggregationRole::None,
+            engine_side_channel_port: None,
+            kv_transfer_ms_per_block: 0.4,
+            kv_transfer_failure_rate: 0.0,
+            disaggregation_timeout_secs: 300.0,
         }
     }
 }
@@ -132,6 +200,8 @@ impl Default for EngineFaceArgs {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerPorts {
     pub http: u16,
+    /// A prefill worker's side channel (`None` unless `--disaggregation-role prefill`).
+    pub side_channel: Option<u16>,
     /// Per rank.
     pub zmq: Vec<u16>,
     /// Per rank.
@@ -182,7 +252,35 @@ impl EngineFaceArgs {
                 ));
             }
         }
+        if !(self.kv_transfer_ms_per_block.is_finite() && self.kv_transfer_ms_per_block >= 0.0) {
+            return Err(ConfigError::new(
+                "kv-transfer-ms-per-block",
+                format!("must be 0 or more, got {}", self.kv_transfer_ms_per_block),
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.kv_transfer_failure_rate) {
+            return Err(ConfigError::new(
+                "kv-transfer-failure-rate",
+                format!("must be 0 to 1, got {}", self.kv_transfer_failure_rate),
+            ));
+        }
+        if !(self.disaggregation_timeout_secs.is_finite() && self.disaggregation_timeout_secs > 0.0)
+        {
+            return Err(ConfigError::new(
+                "disaggregation-timeout-secs",
+                format!("must be positive, got {}", self.disaggregation_timeout_secs),
+            ));
+        }
         self.check_ports(workers)
+    }
+
+    /// The side-channel port base of prefill workers (`None` unless the role is prefill).
+    fn side_channel_base(&self) -> Option<u16> {
+        let engine = self.engine_api.face()?;
+        (self.disaggregation_role == DisaggregationRole::Prefill).then(|| {
+            self.engine_side_channel_port
+                .unwrap_or_else(|| default_side_channel_port(engine))
+        })
     }
 
     /// Every fixed port of every worker and rank: within the u16 range and used once.
@@ -190,8 +288,10 @@ impl EngineFaceArgs {
         let mut owners: HashMap<u32, (&'static str, u32, Option<u32>)> = HashMap::new();
         let stride = u32::from(self.engine_port_stride);
         for worker in 0..workers {
+            let side = self.side_channel_base();
             let kinds = [
                 ("engine-http-port", self.engine_http_port, None),
+                ("engine-side-channel-port", side.unwrap_or(0), None),
                 ("engine-zmq-port", self.engine_zmq_port, Some(())),
                 ("engine-replay-port", self.engine_replay_port, Some(())),
             ];
@@ -239,6 +339,7 @@ impl EngineFaceArgs {
         };
         WorkerPorts {
             http: port(self.engine_http_port, 0),
+            side_channel: self.side_channel_base().map(|base| port(base, 0)),
             zmq: (0..self.engine_dp_size)
                 .map(|r| port(self.engine_zmq_port, r))
                 .collect(),
@@ -300,6 +401,29 @@ mod tests {
     }
 
     #[test]
+    fn prefill_workers_get_a_side_channel_port() {
+        let prefill = EngineFaceArgs {
+            disaggregation_role: DisaggregationRole::Prefill,
+            ..vllm()
+        };
+        prefill.validate(3).unwrap();
+        assert_eq!(prefill.worker_ports(2).side_channel, Some(5620));
+        assert_eq!(vllm().worker_ports(2).side_channel, None);
+        let sglang = EngineFaceArgs {
+            engine_api: EngineApi::Sglang,
+            ..prefill.clone()
+        };
+        assert_eq!(sglang.worker_ports(0).side_channel, Some(8998));
+        let clash = EngineFaceArgs {
+            engine_side_channel_port: Some(8000),
+            ..prefill
+        };
+        let err = clash.validate(2).unwrap_err();
+        assert_eq!(err.field, "engine-side-channel-port");
+        assert!(err.message.contains("--engine-http-port"), "{err}");
+    }
+
+    #[test]
     fn overlapping_ranges_name_both_flags() {
         // Two ranks at 5557..5559 collide with the replay range starting at 5558.
         let err = EngineFaceArgs {
@@ -351,6 +475,18 @@ mod tests {
         too_many.validate(512).unwrap();
         assert_eq!(too_many.validate(513).unwrap_err().field, "engine-dp-size");
         assert_eq!(bad(|a| a.engine_replay_buffer = 0), "engine-replay-buffer");
+        assert_eq!(
+            bad(|a| a.kv_transfer_ms_per_block = -1.0),
+            "kv-transfer-ms-per-block"
+        );
+        assert_eq!(
+            bad(|a| a.kv_transfer_failure_rate = 1.5),
+            "kv-transfer-failure-rate"
+        );
+        assert_eq!(
+            bad(|a| a.disaggregation_timeout_secs = 0.0),
+            "disaggregation-timeout-secs"
+        );
         assert_eq!(
             bad(|a| {
                 a.engine_zmq_port = 0;

@@ -11,6 +11,7 @@ use serde_json::json;
 use super::FaceSettings;
 use super::config::EngineKind;
 use super::rank::Rank;
+use super::transfer::Transfers;
 
 /// A refused request; [`WorkerFace::refuse`] renders it in the engine's error shape.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,9 +35,22 @@ pub(crate) struct WorkerFace {
     pub settings: FaceSettings,
     pub ranks: Vec<Arc<Rank>>,
     pub healthy: AtomicBool,
+    pub transfers: Transfers,
+    pub metrics: Arc<crate::fleet::FleetMetrics>,
 }
 
 impl WorkerFace {
+    /// This worker, for planning request `request_id`'s disaggregation.
+    pub fn disagg_me<'a>(&self, request_id: &'a str) -> super::disagg::Me<'a> {
+        super::disagg::Me {
+            engine: self.settings.engine_api,
+            role: self.transfers.role,
+            request_id,
+            block_size: self.settings.engine.block_size,
+            room_wait_ms: self.transfers.room_wait.as_millis() as u64,
+        }
+    }
+
     /// An error in the engine's shape: vLLM `{"error": {...}}`, SGLang a flat `ErrorResponse`.
     pub fn error(&self, status: StatusCode, message: impl Into<String>) -> Response {
         let kind = match status {
@@ -59,6 +73,51 @@ impl WorkerFace {
 
     pub fn refuse(&self, e: ApiError) -> Response {
         self.error(e.status, e.message)
+    }
+
+    /// A failed disaggregated request's error, streamed (an SSE error chunk, then `[DONE]`,
+    /// as both engines end a stream that fails) or whole. SGLang's whole error names the
+    /// status as its type (`str(status_code)` of its `HTTPException`).
+    pub fn failure(&self, e: ApiError, streamed: bool) -> Response {
+        let code = e.status.as_u16();
+        let kind = match (self.settings.engine_api, e.status) {
+            (_, StatusCode::BAD_REQUEST) => "BadRequestError".to_owned(),
+            (EngineKind::Vllm, _) => "InternalServerError".to_owned(),
+            (EngineKind::Sglang, s) if streamed => s
+                .canonical_reason()
+                .unwrap_or("error")
+                .to_uppercase()
+                .replace(' ', "_"),
+            (EngineKind::Sglang, _) => code.to_string(),
+        };
+        let error = match self.settings.engine_api {
+            EngineKind::Vllm => {
+                json!({"message": e.message, "type": kind, "param": null, "code": code})
+            }
+            EngineKind::Sglang => json!({
+                "object": "error", "message": e.message, "type": kind, "param": null, "code": code
+            }),
+        };
+        if streamed {
+            let body = format!(
+                "data: {}\n\n{}",
+                json!({ "error": error }),
+                super::shapes::DONE
+            );
+            return (
+                [(
+                    axum::http::header::CONTENT_TYPE,
+                    "text/event-stream; charset=utf-8",
+                )],
+                body,
+            )
+                .into_response();
+        }
+        let body = match self.settings.engine_api {
+            EngineKind::Vllm => json!({ "error": error }),
+            EngineKind::Sglang => error,
+        };
+        (e.status, axum::Json(body)).into_response()
     }
 
     /// A request naming another model gets the engines' 404.

@@ -114,7 +114,7 @@ async fn sglang_metrics(State(face): State<Arc<WorkerFace>>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        metrics::sglang_metrics(&face.settings, &snaps),
+        metrics::sglang_metrics(&face.settings, &snaps, &face.transfers.counters),
     )
         .into_response()
 }
@@ -124,7 +124,11 @@ async fn vllm_version() -> Response {
 }
 
 async fn server_info(State(face): State<Arc<WorkerFace>>) -> Response {
-    axum::Json(info::sglang_server_info(&face.settings)).into_response()
+    axum::Json(info::sglang_server_info(
+        &face.settings,
+        &info::Disaggregation::of(&face.transfers),
+    ))
+    .into_response()
 }
 
 #[derive(Debug, Deserialize)]
@@ -139,7 +143,14 @@ async fn loads(State(face): State<Arc<WorkerFace>>, Query(q): Query<LoadsQuery>)
         .filter(|r| q.dp_rank.is_none_or(|want| r.rank == want))
         .map(|r| r.snapshot())
         .collect();
-    axum::Json(info::sglang_loads(&face.settings, &snaps, unix_now())).into_response()
+    let disagg = info::Disaggregation::of(&face.transfers);
+    axum::Json(info::sglang_loads(
+        &face.settings,
+        &snaps,
+        &disagg,
+        unix_now(),
+    ))
+    .into_response()
 }
 
 /// vLLM's `/reset_prefix_cache`, SGLang's `/flush_cache`: every rank empties its cache and

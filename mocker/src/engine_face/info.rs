@@ -6,13 +6,40 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
+use super::config::DisaggregationRole;
 use super::rank::RankSnapshot;
+use super::transfer::Transfers;
 use super::{FaceSettings, SGLANG_VERSION};
+
+/// A worker's disaggregation as SGLang reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Disaggregation {
+    /// `--disaggregation-mode`: `null`, `prefill` or `decode`.
+    pub mode: &'static str,
+    /// A prefill's bootstrap port.
+    pub bootstrap_port: Option<u16>,
+    /// Hand-offs a prefill holds for its decodes.
+    pub held: usize,
+}
+
+impl Disaggregation {
+    pub fn of(t: &Transfers) -> Self {
+        Self {
+            mode: match t.role {
+                DisaggregationRole::None => "null",
+                DisaggregationRole::Prefill => "prefill",
+                DisaggregationRole::Decode => "decode",
+            },
+            bootstrap_port: t.side_channel.as_ref().map(|(_, port)| *port),
+            held: t.outbox.len(),
+        }
+    }
+}
 
 /// SGLang's `/get_server_info`: the resolved server arguments the mocker has an answer for
 /// (the real one lists several hundred), the scheduler's handshake, the KV-event descriptor,
 /// and one internal state per DP rank.
-pub(crate) fn sglang_server_info(face: &FaceSettings) -> Value {
+pub(crate) fn sglang_server_info(face: &FaceSettings, disagg: &Disaggregation) -> Value {
     let c = &face.engine;
     let tokens = c.num_blocks * u64::from(c.block_size);
     let kv_events_config = json!({
@@ -56,6 +83,8 @@ pub(crate) fn sglang_server_info(face: &FaceSettings) -> Value {
         "enable_metrics": true,
         "enable_cache_report": true,
         "load_balance_method": "round_robin",
+        "disaggregation_mode": disagg.mode,
+        "disaggregation_bootstrap_port": disagg.bootstrap_port.unwrap_or(8998),
         "kv_events_config": kv_events_config,
         "launch_command": format!("kvroute-mocker --engine-api sglang --model {}", face.model),
         "status": "ready",
@@ -79,7 +108,12 @@ pub(crate) fn sglang_server_info(face: &FaceSettings) -> Value {
 
 /// SGLang's `/v1/loads` at `now` (since the Unix epoch): one `LoadSnapshot.to_dict()` per rank
 /// (core fields, then the memory, disaggregation and queues sections a plain server fills).
-pub(crate) fn sglang_loads(face: &FaceSettings, ranks: &[RankSnapshot], now: Duration) -> Value {
+pub(crate) fn sglang_loads(
+    face: &FaceSettings,
+    ranks: &[RankSnapshot],
+    disagg: &Disaggregation,
+    now: Duration,
+) -> Value {
     let c = &face.engine;
     let page = u64::from(c.block_size);
     let capacity = c.num_blocks * page;
@@ -121,9 +155,9 @@ pub(crate) fn sglang_loads(face: &FaceSettings, ranks: &[RankSnapshot], now: Dur
                     "token_capacity": capacity,
                 },
                 "disaggregation": {
-                    "mode": "null",
+                    "mode": disagg.mode,
                     "prefill_bootstrap_queue_reqs": 0,
-                    "prefill_inflight_queue_reqs": 0,
+                    "prefill_inflight_queue_reqs": disagg.held,
                     "decode_prealloc_queue_reqs": 0,
                     "decode_transfer_queue_reqs": 0,
                     "decode_retracted_queue_reqs": 0,

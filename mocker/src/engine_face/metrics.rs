@@ -8,6 +8,7 @@ use std::fmt::Write as _;
 
 use super::FaceSettings;
 use super::rank::RankSnapshot;
+use super::transfer::DisaggCounters;
 
 /// vLLM's `FinishReason`s, in their order (vllm/v1/engine/__init__.py).
 const VLLM_FINISH_REASONS: [&str; 5] = ["stop", "length", "abort", "error", "repetition"];
@@ -190,7 +191,11 @@ fn escape(v: &str) -> String {
 /// series only once it has counted. `sglang:num_aborted_requests_total` counts the aborts the
 /// tokenizer sends (a client that left); `sglang:num_requests_total` counts every request that
 /// ended, aborted ones included (the scheduler answers an abort with a finished output).
-pub(crate) fn sglang_metrics(face: &FaceSettings, ranks: &[RankSnapshot]) -> String {
+pub(crate) fn sglang_metrics(
+    face: &FaceSettings,
+    ranks: &[RankSnapshot],
+    disagg: &DisaggCounters,
+) -> String {
     let model = escape(&face.model);
     let mut out = String::new();
     let mut write = |name: &str, kind: &str, samples: &[(Vec<(&str, String)>, u64)]| {
@@ -255,6 +260,15 @@ pub(crate) fn sglang_metrics(face: &FaceSettings, ranks: &[RankSnapshot]) -> Str
         .into_iter()
         .collect();
     write("sglang:num_aborted_requests", "counter", &aborted);
+    // A decode's failed hand-offs (disaggregation/decode.py counts both on the scheduler).
+    for (name, n) in [
+        ("sglang:num_bootstrap_failed_reqs", &disagg.bootstrap_failed),
+        ("sglang:num_transfer_failed_reqs", &disagg.transfer_failed),
+    ] {
+        let n = n.load(std::sync::atomic::Ordering::Relaxed);
+        let samples: Vec<_> = (n > 0).then(|| (Vec::new(), n)).into_iter().collect();
+        write(name, "counter", &samples);
+    }
     out
 }
 

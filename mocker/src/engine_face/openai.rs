@@ -65,6 +65,16 @@ pub struct CommonFields {
     pub routed_dp_rank: Option<u32>,
     #[serde(default)]
     pub data_parallel_rank: Option<u32>,
+    /// vLLM's disaggregation hand-off (`disagg.rs`).
+    #[serde(default)]
+    pub kv_transfer_params: Option<Value>,
+    /// SGLang's disaggregation fields (`disagg.rs`).
+    #[serde(default)]
+    pub bootstrap_host: Option<Value>,
+    #[serde(default)]
+    pub bootstrap_port: Option<Value>,
+    #[serde(default)]
+    pub bootstrap_room: Option<Value>,
 }
 
 impl CommonFields {

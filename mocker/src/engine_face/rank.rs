@@ -143,7 +143,8 @@ impl Rank {
     }
 
     /// Queues `prompt` for `max_tokens` output tokens; its progress goes to slot `index` of
-    /// `sink`, token by token if it is `streamed`.
+    /// `sink`, token by token if it is `streamed`. Its first `transferred_tokens` came from a
+    /// prefill worker (a decode worker's request): not computed.
     pub fn submit(
         &self,
         prompt: &[u32],
@@ -151,11 +152,13 @@ impl Rank {
         streamed: bool,
         index: usize,
         sink: ProgressTx,
+        transferred_tokens: u32,
     ) -> Result<RequestId, SubmitError> {
         let request_id = uuid::Uuid::new_v4();
         let block_size = self.engine_config.block_size;
         let mut sim = SimRequest::from_tokens(request_id, prompt, max_tokens, block_size, None);
         sim.report_tokens = streamed;
+        sim.transferred_tokens = transferred_tokens;
         let hashes = sim.hashes.sequence.clone();
         {
             let mut core = self.lock();

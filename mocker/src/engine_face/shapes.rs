@@ -84,7 +84,8 @@ pub(crate) enum TopExtra {
     Vllm {
         service_tier: Option<()>,
         system_fingerprint: Option<()>,
-        kv_transfer_params: Option<()>,
+        /// A prefill worker's hand-off (`disagg.rs`), else null.
+        kv_transfer_params: Option<serde_json::Value>,
     },
     Sglang {
         metadata: Option<()>,
@@ -92,12 +93,16 @@ pub(crate) enum TopExtra {
 }
 
 impl TopExtra {
-    pub fn full(engine: EngineKind) -> Option<Self> {
+    /// The nulls, but vLLM's `kv_transfer_params` when a prefill worker hands off.
+    pub fn with_handoff(
+        engine: EngineKind,
+        kv_transfer_params: Option<serde_json::Value>,
+    ) -> Option<Self> {
         Some(match engine {
             EngineKind::Vllm => TopExtra::Vllm {
                 service_tier: None,
                 system_fingerprint: None,
-                kv_transfer_params: None,
+                kv_transfer_params,
             },
             EngineKind::Sglang => TopExtra::Sglang { metadata: None },
         })
@@ -270,7 +275,7 @@ mod tests {
             model: "m",
             choices: vec![],
             usage: Some(Usage::new(EngineKind::Vllm, 1, 1, 0)),
-            extra: TopExtra::full(EngineKind::Vllm),
+            extra: TopExtra::with_handoff(EngineKind::Vllm, None),
         };
         let v = serde_json::to_value(&full).unwrap();
         assert_eq!(v["object"], "chat.completion");
