@@ -96,6 +96,12 @@ fn select_request() -> SelectRequest {
         policy: Some("round-robin".into()),
         deadline_ms: Some(1_700_000_000_250),
         attempt: 2,
+        disaggregation: Some(Disaggregation::Conditional),
+        decode: Some(HopRules {
+            pin: None,
+            allowed_workers: Some(vec![7, 8]),
+            dp_rank_range: None,
+        }),
         ..Default::default()
     }
 }
@@ -117,6 +123,16 @@ fn select_reply() -> SelectResponse {
         policy: "default".into(),
         binding: Some(BindingState::Rebound),
         router_id: "r1".into(),
+        role: WorkerRole::Prefill,
+        decode: Some(DecodeHop {
+            decision_id: uuid(4),
+            worker_id: 7,
+            dp_rank: 0,
+            request_subject: "y".into(),
+            cost: CostBreakdown::default(),
+            policy: "least-busy".into(),
+            bootstrap_room: (1 << 62) + 3,
+        }),
     })
 }
 
@@ -152,6 +168,7 @@ fn decision() -> Decision {
         ts: 5,
         attempt: 1,
         prefix_hashes: Vec::new(),
+        decode: None,
     }
 }
 

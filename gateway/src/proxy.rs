@@ -16,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use kvroute_common::WorkerId;
 use kvroute_common::error_chain::describe;
-use kvroute_common::messages::{SelectReply, SelectRequest, WorkerRole};
+use kvroute_common::messages::{Disaggregation, SelectReply, SelectRequest, WorkerRole};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
@@ -105,6 +105,9 @@ async fn forward(
         session: parsed.session.clone(),
         expected_output_tokens: parsed.max_tokens,
         policy: parsed.policy.clone(),
+        // One worker serves each request here (the prefill/decode hand-off is not run): a
+        // paired decision would charge a decode worker that never gets the request.
+        disaggregation: Some(Disaggregation::Never),
         ..SelectRequest::default()
     };
     let mut excluded: Vec<WorkerId> = Vec::new();

@@ -39,6 +39,7 @@ fn decision(i: u64) -> Decision {
         ts: 0,
         attempt: 0,
         prefix_hashes: Vec::new(),
+        decode: None,
     }
 }
 

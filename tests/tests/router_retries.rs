@@ -216,6 +216,7 @@ async fn own_decisions_echoed_back_are_not_duplicates() {
         ts: now_ms(),
         attempt: 0,
         prefix_hashes: Vec::new(),
+        decode: None,
     };
     for _ in 0..2 {
         nats.publish(names.decisions(), encode(&foreign).unwrap())

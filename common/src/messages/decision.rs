@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{BindingState, CostBreakdown, SchemaVersion, TimestampMs, WorkerRole};
+use super::{BindingState, CostBreakdown, DecodeHop, SchemaVersion, TimestampMs, WorkerRole};
 use crate::codec::WireMessage;
 use crate::ids::{DecisionId, DpRank, RequestId, SessionId, WorkerId};
 
@@ -53,6 +53,10 @@ pub struct Decision {
     /// to hold. Empty from a router that predicts no overlap.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub prefix_hashes: Vec<u64>,
+    /// A disaggregated request's decode hop (this decision is then its prefill hop, role
+    /// `prefill`): every replica charges the decode worker too, under the hop's decision id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode: Option<DecodeHop>,
 }
 
 impl WireMessage for Decision {

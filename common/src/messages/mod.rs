@@ -27,8 +27,8 @@ pub use kv_event::{
     StorageTier, StoredBlock,
 };
 pub use select::{
-    BindingState, CostBreakdown, DpRankRange, ErrorCode, Pin, SelectError, SelectReply,
-    SelectRequest, SelectResponse, SessionContext, SessionTrigger,
+    BindingState, CostBreakdown, DecodeHop, Disaggregation, DpRankRange, ErrorCode, HopRules, Pin,
+    SelectError, SelectReply, SelectRequest, SelectResponse, SessionContext, SessionTrigger,
 };
 pub use session::SessionBindingRecord;
 pub use worker::{CardField, InvalidCard, WorkerCard, WorkerLoad, WorkerRole};

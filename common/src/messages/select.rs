@@ -86,6 +86,55 @@ pub struct SelectRequest {
     /// outlasts `deadline_ms`.
     #[serde(default)]
     pub queue_timeout_ms: Option<u64>,
+    /// How a request of role `aggregated` is served when its model has prefill and decode
+    /// workers (absent: the router's configured mode). Ignored for other roles.
+    #[serde(default)]
+    pub disaggregation: Option<Disaggregation>,
+    /// The decode hop's own rules when the request is disaggregated (`pin`, `allowed_workers`
+    /// and `dp_rank_range` above rule the prefill hop). Absent: any decode worker.
+    #[serde(default)]
+    pub decode: Option<HopRules>,
+}
+
+/// How a request of a model with prefill and decode workers is served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Disaggregation {
+    /// By one worker end to end: an aggregated one when the model has any, else a prefill one.
+    Never,
+    /// Prefill on a prefill worker, decode on a decode worker.
+    #[default]
+    Always,
+    /// Disaggregated when the prompt's uncached part is long enough, or the chosen prefill
+    /// worker is busy; otherwise by the prefill worker end to end.
+    Conditional,
+}
+
+impl Disaggregation {
+    pub const ALL: [Disaggregation; 3] = [
+        Disaggregation::Never,
+        Disaggregation::Always,
+        Disaggregation::Conditional,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Disaggregation::Never => "never",
+            Disaggregation::Always => "always",
+            Disaggregation::Conditional => "conditional",
+        }
+    }
+}
+
+/// The eligibility rules of one hop of a disaggregated request.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct HopRules {
+    #[serde(default)]
+    pub pin: Option<Pin>,
+    #[serde(default)]
+    pub allowed_workers: Option<Vec<WorkerId>>,
+    #[serde(default)]
+    pub dp_rank_range: Option<DpRankRange>,
 }
 
 impl WireMessage for SelectRequest {
@@ -137,6 +186,10 @@ pub struct DpRankRange {
 /// The answer on the reply subject: `{"status": "ok", ...}` or `{"status": "error", ...}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "status", rename_all = "snake_case")]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one per selection, decoded and matched at once: boxing would cost an allocation per answer"
+)]
 pub enum SelectResponse {
     Ok(SelectReply),
     Error(SelectError),
@@ -181,6 +234,35 @@ pub struct SelectReply {
     /// The router replica that answered.
     #[serde(default)]
     pub router_id: String,
+    /// The chosen worker's role: `prefill` for a disaggregated request (its decode hop in
+    /// `decode`) or one a prefill worker serves end to end.
+    #[serde(default)]
+    pub role: WorkerRole,
+    /// A disaggregated request's decode worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode: Option<DecodeHop>,
+}
+
+/// The decode hop of a disaggregated request: where the request goes after its prefill (vLLM:
+/// with the prefill answer's `kv_transfer_params`) or beside it (SGLang: both with the
+/// prefill worker's bootstrap address and `bootstrap_room`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DecodeHop {
+    /// The hop's own decision id (its load is charged and released apart from the prefill's).
+    pub decision_id: DecisionId,
+    pub worker_id: WorkerId,
+    #[serde(default)]
+    pub dp_rank: DpRank,
+    /// The decode worker card's request subject.
+    #[serde(default)]
+    pub request_subject: String,
+    #[serde(default)]
+    pub cost: CostBreakdown,
+    #[serde(default)]
+    pub policy: String,
+    /// SGLang's bootstrap room for the pair: a random 63-bit integer whose remainder modulo the
+    /// prefill worker's data-parallel size is the chosen prefill rank.
+    pub bootstrap_room: u64,
 }
 
 /// The cost the policy assigned to the chosen worker, term by term.

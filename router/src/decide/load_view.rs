@@ -152,6 +152,19 @@ impl LoadView {
         self.retries.get(request_id).map(|d| &*d.decision)
     }
 
+    /// Completes this replica's decision `d` with its decode hop, chosen after it: a retry of
+    /// its request is then answered with the pair (other replicas learn the pair from the
+    /// published decision).
+    pub fn attach_decode(&mut self, d: &Decision) {
+        if let Some(known) = self.retries.get_mut(&d.request_id)
+            && known.decision.decision_id == d.decision_id
+        {
+            let mut paired = (*known.decision).clone();
+            paired.decode = d.decode.clone();
+            known.decision = std::sync::Arc::new(paired);
+        }
+    }
+
     /// Adds a decision's request to its rank, once per request (see the module docs).
     pub fn apply_decision(&mut self, d: &Decision, now_ms: u64) -> Applied {
         let applied = self.charge(d, now_ms);

@@ -205,6 +205,7 @@ pub fn decide(
         input.decision_id,
         decision.request_blocks,
         input.router_id,
+        input.request.role,
     );
     Ok(Decided::New(Box::new(NewDecision {
         selection,

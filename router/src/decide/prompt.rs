@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kvroute_common::RequestId;
 use kvroute_common::hashing::{LocalBlockHash, local_block_hashes, seed_for_lora};
-use kvroute_common::messages::SelectRequest;
+use kvroute_common::messages::{Disaggregation, SelectRequest};
 
 use super::candidates::Partition;
 use crate::select::SelectFailure;
@@ -37,6 +37,9 @@ pub struct Prepared {
     pub request_id: RequestId,
     pub partition: Arc<Partition>,
     pub prompt: Prompt,
+    /// A request decided in the prefill partition that gets a decode hop after its prefill
+    /// decision (how: always, or by the conditional rule); `None`: one hop.
+    pub pair: Option<Disaggregation>,
 }
 
 impl Prepared {
@@ -52,6 +55,7 @@ impl Prepared {
             request_id,
             partition,
             prompt,
+            pair: None,
         })
     }
 
@@ -68,6 +72,7 @@ impl Prepared {
             request_id,
             partition,
             prompt,
+            pair: None,
         }
     }
 

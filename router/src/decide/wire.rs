@@ -3,7 +3,8 @@
 //! them.
 
 use kvroute_common::messages::{
-    Decision, ErrorCode, SchemaVersion, SelectError, SelectReply, SelectResponse, StorageTier,
+    Decision, DecodeHop, ErrorCode, SchemaVersion, SelectError, SelectReply, SelectResponse,
+    StorageTier, WorkerRole,
 };
 use kvroute_common::{DecisionId, RequestId};
 
@@ -39,7 +40,11 @@ pub fn decision(input: &DecideInput<'_>, selection: &Chosen, now_ms: u64) -> Dec
         session_id: request.session.as_ref().map(|s| s.id.clone()),
         request_blocks: prompt.blocks(),
         overlap_blocks: overlap,
-        prefill_tokens: prompt.tokens.saturating_sub(cached_tokens),
+        // A decode worker prefills nothing: the prompt's blocks arrive by transfer.
+        prefill_tokens: match request.role {
+            WorkerRole::Decode => 0,
+            _ => prompt.tokens.saturating_sub(cached_tokens),
+        },
         expected_output_tokens: request.expected_output_tokens,
         block_size: input.partition.block_size,
         cost: selection.cost.clone(),
@@ -48,6 +53,7 @@ pub fn decision(input: &DecideInput<'_>, selection: &Chosen, now_ms: u64) -> Dec
         ts: now_ms,
         attempt: request.attempt,
         prefix_hashes: Vec::new(),
+        decode: None,
     }
 }
 
@@ -71,6 +77,41 @@ pub fn from_decision(d: &Decision, request_subject: String) -> SelectReply {
         policy: d.policy.clone(),
         binding: d.binding,
         router_id: d.router_id.clone(),
+        role: d.role,
+        decode: d.decode.clone(),
+    }
+}
+
+/// The decode hop of a paired decision `d` as a decision of its own (role `decode`, no
+/// prefill of its own: the blocks arrive by transfer), which load views charge to the decode
+/// worker apart from the prefill.
+pub fn decode_half(d: &Decision) -> Option<Decision> {
+    let hop = d.decode.as_ref()?;
+    Some(Decision {
+        decision_id: hop.decision_id,
+        role: WorkerRole::Decode,
+        worker_id: hop.worker_id,
+        dp_rank: hop.dp_rank,
+        overlap_blocks: 0,
+        prefill_tokens: 0,
+        cost: hop.cost.clone(),
+        policy: hop.policy.clone(),
+        binding: None,
+        decode: None,
+        ..d.clone()
+    })
+}
+
+/// The decode hop `decode` (a decision of its partition) as the paired decision carries it.
+pub fn hop(decode: &Decision, request_subject: String, bootstrap_room: u64) -> DecodeHop {
+    DecodeHop {
+        decision_id: decode.decision_id,
+        worker_id: decode.worker_id,
+        dp_rank: decode.dp_rank,
+        request_subject,
+        cost: decode.cost.clone(),
+        policy: decode.policy.clone(),
+        bootstrap_room,
     }
 }
 
@@ -81,6 +122,7 @@ pub fn reply(
     decision_id: DecisionId,
     request_blocks: u32,
     router_id: &str,
+    role: WorkerRole,
 ) -> SelectReply {
     SelectReply {
         v: SchemaVersion::CURRENT,
@@ -95,5 +137,7 @@ pub fn reply(
         policy: selection.policy.clone(),
         binding: selection.binding,
         router_id: router_id.to_owned(),
+        role,
+        decode: None,
     }
 }

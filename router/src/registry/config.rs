@@ -14,7 +14,7 @@
 //!   parameters: { per_worker: 8 }
 //! ```
 
-use kvroute_common::messages::WorkerRole;
+use kvroute_common::messages::{Disaggregation, WorkerRole};
 use serde::Deserialize;
 
 use super::error::ConfigError;
@@ -30,6 +30,98 @@ pub struct RouterPluginsConfig {
     /// Absent: pass-through admission.
     #[serde(default)]
     pub request_classifier: Option<ClassifierConfig>,
+    /// How requests of models with prefill and decode workers are served.
+    #[serde(default)]
+    pub disaggregation: DisaggregationConfig,
+}
+
+/// `disaggregation:`, for requests of role `aggregated` whose model has prefill and decode
+/// workers:
+///
+/// ```yaml
+/// disaggregation:
+///   mode: conditional          # never | always (default) | conditional
+///   min_uncached_tokens: 512   # conditional: disaggregate a prompt with at least this many
+///   min_uncached_fraction: 0.5 #   tokens, and this share of it, not cached on the prefill worker
+///   busy_prefill_tokens: 8192  # ... or whatever it is, when that worker has this much prefill
+/// ```
+///
+/// A request that is not disaggregated is served end to end by one worker: an aggregated one
+/// when the model has any and the mode is `never`, else the prefill worker chosen for it (a
+/// decode worker only ever gets a request with transfer parameters).
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DisaggregationConfig {
+    #[serde(default)]
+    pub mode: Disaggregation,
+    #[serde(default = "DisaggregationConfig::default_min_uncached_tokens")]
+    pub min_uncached_tokens: u64,
+    #[serde(default = "DisaggregationConfig::default_min_uncached_fraction")]
+    pub min_uncached_fraction: f64,
+    /// Absent: the prefill worker's load does not decide.
+    #[serde(default)]
+    pub busy_prefill_tokens: Option<u64>,
+}
+
+impl Default for DisaggregationConfig {
+    fn default() -> Self {
+        Self {
+            mode: Disaggregation::default(),
+            min_uncached_tokens: Self::default_min_uncached_tokens(),
+            min_uncached_fraction: Self::default_min_uncached_fraction(),
+            busy_prefill_tokens: None,
+        }
+    }
+}
+
+impl DisaggregationConfig {
+    fn default_min_uncached_tokens() -> u64 {
+        512
+    }
+
+    fn default_min_uncached_fraction() -> f64 {
+        0.5
+    }
+
+    /// Refuses a setting that cannot work, naming it.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let f = self.min_uncached_fraction;
+        if !(0.0..=1.0).contains(&f) {
+            return Err(ConfigError::InvalidSetting {
+                field: "disaggregation.min_uncached_fraction",
+                message: format!("must be in [0, 1], got {f}"),
+            });
+        }
+        if self.busy_prefill_tokens == Some(0) {
+            return Err(ConfigError::InvalidSetting {
+                field: "disaggregation.busy_prefill_tokens",
+                message: "must be at least 1 (omit it to leave the prefill load out)".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether a request in `mode` whose prompt of `prompt_tokens` has `uncached_tokens` to
+    /// prefill on its chosen prefill worker, which has `prefill_load` prefill tokens in
+    /// flight, gets a decode hop.
+    pub fn disaggregates(
+        &self,
+        mode: Disaggregation,
+        prompt_tokens: u64,
+        uncached_tokens: u64,
+        prefill_load: u64,
+    ) -> bool {
+        match mode {
+            Disaggregation::Never => false,
+            Disaggregation::Always => true,
+            Disaggregation::Conditional => {
+                let long = uncached_tokens >= self.min_uncached_tokens
+                    && uncached_tokens as f64 >= self.min_uncached_fraction * prompt_tokens as f64;
+                let busy = self.busy_prefill_tokens.is_some_and(|b| prefill_load >= b);
+                long || busy
+            }
+        }
+    }
 }
 
 /// `request_classifier:`, one classifier for every (decode or aggregated) partition.
@@ -133,6 +225,40 @@ impl WorkerSelectionConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn disaggregation_parses_validates_and_decides() {
+        let config = RouterPluginsConfig::from_yaml(
+            "disaggregation:\n  mode: conditional\n  min_uncached_tokens: 100\n  min_uncached_fraction: 0.25\n  busy_prefill_tokens: 1000\n",
+        )
+        .unwrap()
+        .disaggregation;
+        config.validate().unwrap();
+        let conditional = Disaggregation::Conditional;
+        // Long and mostly uncached: a pair.
+        assert!(config.disaggregates(conditional, 400, 400, 0));
+        // Too short, or mostly cached: one worker, unless that worker is busy.
+        assert!(!config.disaggregates(conditional, 400, 99, 0));
+        assert!(!config.disaggregates(conditional, 1_000, 200, 0));
+        assert!(config.disaggregates(conditional, 1_000, 200, 1_000));
+        assert!(config.disaggregates(Disaggregation::Always, 1, 0, 0));
+        assert!(!config.disaggregates(Disaggregation::Never, 10_000, 10_000, 10_000));
+        assert_eq!(
+            RouterPluginsConfig::default().disaggregation.mode,
+            Disaggregation::Always
+        );
+        let bad = RouterPluginsConfig::from_yaml("disaggregation:\n  min_uncached_fraction: 2\n")
+            .unwrap()
+            .disaggregation
+            .validate()
+            .unwrap_err();
+        assert!(
+            bad.to_string()
+                .contains("disaggregation.min_uncached_fraction"),
+            "{bad}"
+        );
+        assert!(RouterPluginsConfig::from_yaml("disaggregation:\n  mode: sometimes\n").is_err());
+    }
 
     #[test]
     fn the_seed_shape_parses() {

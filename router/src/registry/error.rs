@@ -37,6 +37,11 @@ pub enum RegistryError {
 pub enum ConfigError {
     #[error("invalid policy YAML: {message}")]
     Yaml { message: String },
+    #[error("{field} {message}")]
+    InvalidSetting {
+        field: &'static str,
+        message: String,
+    },
     #[error(
         "request_classifier.type {type_name:?} is not a registered request classifier type (registered: {})",
         known.join(", ")

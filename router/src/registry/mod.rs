@@ -21,7 +21,8 @@ use std::sync::Arc;
 use kvroute_common::messages::WorkerRole;
 
 pub use config::{
-    ClassifierConfig, PolicyFileError, PolicyInstance, RouterPluginsConfig, WorkerSelectionConfig,
+    ClassifierConfig, DisaggregationConfig, PolicyFileError, PolicyInstance, RouterPluginsConfig,
+    WorkerSelectionConfig,
 };
 pub use error::{ConfigError, PluginKind, RegistryError};
 pub use parameters::{PolicyParameters, ProviderError};

@@ -4,7 +4,7 @@
 use std::fmt;
 
 use super::RouterPluginRegistry;
-use super::config::RouterPluginsConfig;
+use super::config::{DisaggregationConfig, RouterPluginsConfig};
 use super::error::ConfigError;
 use super::resolve::{PolicyOverrides, ResolvedPolicies};
 use crate::classify::{RequestClassifier, RequestClassifierContext, RequestClassifierFactory};
@@ -16,6 +16,7 @@ pub struct RouterPlugins {
     pub policies: ResolvedPolicies,
     /// `None`: pass-through admission (no `request_classifier` in the file).
     pub classifier: Option<ResolvedClassifier>,
+    pub disaggregation: DisaggregationConfig,
 }
 
 /// The configured request classifier: its type and its validated factory.
@@ -66,6 +67,7 @@ impl RouterPluginRegistry {
         overrides: &PolicyOverrides,
     ) -> Result<RouterPlugins, ConfigError> {
         let policies = self.resolve(&config.worker_selection, overrides)?;
+        config.disaggregation.validate()?;
         let classifier = match &config.request_classifier {
             None => None,
             Some(configured) => {
@@ -88,6 +90,7 @@ impl RouterPluginRegistry {
         Ok(RouterPlugins {
             policies,
             classifier,
+            disaggregation: config.disaggregation,
         })
     }
 }

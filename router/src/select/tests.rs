@@ -309,7 +309,14 @@ fn a_policy_without_cache_inputs_reports_no_overlap() {
     )
     .unwrap();
     assert_eq!(s.overlap, None);
-    let reply = crate::decide::wire::reply(&s, Default::default(), Default::default(), 10, "r1");
+    let reply = crate::decide::wire::reply(
+        &s,
+        Default::default(),
+        Default::default(),
+        10,
+        "r1",
+        Default::default(),
+    );
     assert!(reply.overlap_blocks.is_empty());
     assert_eq!(reply.cost.terms["active_requests"], 0.0);
 }

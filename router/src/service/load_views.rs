@@ -21,7 +21,7 @@ use super::intake::Clock;
 use super::policies::PolicySlot;
 use crate::decide::candidates::PartitionKey;
 use crate::decide::load_view::{Applied, LoadView, LoadViewConfig, RankView};
-use crate::decide::{DecisionState, PartitionPolicy};
+use crate::decide::{DecisionState, PartitionPolicy, wire};
 use crate::worker::WorkerRank;
 
 /// One partition's view, shared by the selections of the partition and the feeds.
@@ -155,10 +155,23 @@ impl LoadViews {
         });
     }
 
-    /// Applies a decision (any replica's) to its partition's view.
+    /// Applies a decision (any replica's) to its partition's view; a paired decision's decode
+    /// hop to the decode partition's view too (what it did there is not reported: the prefill
+    /// half's outcome counts the decision).
     pub fn apply_decision(&self, d: &Decision, now_ms: u64) -> Applied {
+        if let Some(decode) = wire::decode_half(d) {
+            let view = self.partition(&(decode.model.clone(), decode.role));
+            lock(&view).apply_decision(&decode, now_ms);
+        }
         let view = self.partition(&(d.model.clone(), d.role));
         lock(&view).apply_decision(d, now_ms)
+    }
+
+    /// Completes this replica's decision `d` with its decode hop in its partition's view (see
+    /// [`LoadView::attach_decode`]).
+    pub fn attach_decode(&self, d: &Decision) {
+        let view = self.partition(&(d.model.clone(), d.role));
+        lock(&view).attach_decode(d);
     }
 
     /// Applies a worker's load report to its partition's view, or keeps it until the worker's
@@ -199,6 +212,10 @@ impl LoadViews {
     /// Withdraws a decision of this replica's that will not be used (see
     /// [`LoadView::withdraw`]).
     pub fn withdraw(&self, d: &Decision) -> bool {
+        if let Some(decode) = wire::decode_half(d) {
+            let view = self.partition(&(decode.model.clone(), decode.role));
+            lock(&view).withdraw(&decode);
+        }
         let view = self.partition(&(d.model.clone(), d.role));
         lock(&view).withdraw(d)
     }
@@ -344,6 +361,7 @@ mod tests {
             ts: 0,
             attempt: 0,
             prefix_hashes: Vec::new(),
+            decode: None,
         }
     }
 
@@ -380,6 +398,47 @@ mod tests {
         };
         views.apply_lifecycle(&finished, 3);
         assert_eq!(views.expire(4).predictions, 0);
+    }
+
+    #[test]
+    fn a_paired_decision_charges_both_partitions_once_and_is_withdrawn_from_both() {
+        let views = LoadViews::new(config());
+        let prefill = ("m".to_owned(), WorkerRole::Prefill);
+        let decode = ("m".to_owned(), WorkerRole::Decode);
+        let cards = [
+            card(1, "m", WorkerRole::Prefill),
+            card(2, "m", WorkerRole::Decode),
+        ];
+        views.set_workers(&cards, &[]);
+        let mut d = decision(1, "m", WorkerRole::Prefill);
+        d.decode = Some(kvroute_common::messages::DecodeHop {
+            decision_id: Uuid::new_v4(),
+            worker_id: 2,
+            dp_rank: 0,
+            request_subject: "w.2".into(),
+            cost: Default::default(),
+            policy: "least-busy".into(),
+            bootstrap_room: 5,
+        });
+        assert_eq!(views.apply_decision(&d, 1), Applied::Added);
+        // Another replica's echo of the same pair changes nothing.
+        assert_eq!(views.apply_decision(&d, 2), Applied::Duplicate);
+        let charged = |key: &PartitionKey, worker| {
+            lock(&views.partition(key))
+                .load(WorkerRank::new(worker, 0), 3)
+                .map(|l| (l.active_prefill_tokens, l.active_decode_blocks))
+        };
+        // The prefill worker prefills; the decode worker holds the blocks, prefilling nothing.
+        assert_eq!(charged(&prefill, 1), Some((100, 4)));
+        assert_eq!(charged(&decode, 2), Some((0, 4)));
+        assert_eq!(views.expire(4).predictions, 2);
+        // A retry in the decode partition is answered with the hop's decision.
+        let hop = lock(&views.partition(&decode))
+            .decided(&d.request_id)
+            .map(|k| k.decision_id);
+        assert_eq!(hop, d.decode.as_ref().map(|h| h.decision_id));
+        assert!(views.withdraw(&d));
+        assert_eq!(views.expire(5).predictions, 0);
     }
 
     #[test]

@@ -53,6 +53,7 @@ pub mod names {
     pub const QUEUE_TIMEOUTS: &str = "kvroute_router_queue_timeouts_total";
     pub const QUEUE_WAIT_SECONDS: &str = "kvroute_router_queue_wait_seconds";
     pub const QUEUE_HANDED_OVER: &str = "kvroute_router_queue_handed_over_total";
+    pub const DISAGGREGATION: &str = "kvroute_router_disaggregation_total";
 }
 
 /// The labels of the families whose values the code lists (see [`OneOf`]).
@@ -73,6 +74,23 @@ pub mod labels {
         family: names::OVERLAP_FALLBACKS,
         label: "reason",
         values: || Fallback::ALL.map(Fallback::reason).to_vec(),
+    };
+    /// What became of a request of a model with prefill and decode workers that could be
+    /// disaggregated: a pair; served by its prefill worker end to end (the conditional rule
+    /// said so); or end to end because no decode worker could take it.
+    pub const DISAGG_PAIRED: &str = "paired";
+    pub const DISAGG_PREFILL_ONLY: &str = "prefill_only";
+    pub const DISAGG_DECODE_UNAVAILABLE: &str = "decode_unavailable";
+    pub const DISAGGREGATION: OneOf = OneOf {
+        family: names::DISAGGREGATION,
+        label: "outcome",
+        values: || {
+            vec![
+                DISAGG_PAIRED,
+                DISAGG_PREFILL_ONLY,
+                DISAGG_DECODE_UNAVAILABLE,
+            ]
+        },
     };
     /// A forward's outcome: the owner answered, or queued the request; or it was decided here.
     pub const FORWARD_ANSWERED: &str = "answered";
@@ -109,11 +127,12 @@ pub mod labels {
     };
 
     /// Every [`OneOf`] family of the router (the discovery's bad cards included).
-    pub const ALL: [OneOf; 7] = [
+    pub const ALL: [OneOf; 8] = [
         ERRORS,
         SESSIONS,
         OVERLAP_FALLBACKS,
         FORWARDS,
+        DISAGGREGATION,
         EXPIRED,
         GROUP_LEAVES,
         kvroute_common::discovery::BAD_CARDS,
@@ -164,6 +183,8 @@ pub struct RouterMetrics {
     /// Requests forwarded to their partition's owner, by outcome (`answered`,
     /// `no_responders`, `timeout`, `error`: the last three were decided here instead).
     pub forwards: Arc<CounterVec>,
+    /// Requests that could be disaggregated, by outcome.
+    pub disaggregation: Arc<CounterVec>,
     /// Remote overlap query attempts beyond the first.
     pub overlap_retries: Arc<Counter>,
     /// 1 while the replica is in the select queue group.
@@ -277,6 +298,10 @@ impl RouterMetrics {
             forwards: r.counter_one_of(
                 labels::FORWARDS,
                 "Requests forwarded to their partition's owner replica, by outcome.",
+            ),
+            disaggregation: r.counter_one_of(
+                labels::DISAGGREGATION,
+                "Requests of models with prefill and decode workers that could be disaggregated, by outcome.",
             ),
             expired: r.counter_one_of(
                 labels::EXPIRED,

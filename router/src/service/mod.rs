@@ -16,6 +16,7 @@ pub mod load_models;
 mod load_views;
 pub mod metrics;
 pub mod overlap;
+mod pairing;
 mod peers;
 mod policies;
 pub mod reply;
@@ -41,8 +42,8 @@ use self::sessions_kv::{BucketConfig, KvSessionStore};
 use crate::decide::candidates::Candidates;
 use crate::decide::load_view::LoadViewConfig;
 use crate::registry::{
-    ConfigError as PolicyConfigError, PolicyFileError, RouterPluginRegistry, RouterPlugins,
-    RouterPluginsConfig,
+    ConfigError as PolicyConfigError, DisaggregationConfig, PolicyFileError, RouterPluginRegistry,
+    RouterPlugins, RouterPluginsConfig,
 };
 use crate::select::SelectionSettings;
 use crate::session::SessionTable;
@@ -136,6 +137,7 @@ pub struct Router {
     forward_timeout: Duration,
     admission: admission::Admission,
     prediction_max_age_ms: u64,
+    disaggregation: DisaggregationConfig,
 }
 
 impl std::fmt::Debug for Router {
@@ -234,6 +236,7 @@ pub async fn run(
         forward_timeout: Duration::from_millis(config.forward_timeout_ms),
         admission,
         prediction_max_age_ms: config.prediction_max_age_secs.saturating_mul(1000),
+        disaggregation: plugins.disaggregation,
     });
     let registration = Arc::new(peers::Registration::default());
     let mut etcd_for_shutdown = etcd.clone();

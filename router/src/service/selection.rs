@@ -17,7 +17,9 @@
 //! its admission queue ([`super::admission`]) instead of failing `all_overloaded`; so does a
 //! request whose partition already has requests waiting (they go first).
 
-use kvroute_common::messages::{Decision, ErrorCode, SelectRequest, SelectResponse};
+use kvroute_common::messages::{
+    Decision, Disaggregation, ErrorCode, SelectRequest, SelectResponse,
+};
 use kvroute_common::names::headers;
 use uuid::Uuid;
 
@@ -115,7 +117,7 @@ impl Router {
     }
 
     async fn respond(&self, msg: &async_nats::Message, clock: Clock) -> Outcome {
-        let request = match intake::parse(&msg.payload) {
+        let mut request = match intake::parse(&msg.payload) {
             Ok(r) => r,
             Err(Rejected { code, message }) => {
                 return Outcome::Answer(wire::error(code, message, None), None);
@@ -128,6 +130,8 @@ impl Router {
             tracing::debug!(request_id = ?request.request_id, attempt = request.attempt, "dropped a request past its deadline");
             return Outcome::Expired(labels::EXPIRED_INTAKE);
         }
+        // A request that may be disaggregated is decided (and owned) in the prefill partition.
+        let pair = self.plan_hops(&mut request);
         let headers = msg.headers.as_ref();
         let forwarded = headers.and_then(|h| h.get(headers::FORWARDED_BY)).is_some();
         // A request whose owner did not answer is decided here, and may queue here.
@@ -155,7 +159,7 @@ impl Router {
             .then_some(client)
             .flatten()
             .map(|reply_to| (reply_to, arrived_ms, forwarded));
-        match self.choose(request, request_id, clock, queue).await {
+        match self.choose(request, pair, request_id, clock, queue).await {
             Ok(outcome) => outcome,
             Err(response) => Outcome::Answer(response, None),
         }
@@ -168,7 +172,7 @@ impl Router {
     #[allow(clippy::result_large_err)]
     fn prepare(
         &self,
-        request: Result<SelectRequest, &Arc<Prepared>>,
+        request: Result<(SelectRequest, Option<Disaggregation>), &Arc<Prepared>>,
         request_id: Uuid,
     ) -> Result<(Arc<Prepared>, Arc<PolicySlot>), SelectResponse> {
         let fail = |f: SelectFailure| SelectResponse::Error(f.to_select_error(Some(request_id)));
@@ -180,7 +184,7 @@ impl Router {
             ));
         }
         let (model, role) = match &request {
-            Ok(r) => (&r.model, r.role),
+            Ok((r, _)) => (&r.model, r.role),
             Err(p) => (&p.request.model, p.request.role),
         };
         let partition = self
@@ -197,7 +201,11 @@ impl Router {
             )));
         };
         let prepared = match request {
-            Ok(request) => Arc::new(Prepared::new(request, request_id, partition).map_err(fail)?),
+            Ok((request, pair)) => {
+                let mut prepared = Prepared::new(request, request_id, partition).map_err(fail)?;
+                prepared.pair = pair;
+                Arc::new(prepared)
+            }
             Err(queued) if Arc::ptr_eq(&queued.partition, &partition) => queued.clone(),
             Err(queued) => {
                 let mut fresh = Prepared::clone(queued);
@@ -240,12 +248,13 @@ impl Router {
     async fn choose(
         &self,
         request: SelectRequest,
+        pair: Option<Disaggregation>,
         request_id: Uuid,
         clock: Clock,
         queue: Option<(async_nats::Subject, u64, bool)>,
     ) -> Result<Outcome, SelectResponse> {
         let fail = |f: SelectFailure| SelectResponse::Error(f.to_select_error(Some(request_id)));
-        let (prepared, slot) = self.prepare(Ok(request), request_id)?;
+        let (prepared, slot) = self.prepare(Ok((request, pair)), request_id)?;
         let key = (prepared.request.model.clone(), prepared.request.role);
         let forwarded = queue.as_ref().is_some_and(|q| q.2);
         let arrived_ms = queue.as_ref().map_or(clock.wall_ms, |q| q.1);
@@ -301,7 +310,7 @@ impl Router {
                 self.admission.ended(request_id, None, clock.now_ms());
                 return Err(fail(f));
             }
-            (Ended::Reply(Ok(decided)), _) => decided,
+            (Ended::Reply(Ok(decided)), _) => self.pair(&prepared, decided, clock).await,
         };
         let outcome = match self.conclude(&prepared, decided, clock) {
             Concluded::Answer(response, decision) => Outcome::Answer(response, decision),
@@ -343,10 +352,12 @@ impl Router {
                 SelectResponse::Error(f.to_select_error(Some(prepared.request_id))),
                 None,
             ),
-            Ended::Reply(Ok(decided)) => match self.conclude(&prepared, decided, clock) {
-                Concluded::Answer(response, decision) => Queued::Answer(response, decision),
-                Concluded::Expired(_) => Queued::Expired,
-            },
+            Ended::Reply(Ok(decided)) => {
+                match self.conclude(&prepared, self.pair(&prepared, decided, clock).await, clock) {
+                    Concluded::Answer(response, decision) => Queued::Answer(response, decision),
+                    Concluded::Expired(_) => Queued::Expired,
+                }
+            }
         }
     }
 
@@ -355,7 +366,7 @@ impl Router {
     /// selecting and charging the decision to the view happen under the partition's policy
     /// lock, so concurrent selections (a burst of requests) each see the ones before them,
     /// instead of all picking the same least-loaded worker.
-    async fn select(
+    pub(super) async fn select(
         &self,
         prepared: &Prepared,
         slot: &PolicySlot,

@@ -38,6 +38,7 @@ pub(super) fn decision(worker_id: u64, request_id: Uuid, blocks: u32, prefill: u
         ts: 0,
         attempt: 0,
         prefix_hashes: Vec::new(),
+        decode: None,
     }
 }
 

@@ -109,7 +109,18 @@ async fn hand_over(
 }
 
 async fn hand_to(router: &Router, owner: &str, left: &Left<Waiting>) -> bool {
-    let Ok(payload) = kvroute_common::codec::encode(&left.item.prepared.request) else {
+    let prepared = &left.item.prepared;
+    // A paired request goes as it came (the owner plans its hops again); any other as
+    // prepared (its role is the partition's).
+    let request = match prepared.pair {
+        Some(mode) => &kvroute_common::messages::SelectRequest {
+            role: kvroute_common::messages::WorkerRole::Aggregated,
+            disaggregation: Some(mode),
+            ..prepared.request.clone()
+        },
+        None => &prepared.request,
+    };
+    let Ok(payload) = kvroute_common::codec::encode(request) else {
         return false;
     };
     let mut headers = async_nats::HeaderMap::new();
