@@ -1,24 +1,31 @@
 //! The example plugins selected through YAML: the policy against the built-in default, and the
 //! classifier's target followed by the policy.
 
-use futures::executor::block_on;
+use std::sync::Arc;
+
 use kvroute_common::messages::{
-    BindingState, SelectRequest, SessionContext, WorkerCard, WorkerRole,
+    BindingState, SelectRequest, SessionContext, WorkerCard, WorkerLoad, WorkerRole,
 };
+use kvroute_common::{Names, Namespace};
 use kvroute_router::classify::{ClassifyEvent, ClassifyRequest, RequestClassifierContext, Verdict};
+use kvroute_router::decide::candidates::Partition;
+use kvroute_router::decide::load_view::{LoadView, LoadViewConfig};
+use kvroute_router::decide::prompt::{Prepared, Prompt};
+use kvroute_router::decide::selection::{Context, Selection, Start};
+use kvroute_router::decide::{Decided, Owned, PartitionPolicy};
+use kvroute_router::drive::{self, Ended};
 use kvroute_router::pipeline::{WorkerInputs, WorkerSelectionPolicy};
 use kvroute_router::registry::{
     ConfigError, PluginKind, PolicyOverrides, RegistryError, RouterPluginRegistry,
     RouterPluginsConfig, WorkerSelectionConfig,
 };
-use kvroute_router::select::{SelectInput, SelectionSettings, select, select_worker};
-use kvroute_router::session::{
-    AffinityMode, MemSessionStore, SessionConfig, SessionRoute, SessionTable,
-};
+use kvroute_router::select::{Chosen, SelectInput, SelectionSettings, select_worker};
+use kvroute_router::session::{AffinityMode, MemSessionStore, SessionConfig, SessionRoute};
 use kvroute_router::signals::{ObservedLoad, Overlap, SignalSnapshot};
 use kvroute_router::worker::WorkerRank;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
+use uuid::Uuid;
 
 /// The walkthrough's configuration file, as the README runs it.
 const YAML: &str = include_str!("../sticky.yaml");
@@ -127,31 +134,95 @@ fn selecting_the_policy_in_yaml_changes_the_outcome() {
     assert_eq!(chosen.cost.terms["active_requests"], 0.0);
 }
 
+/// Runs one selection of `request` the way the router does (its selection machine, from
+/// memory as `kvroute-sim` runs it): the session binding in `store`, worker 1 holding the
+/// prompt, and each worker's active requests as its last load report says.
+fn select_in_session(
+    policy: &mut PartitionPolicy,
+    store: &MemSessionStore,
+    sessions: SessionConfig,
+    request: &SelectRequest,
+    active: [u64; 2],
+    now_ms: u64,
+) -> Chosen {
+    let workers = vec![card(1), card(2)];
+    let mut view = LoadView::new(LoadViewConfig {
+        report_interval_ms: 1_000,
+        confirm_window_ms: 2_000,
+        prediction_max_age_ms: 60_000,
+        predicted_overlap_ttl_ms: 0,
+        approx_cache_ttl_ms: 0,
+        models: Default::default(),
+    });
+    for (worker, &requests) in workers.iter().zip(&active) {
+        let report = WorkerLoad {
+            v: Default::default(),
+            worker_id: worker.worker_id,
+            dp_rank: 0,
+            seq: 1,
+            active_prefill_tokens: 0,
+            active_decode_blocks: 0,
+            active_requests: requests,
+            waiting_requests: 0,
+            kv_used_blocks: 0,
+            total_kv_blocks: 1000,
+            ts: now_ms,
+            new_requests: None,
+        };
+        view.apply_report(&report, now_ms);
+    }
+    let partition = Arc::new(Partition {
+        cards: workers,
+        block_size: 16,
+    });
+    let prompt = Prompt {
+        hashes: (0..10).collect(),
+        tokens: 160,
+    };
+    let id = Uuid::from_u128(u128::from(now_ms) + 1);
+    let prepared = Prepared::with_prompt(request.clone(), id, partition, prompt);
+    let (settings, names) = (
+        SelectionSettings::default(),
+        Names::new(&Namespace::new("t").unwrap()),
+    );
+    let context = Context {
+        settings: &settings,
+        names: &names,
+        router_id: "r",
+        sessions,
+    };
+    let start = Start {
+        decision_id: id,
+        reads_cache: true,
+        overlap: Some(signals([0, 0])),
+        target: None,
+        queues: false,
+    };
+    let mut state = Owned {
+        policy,
+        view: &mut view,
+        now_ms,
+    };
+    let (selection, need) = Selection::start(&prepared, context, start, &mut state);
+    match drive::now(selection, need, &mut state, store, SignalSnapshot::new) {
+        Ended::Reply(Ok(Decided::New(new))) => new.selection,
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn a_soft_session_moves_when_its_worker_gets_busy_then_stays() {
-    let workers = [card(1), card(2)];
+    let store = MemSessionStore::new();
+    let sessions = SessionConfig {
+        mode: AffinityMode::Soft,
+        idle_ttl_ms: 60_000,
+    };
     let settings = SelectionSettings::default();
-    let table = SessionTable::new(
-        MemSessionStore::new(),
-        SessionConfig {
-            mode: AffinityMode::Soft,
-            idle_ttl_ms: 60_000,
-        },
-    );
-    let mut sticky = policy(YAML).unwrap();
-    let mut rng = StdRng::seed_from_u64(0);
+    let mut sticky =
+        PartitionPolicy::new(policy(YAML).unwrap(), StdRng::seed_from_u64(0), &settings);
     let req = request(Some("agent-7"));
     let mut run = |active: [u64; 2], now_ms: u64| {
-        let snapshot = signals(active);
-        let input = SelectInput {
-            request: &req,
-            request_blocks: 10,
-            block_size: 16,
-            workers: &workers,
-            signals: &snapshot,
-            settings: &settings,
-        };
-        let s = block_on(select(&input, &mut sticky, &table, now_ms, &mut rng)).unwrap();
+        let s = select_in_session(&mut sticky, &store, sessions, &req, active, now_ms);
         (s.worker.worker_id, s.binding.unwrap())
     };
     assert_eq!(run([0, 1], 0), (1, BindingState::New));
