@@ -56,13 +56,23 @@ impl Registration {
         card: WorkerCard,
         config: RegistrationConfig,
     ) -> anyhow::Result<Self> {
+        let value = encode(&card)?.to_vec();
+        Self::start_key(etcd, names.worker_key(card.worker_id), value, config)
+    }
+
+    /// Starts holding `value` under `key` in etcd under a lease kept alive as a worker's card
+    /// is (a router replica's registration uses it too); returns at once.
+    pub fn start_key(
+        etcd: etcd_client::Client,
+        key: String,
+        value: Vec<u8>,
+        config: RegistrationConfig,
+    ) -> anyhow::Result<Self> {
         anyhow::ensure!(
             config.lease_ttl >= Duration::from_secs(2),
             "lease TTL {:?} is below etcd's minimum of 2 s",
             config.lease_ttl
         );
-        let key = names.worker_key(card.worker_id);
-        let value = encode(&card)?.to_vec();
         let (stop_tx, stop_rx) = oneshot::channel();
         let (reg_tx, reg_rx) = watch::channel(false);
         let task = tokio::spawn(keep_registered(etcd, key, value, config, stop_rx, reg_tx));
@@ -212,7 +222,7 @@ async fn keep_registered(
     if let Some(lease_id) = granted {
         revoke(&mut etcd, &key, lease_id, timing).await;
     }
-    tracing::info!(key, "worker deregistered");
+    tracing::info!(key, "deregistered");
 }
 
 /// Revokes the lease at shutdown, in up to [`REVOKE_ATTEMPTS`] attempts (a call may fail at
@@ -225,7 +235,7 @@ async fn revoke(etcd: &mut etcd_client::Client, key: &str, lease_id: i64, timing
             // Expired meanwhile: the card is gone too.
             Err(e) if e.to_string().contains("not found") => return,
             Err(e) if attempt == REVOKE_ATTEMPTS => {
-                tracing::warn!(key, error = %e, "revoking lease at shutdown failed; the card expires with its TTL");
+                tracing::warn!(key, error = %e, "revoking lease at shutdown failed; the key expires with its TTL");
             }
             Err(_) => tokio::time::sleep(timing.keep_alive_pause()).await,
         }
@@ -270,9 +280,9 @@ async fn stay_registered(
                     break;
                 }
                 Ok(Err(e)) => {
-                    tracing::warn!(key, lease_id, error = %e, "writing the card failed; retrying")
+                    tracing::warn!(key, lease_id, error = %e, "writing the key failed; retrying")
                 }
-                Err(_) => tracing::warn!(key, lease_id, "writing the card timed out; retrying"),
+                Err(_) => tracing::warn!(key, lease_id, "writing the key timed out; retrying"),
             }
             tokio::time::sleep(timing.retry_interval()).await;
         }
@@ -280,7 +290,7 @@ async fn stay_registered(
             continue;
         }
         let _ = registered.send(true);
-        tracing::info!(key, lease_id, "worker registered");
+        tracing::info!(key, lease_id, "registered");
         // Keep it alive: a broken stream is opened again while the lease may live.
         loop {
             match keep_alive(etcd, lease_id, timing, &mut ok_sent_at).await {

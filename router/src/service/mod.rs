@@ -239,7 +239,6 @@ pub async fn run(
         disaggregation: plugins.disaggregation,
     });
     let registration = Arc::new(peers::Registration::default());
-    let mut etcd_for_shutdown = etcd.clone();
     let peer_tasks = if config.no_partition_owner {
         Vec::new()
     } else {
@@ -287,7 +286,7 @@ pub async fn run(
     for task in peer_tasks {
         task.abort();
     }
-    registration.revoke(&mut etcd_for_shutdown).await;
+    registration.revoke().await;
     intake_task.abort();
     // Queued requests get an answer they can retry elsewhere, not silence.
     router.admission.shutdown().await;

@@ -10,11 +10,11 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
-use etcd_client::{EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{EventType, GetOptions, WatchOptions};
 use kvroute_common::names::Names;
+use kvroute_common::worker::{Registration as LeaseRegistration, RegistrationConfig};
 use tokio::sync::watch;
 
 use kvroute_common::messages::SelectRequest;
@@ -27,91 +27,61 @@ use super::metrics::labels;
 /// The registered replicas' ids, as last read.
 pub type PeerSet = Arc<BTreeSet<String>>;
 
-/// The lease this replica's registration is bound to (0: none), for revoking it at shutdown.
+/// This replica's registration while it serves, for revoking it at shutdown.
 #[derive(Debug, Default)]
-pub struct Registration(AtomicI64);
+pub struct Registration(tokio::sync::Mutex<Option<LeaseRegistration>>);
 
 impl Registration {
     /// Revokes the current lease, so the other replicas see this one go at once.
-    pub async fn revoke(&self, etcd: &mut etcd_client::Client) {
-        let lease = self.0.swap(0, Ordering::AcqRel);
-        if lease != 0 {
-            let revoke = etcd.lease_revoke(lease);
-            if tokio::time::timeout(Duration::from_secs(1), revoke)
+    pub async fn revoke(&self) {
+        let held = self.0.lock().await.take();
+        if let Some(held) = held
+            && tokio::time::timeout(Duration::from_secs(1), held.deregister())
                 .await
                 .is_err()
-            {
-                tracing::warn!(lease, "revoking the router's lease timed out");
-            }
+        {
+            tracing::warn!("revoking the router's lease timed out");
         }
     }
 }
 
-/// Holds this replica's registration while it serves (checked every `ttl / 3`).
+/// Holds this replica's registration while it serves (checked every 200 ms, or `ttl / 3`
+/// if shorter). The lease is kept alive as a worker's card is
+/// (`kvroute_common::worker::Registration`: every etcd call bounded by a fraction of the TTL,
+/// a broken keep-alive retried on the same lease), so losing one etcd member does not move
+/// this replica's partitions.
 pub async fn register(
     router: Arc<Router>,
-    mut etcd: etcd_client::Client,
+    etcd: etcd_client::Client,
     ttl: Duration,
     registration: Arc<Registration>,
 ) {
     let key = router.names.router_key(&router.router_id);
-    let ttl_secs = i64::try_from(ttl.as_secs().max(2)).unwrap_or(2);
-    let interval = Duration::from_secs(u64::try_from(ttl_secs).unwrap_or(2)) / 3;
-    loop {
-        while !router.is_serving() {
-            tokio::time::sleep(interval.min(Duration::from_millis(200))).await;
-        }
-        let lease = match etcd.lease_grant(ttl_secs, None).await {
-            Ok(lease) => lease.id(),
-            Err(e) => {
-                tracing::warn!(error = %e, "granting the router's lease failed; retrying");
-                tokio::time::sleep(interval).await;
-                continue;
-            }
-        };
-        let put = etcd
-            .put(
-                key.as_str(),
-                router.router_id.as_str(),
-                Some(PutOptions::new().with_lease(lease)),
-            )
-            .await;
-        if let Err(e) = put {
-            tracing::warn!(error = %e, "registering the router failed; retrying");
-            let _ = etcd.lease_revoke(lease).await;
-            tokio::time::sleep(interval).await;
-            continue;
-        }
-        tracing::info!(key, lease, "router registered as serving");
-        registration.0.store(lease, Ordering::Release);
-        hold(&router, &mut etcd, lease, interval).await;
-        registration.0.store(0, Ordering::Release);
-        let _ = etcd.lease_revoke(lease).await;
-        tracing::info!(key, "router registration released");
-    }
-}
-
-/// Keeps `lease` alive while the replica serves; returns when it stops serving or the lease
-/// is lost.
-async fn hold(router: &Router, etcd: &mut etcd_client::Client, lease: i64, interval: Duration) {
-    let Ok((mut keeper, mut responses)) = etcd.lease_keep_alive(lease).await else {
-        return;
+    let ttl = ttl.max(Duration::from_secs(2));
+    let poll = Duration::from_millis(200).min(ttl / 3);
+    let config = RegistrationConfig {
+        lease_ttl: ttl,
+        retry_interval: poll,
     };
     loop {
-        tokio::time::sleep(interval).await;
-        if !router.is_serving() {
-            return;
+        while !router.is_serving() {
+            tokio::time::sleep(poll).await;
         }
-        if keeper.keep_alive().await.is_err() {
-            return;
-        }
-        match tokio::time::timeout(interval, responses.message()).await {
-            Ok(Ok(Some(resp))) if resp.ttl() > 0 => {}
-            _ => {
-                tracing::warn!(lease, "the router's lease could not be kept alive");
-                return;
+        let value = router.router_id.as_bytes().to_vec();
+        match LeaseRegistration::start_key(etcd.clone(), key.clone(), value, config.clone()) {
+            Ok(held) => *registration.0.lock().await = Some(held),
+            Err(e) => {
+                tracing::warn!(error = %e, "registering the router failed; retrying");
+                tokio::time::sleep(poll).await;
+                continue;
             }
         }
+        tracing::info!(key, "router registering as serving");
+        while router.is_serving() {
+            tokio::time::sleep(poll).await;
+        }
+        registration.revoke().await;
+        tracing::info!(key, "router registration released");
     }
 }
 
