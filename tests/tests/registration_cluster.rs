@@ -6,35 +6,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use etcd_client::{EventType, GetOptions, WatchOptions};
-use kvroute_common::messages::{WorkerCard, WorkerRole};
 use kvroute_common::worker::{Registration, RegistrationConfig};
 use kvroute_common::{Names, Namespace};
-use kvroute_tests::EtcdCluster;
+use kvroute_tests::{EtcdCluster, worker_card};
 use tokio::time::Instant;
 
 /// etcd's minimum: the tightest budget for retrying on another member.
 const TTL: Duration = Duration::from_secs(2);
 const WORKERS: u64 = 6;
-
-fn card(worker_id: u64, names: &Names) -> WorkerCard {
-    WorkerCard {
-        v: Default::default(),
-        worker_id,
-        model: "m".into(),
-        role: WorkerRole::Aggregated,
-        block_size: 16,
-        total_kv_blocks: 1000,
-        max_num_batched_tokens: 8192,
-        dp_start_rank: 0,
-        dp_size: 1,
-        taints: vec![],
-        labels: Default::default(),
-        request_subject: names.worker_requests(worker_id),
-        software_version: "test".into(),
-        http_url: None,
-        kv_events: true,
-    }
-}
 
 /// Registers `WORKERS` cards through one client of every member (as a mocker does), then,
 /// member by member: SIGKILL, 2 × TTL + 1 s with the member down, the member restarted. Through
@@ -55,7 +34,7 @@ async fn registrations_keep_their_cards_while_any_one_of_three_etcd_members_is_k
         let mut r = Registration::start(
             etcd.clone(),
             &names,
-            card(id, &names),
+            worker_card(&names, id, "m"),
             RegistrationConfig {
                 lease_ttl: TTL,
                 retry_interval: Duration::from_millis(100),

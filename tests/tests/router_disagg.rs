@@ -11,13 +11,12 @@ use futures::StreamExt;
 use kvroute_common::Names;
 use kvroute_common::codec::decode;
 use kvroute_common::messages::{
-    Decision, Disaggregation, HopRules, Pin, SelectReply, SelectRequest, SelectResponse,
-    StorageTier, WorkerRole,
+    Decision, Disaggregation, HopRules, Pin, SelectRequest, StorageTier, WorkerRole,
 };
 use kvroute_router::service::metrics as rm;
 use kvroute_tests::{
-    IndexerProcess, PromptWorker, RouterProcess, TestEnv, continuing, labelled, request, select,
-    worker_card,
+    IndexerProcess, PromptWorker, RouterProcess, TestEnv, continuing, expect_worker, labelled,
+    request, select, select_until_overlap, worker_card,
 };
 
 const POLICY: &str = "worker_selection:
@@ -32,28 +31,11 @@ fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
     (0..blocks * 16).map(|i| seed * 100_000 + i).collect()
 }
 
-fn ok(response: SelectResponse) -> SelectReply {
-    match response {
-        SelectResponse::Ok(r) => r,
-        SelectResponse::Error(e) => panic!("selection failed: {e:?}"),
-    }
-}
-
 fn asking(tokens: Vec<u32>, mode: Disaggregation) -> SelectRequest {
     SelectRequest {
         disaggregation: Some(mode),
         ..request("m", tokens)
     }
-}
-
-/// Selects until the prefill hop shows `blocks` device blocks of overlap (the index caught up).
-async fn until_overlap(
-    nats: &async_nats::Client,
-    names: &Names,
-    req: &SelectRequest,
-    blocks: u32,
-) -> SelectReply {
-    kvroute_tests::select_until_overlap(nats, names, req, blocks, Duration::from_secs(30)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -85,7 +67,7 @@ async fn a_paired_decision_takes_the_cache_for_prefill_and_load_for_decode() {
     let cached = prompt(1, 8);
     fleet[1].store_prompt(&cached).await;
     let always = asking(continuing(&cached), Disaggregation::Always);
-    let pair = until_overlap(&nats, &names, &always, 8).await;
+    let pair = select_until_overlap(&nats, &names, &always, 8, Duration::from_secs(30)).await;
     assert_eq!((pair.worker_id, pair.role), (2, WorkerRole::Prefill));
     let hop = pair.decode.clone().expect("a decode hop");
     assert!([3, 4].contains(&hop.worker_id), "{hop:?}");
@@ -115,18 +97,20 @@ async fn a_paired_decision_takes_the_cache_for_prefill_and_load_for_decode() {
         attempt: 1,
         ..always.clone()
     };
-    let again = ok(select(&nats, &names, &retry).await.unwrap());
+    let again = expect_worker(select(&nats, &names, &retry).await.unwrap());
     assert_eq!(again.decision_id, pair.decision_id);
     assert_eq!(again.decode, Some(hop.clone()));
 
     // The decode worker is charged: least-busy sends the next pair to the other one.
-    let next = ok(select(
-        &nats,
-        &names,
-        &asking(prompt(2, 20), Disaggregation::Always),
-    )
-    .await
-    .unwrap());
+    let next = expect_worker(
+        select(
+            &nats,
+            &names,
+            &asking(prompt(2, 20), Disaggregation::Always),
+        )
+        .await
+        .unwrap(),
+    );
     let other = next.decode.expect("a decode hop");
     assert_ne!(
         other.worker_id, hop.worker_id,
@@ -137,22 +121,26 @@ async fn a_paired_decision_takes_the_cache_for_prefill_and_load_for_decode() {
     // uncached one is paired.
     let conditional = asking(continuing(&cached), Disaggregation::Conditional);
     // (On worker 2, or on worker 1 when the attempts above predicted the prompt there too.)
-    let alone = ok(select(&nats, &names, &conditional).await.unwrap());
+    let alone = expect_worker(select(&nats, &names, &conditional).await.unwrap());
     assert_eq!(alone.role, WorkerRole::Prefill);
     assert_eq!(alone.overlap_blocks.get(&StorageTier::Device), Some(&8));
     assert_eq!(alone.decode, None);
-    let long = ok(select(
-        &nats,
-        &names,
-        &asking(prompt(3, 16), Disaggregation::Conditional),
-    )
-    .await
-    .unwrap());
+    let long = expect_worker(
+        select(
+            &nats,
+            &names,
+            &asking(prompt(3, 16), Disaggregation::Conditional),
+        )
+        .await
+        .unwrap(),
+    );
     assert!(long.decode.is_some(), "{long:?}");
     // The configured mode is conditional: a request that names none follows it.
-    let default = ok(select(&nats, &names, &request("m", continuing(&cached)))
-        .await
-        .unwrap());
+    let default = expect_worker(
+        select(&nats, &names, &request("m", continuing(&cached)))
+            .await
+            .unwrap(),
+    );
     assert_eq!(default.decode, None);
 
     // The decode hop's own rules.
@@ -167,7 +155,7 @@ async fn a_paired_decision_takes_the_cache_for_prefill_and_load_for_decode() {
         ..asking(prompt(4, 4), Disaggregation::Always)
     };
     assert_eq!(
-        ok(select(&nats, &names, &pinned).await.unwrap())
+        expect_worker(select(&nats, &names, &pinned).await.unwrap())
             .decode
             .map(|h| h.worker_id),
         Some(4)
@@ -180,7 +168,7 @@ async fn a_paired_decision_takes_the_cache_for_prefill_and_load_for_decode() {
         ..asking(prompt(5, 4), Disaggregation::Always)
     };
     assert_eq!(
-        ok(select(&nats, &names, &allowed).await.unwrap())
+        expect_worker(select(&nats, &names, &allowed).await.unwrap())
             .decode
             .map(|h| h.worker_id),
         Some(3)
@@ -193,14 +181,14 @@ async fn a_paired_decision_takes_the_cache_for_prefill_and_load_for_decode() {
         }),
         ..asking(prompt(6, 4), Disaggregation::Always)
     };
-    let fallback = ok(select(&nats, &names, &impossible).await.unwrap());
+    let fallback = expect_worker(select(&nats, &names, &impossible).await.unwrap());
     assert_eq!(
         (fallback.role, fallback.decode),
         (WorkerRole::Prefill, None)
     );
 
     // Never, with no aggregated worker: one prefill worker end to end.
-    let never = ok(
+    let never = expect_worker(
         select(&nats, &names, &asking(prompt(7, 4), Disaggregation::Never))
             .await
             .unwrap(),

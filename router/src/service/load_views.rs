@@ -291,34 +291,11 @@ mod tests {
 
     use super::*;
 
-    fn config() -> LoadViewConfig {
-        LoadViewConfig {
-            report_interval_ms: 1_000,
-            confirm_window_ms: 2_000,
-            prediction_max_age_ms: 60_000,
-            predicted_overlap_ttl_ms: 0,
-            approx_cache_ttl_ms: 0,
-            models: Default::default(),
-        }
-    }
-
     fn card(worker_id: WorkerId, model: &str, role: WorkerRole) -> WorkerCard {
         WorkerCard {
-            v: Default::default(),
-            worker_id,
             model: model.into(),
             role,
-            block_size: 16,
-            total_kv_blocks: 100,
-            max_num_batched_tokens: 0,
-            dp_start_rank: 0,
-            dp_size: 1,
-            taints: vec![],
-            labels: Default::default(),
-            request_subject: format!("w.{worker_id}"),
-            software_version: String::new(),
-            http_url: None,
-            kv_events: true,
+            ..crate::testing::card(worker_id)
         }
     }
 
@@ -341,27 +318,9 @@ mod tests {
 
     fn decision(worker_id: WorkerId, model: &str, role: WorkerRole) -> Decision {
         Decision {
-            v: SchemaVersion::CURRENT,
-            decision_id: Uuid::new_v4(),
-            request_id: Uuid::new_v4(),
-            router_id: "r".into(),
             model: model.into(),
             role,
-            worker_id,
-            dp_rank: 0,
-            session_id: None,
-            request_blocks: 4,
-            overlap_blocks: 0,
-            prefill_tokens: 100,
-            expected_output_tokens: None,
-            block_size: 16,
-            cost: Default::default(),
-            policy: "default".into(),
-            binding: None,
-            ts: 0,
-            attempt: 0,
-            prefix_hashes: Vec::new(),
-            decode: None,
+            ..crate::testing::decision(worker_id, Uuid::new_v4(), 4, 100)
         }
     }
 
@@ -373,7 +332,7 @@ mod tests {
 
     #[test]
     fn each_message_reaches_its_partitions_view_only() {
-        let views = LoadViews::new(config());
+        let views = LoadViews::new(crate::testing::view_config());
         let a = ("m".to_owned(), WorkerRole::Prefill);
         let b = ("m".to_owned(), WorkerRole::Decode);
         let cards = [
@@ -402,7 +361,7 @@ mod tests {
 
     #[test]
     fn a_paired_decision_charges_both_partitions_once_and_is_withdrawn_from_both() {
-        let views = LoadViews::new(config());
+        let views = LoadViews::new(crate::testing::view_config());
         let prefill = ("m".to_owned(), WorkerRole::Prefill);
         let decode = ("m".to_owned(), WorkerRole::Decode);
         let cards = [
@@ -443,7 +402,7 @@ mod tests {
 
     #[test]
     fn a_report_before_its_workers_card_is_applied_when_the_card_comes() {
-        let views = LoadViews::new(config());
+        let views = LoadViews::new(crate::testing::view_config());
         let key = ("m".to_owned(), WorkerRole::Prefill);
         assert_eq!(views.apply_report(&report(5, 3, 11), 1), Reported::Unplaced);
         assert_eq!(views.apply_report(&report(5, 2, 99), 2), Reported::Stale);
@@ -455,7 +414,7 @@ mod tests {
 
     #[test]
     fn unplaced_reports_go_after_the_prediction_age() {
-        let views = LoadViews::new(config());
+        let views = LoadViews::new(crate::testing::view_config());
         views.apply_report(&report(5, 1, 11), 1);
         views.expire(60_002);
         views.set_workers(&[card(5, "m", WorkerRole::Prefill)], &[]);
@@ -467,7 +426,7 @@ mod tests {
 
     #[test]
     fn a_departed_worker_leaves_the_view_it_was_in() {
-        let views = LoadViews::new(config());
+        let views = LoadViews::new(crate::testing::view_config());
         let key = ("m".to_owned(), WorkerRole::Prefill);
         views.set_workers(&[card(1, "m", WorkerRole::Prefill)], &[]);
         views.apply_report(&report(1, 1, 7), 1);

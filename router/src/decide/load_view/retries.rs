@@ -183,7 +183,7 @@ mod tests {
     use super::*;
 
     fn decision(request_id: Uuid, attempt: u32, decision_id: Uuid) -> Decision {
-        let mut d = super::super::tests::decision(1, request_id, 1, 16);
+        let mut d = crate::testing::decision(1, request_id, 1, 16);
         d.attempt = attempt;
         d.decision_id = decision_id;
         d.prefix_hashes = vec![1, 2];

@@ -4,6 +4,7 @@ use kvroute_common::messages::SchemaVersion;
 use uuid::Uuid;
 
 use super::*;
+use crate::testing::decision;
 
 fn view() -> LoadView {
     LoadView::new(LoadViewConfig {
@@ -14,32 +15,6 @@ fn view() -> LoadView {
         approx_cache_ttl_ms: 120_000,
         models: Default::default(),
     })
-}
-
-pub(super) fn decision(worker_id: u64, request_id: Uuid, blocks: u32, prefill: u64) -> Decision {
-    Decision {
-        v: SchemaVersion::CURRENT,
-        decision_id: Uuid::new_v4(),
-        request_id,
-        router_id: "r".into(),
-        model: "m".into(),
-        role: Default::default(),
-        worker_id,
-        dp_rank: 0,
-        session_id: None,
-        request_blocks: blocks,
-        overlap_blocks: 0,
-        prefill_tokens: prefill,
-        expected_output_tokens: None,
-        block_size: 16,
-        cost: Default::default(),
-        policy: "default".into(),
-        binding: None,
-        ts: 0,
-        attempt: 0,
-        prefix_hashes: Vec::new(),
-        decode: None,
-    }
 }
 
 fn lifecycle(worker_id: u64, request_id: Uuid, kind: LifecycleKind) -> RequestLifecycle {

@@ -14,7 +14,7 @@ use uuid::Uuid;
 
 use super::*;
 use crate::decide::candidates::Partition;
-use crate::decide::load_view::{LoadView, LoadViewConfig};
+use crate::decide::load_view::LoadView;
 use crate::decide::prompt::{Prepared, Prompt};
 use crate::decide::selection::{Context, Selection, Start};
 use crate::decide::{Decided, Owned, PartitionPolicy};
@@ -140,14 +140,7 @@ impl<S: SessionStore> Harness<S> {
             target: None,
             queues: false,
         };
-        let mut view = LoadView::new(LoadViewConfig {
-            report_interval_ms: 1_000,
-            confirm_window_ms: 2_000,
-            prediction_max_age_ms: 60_000,
-            predicted_overlap_ttl_ms: 0,
-            approx_cache_ttl_ms: 0,
-            models: Default::default(),
-        });
+        let mut view = LoadView::new(crate::testing::view_config());
         let mut state = Owned {
             policy: &mut self.policy,
             view: &mut view,
