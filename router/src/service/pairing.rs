@@ -53,12 +53,19 @@ impl Router {
         let (mode, mut new) = decided;
         let m = &self.metrics.disaggregation;
         let d = &new.decision;
-        let prefill_load = {
-            let view = self.load.partition(&(d.model.clone(), d.role));
-            let rank = new.selection.worker;
-            load_views::lock(&view)
-                .load(rank, clock.now_ms())
-                .map_or(0, |l| l.active_prefill_tokens)
+        // The prefill worker's load is read only where the rule uses it (a rank nothing is
+        // known of is idle, as everywhere in the view).
+        let reads_load = mode == Disaggregation::Conditional
+            && self.disaggregation.busy_prefill_tokens.is_some();
+        let prefill_load = match reads_load {
+            true => {
+                let view = self.load.partition(&(d.model.clone(), d.role));
+                let rank = new.selection.worker;
+                load_views::lock(&view)
+                    .load(rank, clock.now_ms())
+                    .map_or(0, |l| l.active_prefill_tokens)
+            }
+            false => 0,
         };
         let tokens = prepared.prompt.tokens;
         if !self
