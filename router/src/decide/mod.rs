@@ -17,6 +17,7 @@
 pub mod candidates;
 pub mod load_view;
 pub mod owner;
+pub mod pairing;
 pub mod prompt;
 pub mod selection;
 pub mod wire;

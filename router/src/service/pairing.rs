@@ -15,7 +15,7 @@ use super::intake::Clock;
 use super::load_views;
 use super::metrics::labels;
 use crate::decide::prompt::Prepared;
-use crate::decide::{Decided, NewDecision, wire};
+use crate::decide::{Decided, NewDecision, pairing, wire};
 use crate::drive::Ended;
 
 impl Router {
@@ -27,15 +27,10 @@ impl Router {
         }
         let candidates = self.candidates.read().unwrap_or_else(|p| p.into_inner());
         let has = |role| candidates.partition(&request.model, role).is_some();
-        if !(has(WorkerRole::Prefill) && has(WorkerRole::Decode)) {
-            return None;
-        }
         let mode = request.disaggregation.unwrap_or(self.disaggregation.mode);
-        if mode == Disaggregation::Never && has(WorkerRole::Aggregated) {
-            return None;
-        }
-        request.role = WorkerRole::Prefill;
-        (mode != Disaggregation::Never).then_some(mode)
+        let (role, pair) = pairing::plan_hops(mode, has);
+        request.role = role;
+        pair
     }
 
     /// A prefill decision's decode hop, when its request is paired and the rule says so; a
@@ -55,23 +50,13 @@ impl Router {
         let d = &new.decision;
         // The prefill worker's load is read only where the rule uses it (a rank nothing is
         // known of is idle, as everywhere in the view).
-        let reads_load = mode == Disaggregation::Conditional
-            && self.disaggregation.busy_prefill_tokens.is_some();
-        let prefill_load = match reads_load {
-            true => {
-                let view = self.load.partition(&(d.model.clone(), d.role));
-                let rank = new.selection.worker;
-                load_views::lock(&view)
-                    .load(rank, clock.now_ms())
-                    .map_or(0, |l| l.active_prefill_tokens)
-            }
-            false => 0,
+        let prefill_load = || {
+            let view = self.load.partition(&(d.model.clone(), d.role));
+            load_views::lock(&view)
+                .load(new.selection.worker, clock.now_ms())
+                .map_or(0, |l| l.active_prefill_tokens)
         };
-        let tokens = prepared.prompt.tokens;
-        if !self
-            .disaggregation
-            .disaggregates(mode, tokens, d.prefill_tokens, prefill_load)
-        {
+        if !pairing::gets_decode_hop(&self.disaggregation, mode, prepared, d, prefill_load) {
             m.inc(labels::DISAGG_PREFILL_ONLY);
             return Decided::New(new);
         }
@@ -94,28 +79,12 @@ impl Router {
         prefill: &NewDecision,
         clock: Clock,
     ) -> Option<kvroute_common::messages::DecodeHop> {
-        let mut request = prepared.request.clone();
-        request.role = WorkerRole::Decode;
-        request.session = None;
-        let rules = request.decode.take().unwrap_or_default();
-        request.pin = rules.pin;
-        request.allowed_workers = rules.allowed_workers;
-        request.dp_rank_range = rules.dp_rank_range;
         let partition = self
             .candidates
             .read()
             .unwrap_or_else(|p| p.into_inner())
-            .partition(&request.model, WorkerRole::Decode)?;
-        let decode = if partition.block_size == prepared.partition.block_size {
-            Prepared::with_prompt(
-                request,
-                prepared.request_id,
-                partition,
-                prepared.prompt.clone(),
-            )
-        } else {
-            Prepared::new(request, prepared.request_id, partition).ok()?
-        };
+            .partition(&prepared.request.model, WorkerRole::Decode)?;
+        let decode = pairing::decode_request(prepared, partition)?;
         let slot = self
             .policies
             .slot(
