@@ -27,7 +27,9 @@ pub use oracle::{
 };
 pub use plan::Plan;
 pub use progress::Progress;
-pub use report::{ModeRecorder, ModeReport, RequestSample, RunReport, TooManyErrors};
+pub use report::{
+    DisaggregationReport, ModeRecorder, ModeReport, RequestSample, RunReport, TooManyErrors,
+};
 pub use run::{emit, run, run_until};
 pub use selector::{RouterSelector, SelectCallFailure, Selector};
 pub use sessions::{SessionKeys, SessionOracle, SessionReport, session_context, session_oracle};

@@ -12,8 +12,8 @@ use std::time::Instant;
 
 use kvroute_common::trace::read_trace;
 use kvroute_router::registry::{
-    PolicyOverrides, ResolvedPolicies, RouterPluginRegistry, RouterPluginsConfig,
-    WorkerSelectionConfig,
+    DisaggregationConfig, PolicyOverrides, ResolvedPolicies, RouterPluginRegistry,
+    RouterPluginsConfig, WorkerSelectionConfig,
 };
 
 pub use config::SimArgs;
@@ -24,6 +24,16 @@ use crate::replay::oracle::{oracle_with_hits, ttft_floor};
 use crate::replay::session_oracle;
 use crate::replay::{Plan, Progress, RunReport};
 
+/// What `--policy-config` configures for the simulation: the worker selection and the
+/// disaggregation rule.
+#[derive(Debug, Clone)]
+pub struct SimPolicies {
+    pub policies: ResolvedPolicies,
+    /// The file's `disaggregation` (the default without one), its mode replaced by
+    /// `--disaggregation` when given.
+    pub disaggregation: DisaggregationConfig,
+}
+
 /// The policies of `--policy-config` (the built-in ones without it), resolved against
 /// `registry` as a router resolves them; an error names the flag and the file. A file that
 /// configures a `request_classifier` is refused: the simulation has no admission queue to run
@@ -32,22 +42,36 @@ pub fn load_policies(
     args: &SimArgs,
     registry: &RouterPluginRegistry,
     bin: &str,
-) -> anyhow::Result<ResolvedPolicies> {
-    let Some(path) = &args.policy_config else {
-        return Ok(registry.resolve(
-            &WorkerSelectionConfig::default(),
-            &PolicyOverrides::default(),
-        )?);
+) -> anyhow::Result<SimPolicies> {
+    let (selection, mut disaggregation) = match &args.policy_config {
+        None => (
+            WorkerSelectionConfig::default(),
+            DisaggregationConfig::default(),
+        ),
+        Some(path) => {
+            let in_file = |e: &dyn std::fmt::Display| {
+                anyhow::anyhow!("--policy-config {}: {e}", path.display())
+            };
+            let file = RouterPluginsConfig::from_file(path).map_err(|e| in_file(&e))?;
+            file.disaggregation.validate().map_err(|e| in_file(&e))?;
+            let disaggregation = file.disaggregation;
+            let selection = file.without_classifier(bin).map_err(|e| in_file(&e))?;
+            (selection, disaggregation)
+        }
     };
-    let in_file =
-        |e: &dyn std::fmt::Display| anyhow::anyhow!("--policy-config {}: {e}", path.display());
-    let yaml = RouterPluginsConfig::from_file(path)
-        .map_err(|e| in_file(&e))?
-        .without_classifier(bin)
-        .map_err(|e| in_file(&e))?;
-    registry
-        .resolve(&yaml, &PolicyOverrides::default())
-        .map_err(|e| in_file(&e))
+    if let Some(mode) = args.disaggregation {
+        disaggregation.mode = mode.into();
+    }
+    let policies = registry
+        .resolve(&selection, &PolicyOverrides::default())
+        .map_err(|e| match &args.policy_config {
+            Some(path) => anyhow::anyhow!("--policy-config {}: {e}", path.display()),
+            None => e.into(),
+        })?;
+    Ok(SimPolicies {
+        policies,
+        disaggregation,
+    })
 }
 
 /// [`run_with`] the built-in policies.
@@ -69,7 +93,9 @@ pub fn run_with(args: &SimArgs, registry: &RouterPluginRegistry) -> anyhow::Resu
     );
     let policies = load_policies(args, registry, "kvroute-sim")?;
     let engine = args.engine.engine_config();
-    let capacity = engine.num_blocks * u64::from(args.workers);
+    // The caches prompts are computed in (a decode worker's holds transferred blocks only).
+    let computing = args.aggregated_workers() + args.prefill_workers;
+    let capacity = engine.num_blocks * u64::from(computing);
     let (oracle, hits) = oracle_with_hits(&plan.requests, engine.block_size, capacity);
     let floor = ttft_floor(&plan.requests, &hits, &engine);
     let session_oracle = plan
@@ -82,7 +108,11 @@ pub fn run_with(args: &SimArgs, registry: &RouterPluginRegistry) -> anyhow::Resu
         let settings = SimSettings {
             mode,
             engine: engine.clone(),
-            workers: args.workers,
+            workers: args.aggregated_workers(),
+            prefill_workers: args.prefill_workers,
+            decode_workers: args.decode_workers,
+            disaggregation: policies.disaggregation,
+            kv_transfer_per_block: SimArgs::millis(args.kv_transfer_ms_per_block),
             routers: args.routers,
             event_delay: SimArgs::millis(args.event_delay_ms),
             signal_delay: SimArgs::millis(args.signal_delay_ms),
@@ -103,7 +133,7 @@ pub fn run_with(args: &SimArgs, registry: &RouterPluginRegistry) -> anyhow::Resu
             load_models: args.load_models()?,
         };
         let progress = Progress::new(mode.as_str(), plan.len() as u64, args.output.interactive());
-        let report = simulate(&plan, &settings, &policies, |t| progress.update(t))?;
+        let report = simulate(&plan, &settings, &policies.policies, |t| progress.update(t))?;
         progress.finish();
         simulated += report.duration_s;
         modes.push(report);
@@ -111,7 +141,7 @@ pub fn run_with(args: &SimArgs, registry: &RouterPluginRegistry) -> anyhow::Resu
     Ok(RunReport {
         trace: args.trace.display().to_string(),
         requests: plan.len() as u64,
-        workers: args.workers,
+        workers: args.fleet_size(),
         block_size: engine.block_size,
         blocks_per_worker: engine.num_blocks,
         // Simulated seconds per wall second of the whole run.

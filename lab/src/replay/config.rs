@@ -52,11 +52,25 @@ impl Mode {
         policies: &kvroute_router::registry::ResolvedPolicies,
         model: &str,
     ) -> anyhow::Result<kvroute_router::pipeline::WorkerSelectionPolicy> {
-        use kvroute_common::messages::WorkerRole;
+        self.build_policy_for(
+            policies,
+            kvroute_common::messages::WorkerRole::Aggregated,
+            model,
+        )
+    }
+
+    /// The policy this mode runs for `model`'s partition of `role`: the role's configured
+    /// selection for `kv`, the named built-in otherwise.
+    pub fn build_policy_for(
+        self,
+        policies: &kvroute_router::registry::ResolvedPolicies,
+        role: kvroute_common::messages::WorkerRole,
+        model: &str,
+    ) -> anyhow::Result<kvroute_router::pipeline::WorkerSelectionPolicy> {
         Ok(match self.router_policy() {
-            None => policies.build(WorkerRole::Aggregated, model)?,
+            None => policies.build(role, model)?,
             Some(name) => policies
-                .build_named(name, WorkerRole::Aggregated, model)
+                .build_named(name, role, model)
                 .ok_or_else(|| anyhow::anyhow!("no policy named {name:?} is registered"))??,
         })
     }

@@ -154,6 +154,34 @@ pub struct ModeReport {
     /// Session stickiness and the later turns' hit rate (a trace with sessions only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sessions: Option<SessionReport>,
+    /// Inter-token latency: every gap between two consecutive tokens of a completed request's
+    /// stream, from its first token to its last, in simulated ms (`kvroute-sim` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub itl_ms: Option<Summary>,
+    /// How a fleet with prefill and decode workers served the requests (`kvroute-sim` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disaggregation: Option<DisaggregationReport>,
+}
+
+/// A disaggregated fleet's requests: paired (prefill on a prefill worker, KV transfer, decode
+/// on a decode worker) or served end to end by their prefill worker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DisaggregationReport {
+    /// The rule's mode: `never`, `always` or `conditional`.
+    pub mode: String,
+    pub prefill_workers: u32,
+    pub decode_workers: u32,
+    /// Completed requests that had a decode hop.
+    pub paired: u64,
+    /// Completed requests served by their prefill worker alone (the rule said no, or no
+    /// decode worker could take them).
+    pub unpaired: u64,
+    /// Paired requests' KV transfer, simulated ms.
+    pub transfer_ms: Summary,
+    /// Paired requests: from arrival to the prefill worker's end (its one token), simulated ms.
+    pub prefill_ms: Summary,
+    /// Coefficient of variation of requests decoded per decode worker.
+    pub load_cv_decode_requests: f64,
 }
 
 /// One completed request, as the replay tool saw it.
@@ -288,6 +316,8 @@ impl ModeRecorder {
             load_cv_requests: coefficient_of_variation(&requests),
             load_cv_prefill_tokens: coefficient_of_variation(&prefill),
             sessions: self.sessions.map(SessionRecorder::finish),
+            itl_ms: None,
+            disaggregation: None,
         }
     }
 }

@@ -138,6 +138,7 @@ pub fn render_table(report: &RunReport) -> String {
             );
         }
     }
+    render_streams(&mut out, report);
     render_sessions(&mut out, report);
     for m in report.modes.iter().filter(|m| m.errors > 0) {
         let kinds: Vec<String> = m
@@ -187,6 +188,47 @@ fn gain(report: &RunReport) -> Option<String> {
         rr.ttft_ms.p90,
         of_bound(kv.hit_rate, report.oracle.finite)
     ))
+}
+
+/// Inter-token latency and, on a fleet with prefill and decode workers, how requests were
+/// paired (`kvroute-sim`).
+fn render_streams(out: &mut String, report: &RunReport) {
+    if report.modes.iter().all(|m| m.itl_ms.is_none()) {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "inter-token latency (ms, simulated), and disaggregation:"
+    );
+    for m in &report.modes {
+        let mut line = format!("  {:<12}", m.mode);
+        if let Some(t) = &m.itl_ms {
+            let _ = write!(
+                line,
+                " itl mean {:.1}  p50 {:.1}  p90 {:.1}  p99 {:.1}  max {:.0}",
+                t.mean, t.p50, t.p90, t.p99, t.max
+            );
+        }
+        if let Some(d) = &m.disaggregation {
+            let _ = write!(
+                line,
+                "\n    {} on {} prefill + {} decode: {} paired, {} by the prefill worker alone; \
+                 paired: prefill done p50 {:.0} / p90 {:.0} ms, transfer p50 {:.1} / p99 {:.1} ms, \
+                 decode cv {:.2}",
+                d.mode,
+                d.prefill_workers,
+                d.decode_workers,
+                d.paired,
+                d.unpaired,
+                d.prefill_ms.p50,
+                d.prefill_ms.p90,
+                d.transfer_ms.p50,
+                d.transfer_ms.p99,
+                d.load_cv_decode_requests
+            );
+        }
+        let _ = writeln!(out, "{line}");
+    }
 }
 
 /// The session rows, when the trace has sessions: stickiness (mean share of a session's turns

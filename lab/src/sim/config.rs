@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::Command;
 use kvroute_common::config::ConfigError;
+use kvroute_common::messages::Disaggregation;
 use kvroute_common::telemetry::TelemetryArgs;
 use kvroute_mocker::fleet::{EngineArgs, MAX_WORKERS};
 use kvroute_router::decide::load_view::models::LoadModels;
@@ -46,9 +47,32 @@ pub struct SimArgs {
         default_value = "kv,round-robin,random,least-busy"
     )]
     pub modes: Vec<Mode>,
-    /// Simulated workers (worker ids 1..=N).
-    #[arg(long, env = "KVROUTE_SIM_WORKERS", default_value_t = 8)]
-    pub workers: u32,
+    /// Aggregated workers (worker ids 1..=N). Default 8, or 0 with --prefill-workers and
+    /// --decode-workers.
+    #[arg(long, env = "KVROUTE_SIM_WORKERS")]
+    pub workers: Option<u32>,
+    /// Prefill workers (the ids after the aggregated ones): with --decode-workers, a
+    /// disaggregated fleet, served as the router serves one (see --disaggregation).
+    #[arg(long, env = "KVROUTE_SIM_PREFILL_WORKERS", default_value_t = 0)]
+    pub prefill_workers: u32,
+    /// Decode workers (the last ids): they receive a paired request's prompt KV by transfer
+    /// and compute its last token and the output.
+    #[arg(long, env = "KVROUTE_SIM_DECODE_WORKERS", default_value_t = 0)]
+    pub decode_workers: u32,
+    /// How requests are served on a fleet with prefill and decode workers, as the router's
+    /// `disaggregation.mode`: never, always, or conditional (by the policy file's
+    /// `disaggregation` thresholds). Default: the policy file's mode, else always.
+    #[arg(long, env = "KVROUTE_SIM_DISAGGREGATION", value_enum)]
+    pub disaggregation: Option<DisaggregationArg>,
+    /// Simulated milliseconds to move one engine block of KV from a prefill to a decode worker
+    /// (every block of the prompt moves). Default 0.4, kvroute-mocker's
+    /// --kv-transfer-ms-per-block: a 64-token block of an 8B model, 8 MiB, at about 25 GB/s.
+    #[arg(
+        long,
+        env = "KVROUTE_SIM_KV_TRANSFER_MS_PER_BLOCK",
+        default_value_t = 0.4
+    )]
+    pub kv_transfer_ms_per_block: f64,
     /// The last N workers are CPU workers: their cards carry `kvroute.io/device: cpu` and their
     /// engines' step costs are `--cpu-slowdown` times the others'.
     #[arg(long, env = "KVROUTE_SIM_CPU_WORKERS", default_value_t = 0)]
@@ -165,6 +189,24 @@ pub struct SimArgs {
     pub telemetry: TelemetryArgs,
 }
 
+/// `--disaggregation`: the router's `disaggregation.mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DisaggregationArg {
+    Never,
+    Always,
+    Conditional,
+}
+
+impl From<DisaggregationArg> for Disaggregation {
+    fn from(arg: DisaggregationArg) -> Self {
+        match arg {
+            DisaggregationArg::Never => Disaggregation::Never,
+            DisaggregationArg::Always => Disaggregation::Always,
+            DisaggregationArg::Conditional => Disaggregation::Conditional,
+        }
+    }
+}
+
 /// The sim's command: its flags include kvroute-mocker's engine flags and kvroute-replay's
 /// output flags, whose `KVROUTE_MOCKER_*` / `KVROUTE_REPLAY_*` fallbacks are renamed to
 /// `KVROUTE_SIM_*`, so a shell set up for those tools does not change the simulation.
@@ -209,25 +251,51 @@ impl SimArgs {
     /// Checks every setting; the error names the flag.
     pub fn validate(&self) -> Result<(), ConfigError> {
         validate_run(&self.trace, self.time_scale, &self.modes)?;
-        if self.workers == 0 || self.workers > MAX_WORKERS {
+        let disaggregated = self.prefill_workers > 0 || self.decode_workers > 0;
+        if disaggregated && (self.prefill_workers == 0 || self.decode_workers == 0) {
+            let field = match self.prefill_workers {
+                0 => "prefill-workers",
+                _ => "decode-workers",
+            };
+            return Err(ConfigError::new(
+                field,
+                "--prefill-workers and --decode-workers go together (both above 0)",
+            ));
+        }
+        let total = u64::from(self.aggregated_workers())
+            + u64::from(self.prefill_workers)
+            + u64::from(self.decode_workers);
+        if total > u64::from(MAX_WORKERS) {
             return Err(ConfigError::new(
                 "workers",
-                format!("must be 1..={MAX_WORKERS}"),
+                format!("at most {MAX_WORKERS} workers in all, got {total}"),
+            ));
+        }
+        if self.aggregated_workers() == 0 && !disaggregated {
+            return Err(ConfigError::new(
+                "workers",
+                "must be above 0 without --prefill-workers and --decode-workers",
+            ));
+        }
+        if !(self.kv_transfer_ms_per_block.is_finite() && self.kv_transfer_ms_per_block >= 0.0) {
+            return Err(ConfigError::new(
+                "kv-transfer-ms-per-block",
+                format!("must be 0 or more, got {}", self.kv_transfer_ms_per_block),
             ));
         }
         if self.routers == 0 || self.routers > 64 {
             return Err(ConfigError::new("routers", "must be 1..=64"));
         }
-        if self.cpu_workers > self.workers {
+        if self.cpu_workers > self.aggregated_workers() {
             return Err(ConfigError::new(
                 "cpu-workers",
-                format!("must be at most --workers ({})", self.workers),
+                format!("must be at most --workers ({})", self.aggregated_workers()),
             ));
         }
-        if self.no_kv_events_workers > self.workers {
+        if self.no_kv_events_workers > self.fleet_size() {
             return Err(ConfigError::new(
                 "no-kv-events-workers",
-                format!("must be at most --workers ({})", self.workers),
+                format!("must be at most the fleet's {} workers", self.fleet_size()),
             ));
         }
         if !(self.cpu_slowdown.is_finite() && self.cpu_slowdown >= 1.0) {
@@ -272,6 +340,19 @@ impl SimArgs {
         self.output.validate()
     }
 
+    /// Aggregated workers: `--workers`, by default 8, or 0 on a disaggregated fleet.
+    pub fn aggregated_workers(&self) -> u32 {
+        let disaggregated = self.prefill_workers > 0 && self.decode_workers > 0;
+        self.workers.unwrap_or(if disaggregated { 0 } else { 8 })
+    }
+
+    /// Every worker: aggregated, prefill and decode.
+    pub fn fleet_size(&self) -> u32 {
+        self.aggregated_workers()
+            .saturating_add(self.prefill_workers)
+            .saturating_add(self.decode_workers)
+    }
+
     /// The routers' load models (validated as the router validates its flags).
     pub fn load_models(&self) -> Result<LoadModels, ConfigError> {
         LoadModelArgs {
@@ -309,7 +390,11 @@ mod tests {
     fn defaults_are_valid() {
         let a = parse(&[]);
         a.validate().unwrap();
-        assert_eq!((a.workers, a.routers, a.limit), (8, 1, 0));
+        assert_eq!((a.aggregated_workers(), a.routers, a.limit), (8, 1, 0));
+        let d = parse(&["--prefill-workers", "4", "--decode-workers", "4"]);
+        d.validate().unwrap();
+        assert_eq!((d.aggregated_workers(), d.fleet_size()), (0, 8));
+        assert_eq!(d.kv_transfer_ms_per_block, 0.4);
         assert_eq!(a.modes, Mode::ALL.to_vec());
     }
 
@@ -376,6 +461,12 @@ mod tests {
         assert_eq!(field(&["--time-scale", "0"]), "time-scale");
         assert_eq!(field(&["--modes", "kv,kv"]), "modes");
         assert_eq!(field(&["--workers", "0"]), "workers");
+        assert_eq!(field(&["--prefill-workers", "4"]), "decode-workers");
+        assert_eq!(field(&["--decode-workers", "4"]), "prefill-workers");
+        assert_eq!(
+            field(&["--kv-transfer-ms-per-block=-1"]),
+            "kv-transfer-ms-per-block"
+        );
         assert_eq!(field(&["--routers", "0"]), "routers");
         assert_eq!(field(&["--num-blocks", "0"]), "num-blocks");
         assert_eq!(field(&["--load-interval-ms", "0"]), "load-interval-ms");

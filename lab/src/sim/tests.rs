@@ -1,7 +1,9 @@
 use std::time::Duration;
 
+use kvroute_common::messages::Disaggregation;
 use kvroute_common::trace::TraceRequest;
-use kvroute_mocker::engine::EngineConfig;
+use kvroute_mocker::engine::{EngineConfig, StepWork};
+use kvroute_router::registry::DisaggregationConfig;
 use kvroute_router::registry::{PolicyOverrides, RouterPluginRegistry, WorkerSelectionConfig};
 
 use super::*;
@@ -43,6 +45,10 @@ fn settings(mode: Mode, routers: u32, seed: u64) -> SimSettings {
         mode,
         engine: engine(),
         workers: 4,
+        prefill_workers: 0,
+        decode_workers: 0,
+        disaggregation: Default::default(),
+        kv_transfer_per_block: Duration::from_micros(400),
         routers,
         event_delay: Duration::from_millis(5),
         signal_delay: Duration::from_millis(5),
@@ -310,7 +316,9 @@ fn a_policy_file_with_a_request_classifier_is_refused_naming_it() {
         "selection.yaml",
         "worker_selection: {aggregated: round-robin}\n",
     );
-    let policies = load_policies(&without, &registry, "kvroute-sim").unwrap();
+    let policies = load_policies(&without, &registry, "kvroute-sim")
+        .unwrap()
+        .policies;
     assert_eq!(
         policies
             .selection(kvroute_common::messages::WorkerRole::Aggregated)
@@ -366,4 +374,147 @@ fn approximate_mode_keeps_conversations_on_their_workers_without_events() {
         mixed.hit_rate,
         kv.hit_rate
     );
+}
+
+/// `settings(Kv, 1 router)` on `prefill` prefill and `decode` decode workers (no aggregated
+/// ones) in `mode`.
+fn split(prefill: u32, decode: u32, mode: Disaggregation) -> SimSettings {
+    SimSettings {
+        workers: 0,
+        prefill_workers: prefill,
+        decode_workers: decode,
+        disaggregation: DisaggregationConfig {
+            mode,
+            ..DisaggregationConfig::default()
+        },
+        ..settings(Mode::Kv, 1, 1)
+    }
+}
+
+/// `n` requests at once, each of `blocks` distinct 512-token blocks and `output` tokens.
+fn burst(n: u64, blocks: u64, output: u32) -> Plan {
+    let requests = (0..n)
+        .map(|i| TraceRequest {
+            timestamp: 0,
+            input_length: (blocks * 512) as u32,
+            output_length: output,
+            hash_ids: (i * 100..i * 100 + blocks).collect(),
+            ..TraceRequest::default()
+        })
+        .collect();
+    Plan::new(requests, 0, 1.0, None)
+}
+
+fn pairs(r: &ModeReport) -> &crate::replay::DisaggregationReport {
+    r.disaggregation
+        .as_ref()
+        .expect("a fleet with prefill and decode workers")
+}
+
+fn run_split(plan: &Plan, settings: &SimSettings) -> ModeReport {
+    simulate(plan, settings, &builtins(), |_| {}).unwrap()
+}
+
+#[test]
+fn a_paired_request_is_charged_to_a_prefill_and_a_decode_worker() {
+    // Without load reports and with late lifecycle events, a replica knows a worker's load
+    // only from its own charges: four requests at once spread 2 / 2 over the prefill workers
+    // and over the decode workers only if each decision charged both.
+    let plan = burst(4, 4, 20);
+    let settings = SimSettings {
+        load_reports: false,
+        signal_delay: Duration::from_secs(30),
+        ..split(2, 2, Disaggregation::Always)
+    };
+    let r = run_split(&plan, &settings);
+    assert_eq!((r.completed, r.errors), (4, 0), "{r:?}");
+    let d = pairs(&r);
+    assert_eq!((d.paired, d.unpaired), (4, 0), "{d:?}");
+    assert_eq!(d.load_cv_decode_requests, 0.0, "{d:?}");
+    assert_eq!(r.load_cv_requests, 0.0, "prefill workers: {r:?}");
+    // The hit is the prefill worker's (nothing cached): the decode worker's transferred
+    // tokens are not cache hits.
+    assert_eq!(r.cached_prompt_tokens, 0);
+    assert_eq!(r.output_tokens, 4 * 20);
+}
+
+#[test]
+fn a_paired_requests_ttft_is_its_prefill_its_transfer_and_the_decodes_first_step() {
+    // One request of 2048 uncached tokens, alone: the prefill worker computes them in one
+    // step, 32 blocks of 64 tokens move, and the decode worker computes the last token.
+    let plan = burst(1, 4, 10);
+    let e = engine();
+    let step = |work| e.step_duration(work).as_secs_f64() * 1e3;
+    let prefill = step(StepWork {
+        prefill_tokens: 2048,
+        ..StepWork::default()
+    });
+    let last_token = step(StepWork {
+        prefill_tokens: 1,
+        ..StepWork::default()
+    });
+    let transfer = 32.0 * 0.4;
+    let r = run_split(&plan, &split(1, 1, Disaggregation::Always));
+    let expected = prefill + transfer + last_token;
+    assert!(
+        (r.ttft_ms.p50 - expected).abs() < 1e-6,
+        "{} vs {expected}",
+        r.ttft_ms.p50
+    );
+    assert!((pairs(&r).transfer_ms.p50 - transfer).abs() < 1e-9);
+    assert!((pairs(&r).prefill_ms.p50 - prefill).abs() < 1e-6);
+    // Free transfers take exactly the transfer out.
+    let free = run_split(
+        &plan,
+        &SimSettings {
+            kv_transfer_per_block: Duration::ZERO,
+            ..split(1, 1, Disaggregation::Always)
+        },
+    );
+    assert!((r.ttft_ms.p50 - free.ttft_ms.p50 - transfer).abs() < 1e-6);
+    // Aggregated, the same request has no transfer and no second step.
+    let agg = run_split(&plan, &split(1, 1, Disaggregation::Never));
+    assert!((agg.ttft_ms.p50 - prefill).abs() < 1e-6, "{agg:?}");
+    assert_eq!((pairs(&agg).paired, pairs(&agg).unpaired), (0, 1));
+    // The decode worker streams its tokens at its own pace: 9 gaps of one decode step.
+    let itl = r.itl_ms.unwrap();
+    assert_eq!(itl.count, 9);
+    assert!(itl.max < last_token + 1.0, "{itl:?}");
+}
+
+#[test]
+fn conditional_keeps_a_mostly_cached_prompt_on_its_prefill_worker() {
+    // Turn 1: 3 blocks, at most 1 cached (the shared one): disaggregated. Turn k ≥ 2: 2 new
+    // blocks of 2k + 1, the rest on the prefill worker the KV-aware cost brings it back to:
+    // under half uncached, so served there end to end.
+    let plan = Plan::new(conversations(4, 4), 0, 1.0, None);
+    let conditional = run_split(&plan, &split(2, 2, Disaggregation::Conditional));
+    let always = run_split(&plan, &split(2, 2, Disaggregation::Always));
+    for r in [&conditional, &always] {
+        assert_eq!((r.completed, r.errors), (16, 0), "{r:?}");
+    }
+    assert_eq!(
+        (pairs(&conditional).paired, pairs(&conditional).unpaired),
+        (4, 12)
+    );
+    assert_eq!((pairs(&always).paired, pairs(&always).unpaired), (16, 0));
+    // The later turns found their conversation where they left it either way.
+    assert!(conditional.hit_rate > 0.5, "{conditional:?}");
+    assert!((conditional.hit_rate - always.hit_rate).abs() < 1e-9);
+    // Unpaired, a later turn skips the transfer and the decode worker's step.
+    assert!(conditional.ttft_ms.p50 < always.ttft_ms.p50);
+}
+
+#[test]
+fn a_disaggregated_run_is_a_pure_function_of_its_inputs_and_seed() {
+    let plan = Plan::new(conversations(8, 4), 0, 1.0, None);
+    for mode in [Disaggregation::Always, Disaggregation::Conditional] {
+        let settings = SimSettings {
+            routers: 2,
+            ..split(2, 2, mode)
+        };
+        let a = simulated(run_split(&plan, &settings));
+        assert_eq!((a.completed, a.errors), (32, 0), "{a:?}");
+        assert_eq!(a, simulated(run_split(&plan, &settings)), "{mode:?}");
+    }
 }

@@ -1,12 +1,14 @@
 //! One routing mode of an offline simulation: a discrete-event loop over simulated time in
 //! which the real components meet without NATS or etcd.
 //!
-//! - each worker is an [`Engine`] (the mocker's cache and batching model);
+//! - each worker is an [`Engine`] (the mocker's cache and batching model), of role aggregated,
+//!   prefill or decode; a request is decided in the partition the router decides it in, and a
+//!   paired one runs on two engines with a modelled KV transfer between them (`hops.rs`);
 //! - its KV events reach one shared [`RadixIndex`] (the indexer's) after `event_delay`, unless
 //!   it publishes none (`kv-approx`, `--no-kv-events-workers`: the routers' approximate caches
 //!   then predict it);
 //! - each router replica has its own [`LoadView`] (the router service's) and its own policy
-//!   instance, and decides through the router's selection machine (`kvroute_router::decide::selection`: the
+//!   instance per partition (role), and decides through the router's selection machine (`kvroute_router::decide::selection`: the
 //!   service's own code) with the index's overlap; arrivals go to the replicas in turn;
 //! - a replica applies its own decision at once and the others' after `signal_delay`;
 //!   lifecycle events (`progress` ones only when the routers track output blocks) and load
@@ -19,7 +21,7 @@
 //! of its inputs (the seed included); only the reported selection latency is wall time.
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -37,19 +39,23 @@ use kvroute_router::decide::load_view::models::LoadModels;
 use kvroute_router::decide::load_view::{LoadView, LoadViewConfig};
 use kvroute_router::decide::prompt::{Prepared, Prompt};
 use kvroute_router::decide::selection::{Context, Selection, Start};
-use kvroute_router::decide::{Decided, Owned, PartitionPolicy};
+use kvroute_router::decide::{Decided, NewDecision, Owned, PartitionPolicy, wire};
 use kvroute_router::drive::{self, Ended};
 use kvroute_router::pipeline::WorkerInputs;
-use kvroute_router::registry::ResolvedPolicies;
-use kvroute_router::select::SelectionSettings;
+use kvroute_router::registry::{DisaggregationConfig, ResolvedPolicies};
+use kvroute_router::select::{SelectFailure, SelectionSettings};
 use kvroute_router::session::{MemSessionStore, SessionConfig, SessionTable};
 use kvroute_router::signals::SignalSnapshot;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use uuid::Uuid;
 
-use crate::replay::{Mode, ModeRecorder, ModeReport, Plan, RequestSample, Tally, session_context};
+use crate::replay::{
+    Mode, ModeRecorder, ModeReport, Plan, RequestSample, Summary, Tally, session_context,
+};
 use kvroute_router::policies::device_aware::DEVICE_LABEL;
+
+mod hops;
 
 /// The model every simulated worker serves.
 pub const SIM_MODEL: &str = "mock-model";
@@ -59,7 +65,16 @@ pub const SIM_MODEL: &str = "mock-model";
 pub struct SimSettings {
     pub mode: Mode,
     pub engine: EngineConfig,
+    /// Aggregated workers (ids 1..=workers).
     pub workers: u32,
+    /// Prefill workers (the next ids) and decode workers (the last ones): with both above 0,
+    /// requests are served as the router serves a model with prefill and decode workers.
+    pub prefill_workers: u32,
+    pub decode_workers: u32,
+    /// The routers' `disaggregation` (the mode and the conditional rule's thresholds).
+    pub disaggregation: DisaggregationConfig,
+    /// The KV transfer from a prefill to a decode worker, per engine block of the prompt.
+    pub kv_transfer_per_block: Duration,
     /// Router replicas; arrivals go to them in turn.
     pub routers: u32,
     /// From a worker's KV event to the index.
@@ -88,8 +103,8 @@ pub struct SimSettings {
     pub send_sessions: bool,
     /// The routers' session settings (`--session-affinity`, `--session-idle-ttl-secs`).
     pub sessions: SessionConfig,
-    /// The last `cpu_workers` workers are CPU workers (card label `kvroute.io/device: cpu`),
-    /// their engines `cpu_slowdown` times slower.
+    /// The last `cpu_workers` aggregated workers are CPU workers (card label
+    /// `kvroute.io/device: cpu`), their engines `cpu_slowdown` times slower.
     pub cpu_workers: u32,
     pub cpu_slowdown: f64,
     /// Blocks of the shared tier per worker (0: no shared tier).
@@ -99,9 +114,26 @@ pub struct SimSettings {
 }
 
 impl SimSettings {
+    /// Every worker: aggregated, prefill and decode.
+    pub fn fleet(&self) -> u32 {
+        self.workers + self.prefill_workers + self.decode_workers
+    }
+
+    /// Worker `i`'s (0-based) role.
+    fn role_of(&self, i: u32) -> WorkerRole {
+        if i < self.workers {
+            WorkerRole::Aggregated
+        } else if i < self.workers + self.prefill_workers {
+            WorkerRole::Prefill
+        } else {
+            WorkerRole::Decode
+        }
+    }
+
     /// Worker `i`'s (0-based) engine and whether it is a CPU worker.
     fn engine_of(&self, i: u32) -> (EngineConfig, bool) {
-        if i < self.workers - self.cpu_workers.min(self.workers) {
+        let cpu_from = self.workers - self.cpu_workers.min(self.workers);
+        if !(cpu_from..self.workers).contains(&i) {
             return (self.engine.clone(), false);
         }
         (slowed(&self.engine, self.cpu_slowdown), true)
@@ -154,6 +186,8 @@ enum Event {
     Decision(usize, Box<Decision>),
     Lifecycle(RequestLifecycle),
     Report(WorkerLoad),
+    /// A paired request's KV reached its decode worker.
+    Transferred(RequestId),
 }
 
 struct Scheduled {
@@ -180,8 +214,13 @@ impl Ord for Scheduled {
     }
 }
 
-/// One router replica of the simulation: its partition's policy and its own load view.
+/// One router replica of the simulation: per partition (a role with workers), its policy and
+/// its own load view.
 struct SimRouter {
+    partitions: BTreeMap<WorkerRole, SimPartition>,
+}
+
+struct SimPartition {
     policy: PartitionPolicy,
     view: LoadView,
 }
@@ -199,11 +238,37 @@ struct SimWorker {
 struct InFlight {
     /// The request's index in the plan.
     request: usize,
+    /// The worker that computes the prompt (aggregated or prefill).
     worker: usize,
+    /// A paired request's decode hop.
+    decode: Option<Paired>,
     prompt_tokens: u64,
-    /// Prompt tokens the worker found cached (known at prefill done).
+    /// Prompt tokens the prompt's worker found cached (known at its prefill done).
     cached_tokens: u64,
     selection: Duration,
+    arrived: Duration,
+    /// The client's first token (the streaming worker's prefill done).
+    first_token: Option<Duration>,
+    /// The stream's latest token, for the inter-token gaps.
+    last_token: Option<Duration>,
+}
+
+/// A paired request's second hop.
+struct Paired {
+    /// The decode worker.
+    worker: usize,
+    /// The prompt's blocks, for the decode worker's submission.
+    hashes: BlockHashes,
+    /// When the prefill worker produced its one token.
+    prefilled: Option<Duration>,
+    transfer: Duration,
+}
+
+impl InFlight {
+    /// The worker whose tokens the client receives.
+    fn streams_from(&self) -> usize {
+        self.decode.as_ref().map_or(self.worker, |d| d.worker)
+    }
 }
 
 /// The world of one mode's run.
@@ -217,8 +282,8 @@ struct World<'a> {
     /// The fleet's shared tier, if it has one.
     shared: Option<SharedStore>,
     replicas: Vec<SimRouter>,
-    /// Every worker, as the router's one partition.
-    partition: Arc<Partition>,
+    /// The fleet's partitions, one per role with workers.
+    partitions: BTreeMap<WorkerRole, Arc<Partition>>,
     selection_settings: SelectionSettings,
     names: Names,
     /// The replicas' shared session bindings.
@@ -227,6 +292,10 @@ struct World<'a> {
     recorder: ModeRecorder,
     tally: Tally,
     finished_at: Duration,
+    /// Every inter-token gap of the completed requests, ms.
+    itl_ms: Vec<f64>,
+    /// The paired requests' figures.
+    pairs: hops::PairTally,
 }
 
 /// Runs `plan` through a simulated fleet and router replicas under `settings.mode`;
@@ -237,7 +306,7 @@ pub fn simulate(
     policies: &ResolvedPolicies,
     mut progress: impl FnMut(&Tally),
 ) -> anyhow::Result<ModeReport> {
-    let cards = sim_cards(&settings.engine, settings.workers);
+    let cards = sim_cards(&settings.engine, settings.fleet());
     let shared = settings.shared_cache_blocks > 0;
     let workers = cards
         .into_iter()
@@ -248,6 +317,7 @@ pub fn simulate(
                 card.labels
                     .insert(DEVICE_LABEL.to_owned(), "cpu".to_owned());
             }
+            card.role = settings.role_of(i);
             card.kv_events = settings.mode.kv_events() && i >= settings.no_kv_events_workers;
             SimWorker {
                 card,
@@ -260,6 +330,21 @@ pub fn simulate(
             }
         })
         .collect::<Vec<_>>();
+    let mut partitions = BTreeMap::new();
+    for w in &workers {
+        partitions
+            .entry(w.card.role)
+            .or_insert_with(|| Partition {
+                cards: Vec::new(),
+                block_size: settings.engine.block_size,
+            })
+            .cards
+            .push(w.card.clone());
+    }
+    let partitions: BTreeMap<WorkerRole, Arc<Partition>> = partitions
+        .into_iter()
+        .map(|(role, p)| (role, Arc::new(p)))
+        .collect();
     let view_config = LoadViewConfig {
         report_interval_ms: millis(settings.report_covers),
         confirm_window_ms: millis(settings.prediction_confirm),
@@ -270,18 +355,33 @@ pub fn simulate(
     };
     let replicas = (0..settings.routers.max(1))
         .map(|r| {
-            Ok(SimRouter {
-                policy: PartitionPolicy::new(
-                    settings.mode.build_policy(policies, SIM_MODEL)?,
-                    StdRng::seed_from_u64(settings.seed ^ (u64::from(r) << 32)),
-                    &SelectionSettings::default(),
-                ),
-                view: {
+            let partitions = partitions
+                .iter()
+                .map(|(&role, partition)| {
+                    // The decode hop runs the decode role's configured policy whatever the
+                    // mode (as the service: a request's `policy` names its first hop's).
+                    let policy = match role {
+                        WorkerRole::Decode => policies.build(role, SIM_MODEL)?,
+                        _ => settings.mode.build_policy_for(policies, role, SIM_MODEL)?,
+                    };
+                    // The aggregated partition keeps the stream it always had.
+                    let stream = match role {
+                        WorkerRole::Aggregated => 0,
+                        WorkerRole::Prefill => 1,
+                        _ => 2,
+                    };
+                    let seed = settings.seed ^ (u64::from(r) << 32) ^ (stream << 48);
                     let mut view = LoadView::new(view_config);
-                    view.set_workers(workers.iter().map(|w| &w.card));
-                    view
-                },
-            })
+                    view.set_workers(partition.cards.iter());
+                    let policy = PartitionPolicy::new(
+                        policy,
+                        StdRng::seed_from_u64(seed),
+                        &SelectionSettings::default(),
+                    );
+                    Ok((role, SimPartition { policy, view }))
+                })
+                .collect::<anyhow::Result<_>>()?;
+            Ok(SimRouter { partitions })
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let mut world = World {
@@ -289,15 +389,16 @@ pub fn simulate(
         plan,
         queue: BinaryHeap::new(),
         seq: 0,
+        // A request counts on the worker that computes its prompt (a decode worker does not).
         recorder: ModeRecorder::new(
             settings.mode.as_str(),
-            workers.iter().map(|w| w.card.worker_id),
+            workers
+                .iter()
+                .filter(|w| w.card.role != WorkerRole::Decode)
+                .map(|w| w.card.worker_id),
         )
         .with_sessions(plan.sessions.clone(), settings.send_sessions),
-        partition: Arc::new(Partition {
-            cards: workers.iter().map(|w| w.card.clone()).collect(),
-            block_size: settings.engine.block_size,
-        }),
+        partitions,
         selection_settings: SelectionSettings::default(),
         names: Names::new(&Namespace::new("sim").expect("a valid namespace")),
         workers,
@@ -311,6 +412,8 @@ pub fn simulate(
             ..Tally::default()
         },
         finished_at: Duration::ZERO,
+        itl_ms: Vec::new(),
+        pairs: hops::PairTally::default(),
     };
     for (i, &at) in plan.arrivals.iter().enumerate() {
         world.schedule(at, Event::Arrival(i));
@@ -330,7 +433,10 @@ pub fn simulate(
             break;
         }
     }
-    Ok(world.recorder.finish(world.finished_at))
+    let mut report = world.recorder.finish(world.finished_at);
+    report.itl_ms = Some(Summary::of(&world.itl_ms));
+    report.disaggregation = world.pairs.report(settings);
+    Ok(report)
 }
 
 fn millis(d: Duration) -> u64 {
@@ -383,32 +489,102 @@ impl World<'_> {
                 }
             }
             Event::Decision(r, decision) => {
-                self.replicas[r].view.apply_decision(&decision, millis(now));
+                // As the service: a paired decision charges the decode worker too.
+                let partitions = &mut self.replicas[r].partitions;
+                if let Some(decode) = wire::decode_half(&decision)
+                    && let Some(p) = partitions.get_mut(&decode.role)
+                {
+                    p.view.apply_decision(&decode, millis(now));
+                }
+                if let Some(p) = partitions.get_mut(&decision.role) {
+                    p.view.apply_decision(&decision, millis(now));
+                }
             }
             Event::Lifecycle(event) => {
+                let role = self.role_of_worker(event.worker_id);
                 for replica in &mut self.replicas {
-                    replica.view.apply_lifecycle(&event, millis(now));
+                    if let Some(p) = replica.partitions.get_mut(&role) {
+                        p.view.apply_lifecycle(&event, millis(now));
+                    }
                 }
             }
             Event::Report(report) => {
+                let role = self.role_of_worker(report.worker_id);
                 for replica in &mut self.replicas {
-                    replica.view.apply_report(&report, millis(now));
+                    if let Some(p) = replica.partitions.get_mut(&role) {
+                        p.view.apply_report(&report, millis(now));
+                    }
                 }
             }
+            Event::Transferred(request_id) => return self.start_decode(now, request_id),
         }
         false
     }
 
-    /// A request arrives at a router replica, is placed and submitted to its worker.
+    /// The role of the worker with id `worker_id` (ids are 1-based positions).
+    fn role_of_worker(&self, worker_id: u64) -> WorkerRole {
+        self.workers[(worker_id - 1) as usize].card.role
+    }
+
+    /// Runs the router's selection machine over `prepared`'s partition in replica `r`, as the
+    /// service does (overlap from the index, the session table), charging its view.
+    fn select(
+        &mut self,
+        r: usize,
+        prepared: &Prepared,
+        decision_id: Uuid,
+        now: Duration,
+    ) -> Result<Box<NewDecision>, SelectFailure> {
+        let router_id = format!("sim-router-{r}");
+        let context = Context {
+            settings: &self.selection_settings,
+            names: &self.names,
+            router_id: &router_id,
+            sessions: *self.sessions.config(),
+        };
+        let part = self.replicas[r]
+            .partitions
+            .get_mut(&prepared.request.role)
+            .expect("a request is decided in a partition the fleet has");
+        let start = Start {
+            decision_id,
+            reads_cache: part.policy.inputs.contains(WorkerInputs::CACHE),
+            overlap: None,
+            target: None,
+            queues: false,
+        };
+        let mut state = Owned {
+            policy: &mut part.policy,
+            view: &mut part.view,
+            now_ms: millis(now),
+        };
+        let (selection, need) = Selection::start(prepared, context, start, &mut state);
+        let index = &self.index;
+        let overlap =
+            || SignalSnapshot::from_matches(&index.find_matches(&prepared.prompt.hashes).matches);
+        match drive::now(selection, need, &mut state, self.sessions.store(), overlap) {
+            Ended::Reply(Ok(Decided::New(new))) => Ok(new),
+            Ended::Reply(Ok(other)) => {
+                unreachable!("a fresh request id with no deadline: {other:?}")
+            }
+            Ended::Reply(Err(e)) => Err(e),
+            Ended::Join(_) => unreachable!("the simulator queues nothing"),
+        }
+    }
+
+    /// A request arrives at a router replica, is placed (and paired) and submitted to the
+    /// worker that computes its prompt.
     fn arrive(&mut self, now: Duration, i: usize) -> bool {
         let trace = &self.plan.requests[i];
         let tokens = trace.tokens();
         let block_size = self.settings.engine.block_size;
         let hashes = BlockHashes::of_tokens(&tokens, block_size as usize, None);
         let request_id = Uuid::from_u128(i as u128 + 1);
+        let (role, pair) = self.plan_hops();
         let request = SelectRequest {
             request_id: Some(request_id),
             model: SIM_MODEL.to_owned(),
+            role,
             expected_output_tokens: Some(trace.output_length),
             session: if self.settings.send_sessions {
                 // Every mode has its own session table: no scope needed.
@@ -418,6 +594,7 @@ impl World<'_> {
             },
             ..SelectRequest::default()
         };
+        let output_tokens = trace.output_length;
         let r = i % self.replicas.len();
         let started = Instant::now();
         // The simulator's prompt counts the blocks of all its tokens (not the service's N − 1).
@@ -425,63 +602,45 @@ impl World<'_> {
             hashes: hashes.local.clone(),
             tokens: tokens.len() as u64,
         };
-        let prepared = Prepared::with_prompt(request, request_id, self.partition.clone(), prompt);
-        let router_id = format!("sim-router-{r}");
-        let context = Context {
-            settings: &self.selection_settings,
-            names: &self.names,
-            router_id: &router_id,
-            sessions: *self.sessions.config(),
-        };
-        let replica = &mut self.replicas[r];
-        let start = Start {
-            decision_id: Uuid::from_u128((i as u128 + 1) << 64),
-            reads_cache: replica.policy.inputs.contains(WorkerInputs::CACHE),
-            overlap: None,
-            target: None,
-            queues: false,
-        };
-        let mut state = Owned {
-            policy: &mut replica.policy,
-            view: &mut replica.view,
-            now_ms: millis(now),
-        };
-        let (selection, need) = Selection::start(&prepared, context, start, &mut state);
-        let index = &self.index;
-        let decided = match drive::now(selection, need, &mut state, self.sessions.store(), || {
-            SignalSnapshot::from_matches(&index.find_matches(&prepared.prompt.hashes).matches)
-        }) {
-            Ended::Reply(decided) => decided,
-            Ended::Join(_) => unreachable!("the simulator queues nothing"),
-        };
-        let selection_latency = started.elapsed();
-        let new = match decided {
-            Ok(Decided::New(new)) => new,
-            Ok(other) => unreachable!("a fresh request id with no deadline: {other:?}"),
+        let partition = self.partitions[&role].clone();
+        let mut prepared = Prepared::with_prompt(request, request_id, partition, prompt);
+        prepared.pair = pair;
+        let decision_id = Uuid::from_u128((i as u128 + 1) << 64);
+        let mut new = match self.select(r, &prepared, decision_id, now) {
+            Ok(new) => new,
             Err(e) => {
                 self.tally.errors += 1;
                 self.recorder.record_error(&format!("select_{e}"));
                 return true;
             }
         };
-        let w = self
-            .workers
-            .iter()
-            .position(|w| w.card.worker_id == new.selection.worker.worker_id)
-            .expect("the core picks a registered worker");
+        let decode = match pair {
+            Some(mode) => self.pair(r, mode, &prepared, &mut new, now),
+            None => None,
+        };
+        let selection_latency = started.elapsed();
+        let w = self.worker_index(new.selection.worker.worker_id);
         let decision = new.decision;
         // The deciding replica charged it; the others see it after the signal delay.
         for other in (0..self.replicas.len()).filter(|&o| o != r) {
             let at = now + self.settings.signal_delay;
             self.schedule(at, Event::Decision(other, Box::new(decision.clone())));
         }
+        let paired = decode.map(|worker| Paired {
+            worker,
+            hashes: hashes.clone(),
+            prefilled: None,
+            transfer: Duration::ZERO,
+        });
         let sim = SimRequest {
             request_id,
             prompt_tokens: tokens.len() as u32,
-            output_tokens: trace.output_length,
+            // A prefill worker's request of a pair yields one token, which the client never sees
+            // (vLLM's `max_tokens: 1` prefill).
+            output_tokens: if paired.is_some() { 1 } else { output_tokens },
             shared_blocks: self.shared.as_ref().map_or(0, |s| s.prefix(&hashes)),
             hashes,
-            report_tokens: false,
+            report_tokens: paired.is_none(),
             transferred_tokens: 0,
         };
         if let Err(e) = self.workers[w].engine.submit(sim, now) {
@@ -496,12 +655,24 @@ impl World<'_> {
             InFlight {
                 request: i,
                 worker: w,
+                decode: paired,
                 prompt_tokens: tokens.len() as u64,
                 cached_tokens: 0,
                 selection: selection_latency,
+                arrived: now,
+                first_token: None,
+                last_token: None,
             },
         );
         self.advance(w, now)
+    }
+
+    /// The position of the worker with id `worker_id` (a worker the core picked).
+    fn worker_index(&self, worker_id: u64) -> usize {
+        self.workers
+            .iter()
+            .position(|w| w.card.worker_id == worker_id)
+            .expect("the core picks a registered worker")
     }
 
     /// Runs engine `w` up to `now`, forwards what it produced and schedules its next wake-up.
@@ -544,8 +715,7 @@ impl World<'_> {
                 );
             }
         }
-        let mut finished = false;
-        for output in ready.outputs {
+        for output in &ready.outputs {
             let lifecycle = RequestLifecycle {
                 v: SchemaVersion::CURRENT,
                 request_id: output.request_id(),
@@ -558,42 +728,44 @@ impl World<'_> {
                 output.at() + self.settings.signal_delay,
                 Event::Lifecycle(lifecycle),
             );
+        }
+        // Per request, its first token comes before its streamed ones, and they before its
+        // last: first tokens, then the stream, then the ends.
+        for output in &ready.outputs {
             if let EngineOutput::PrefillDone {
                 request_id,
+                at,
                 cached_tokens,
                 ..
-            } = output
+            } = *output
                 && let Some(flight) = self.in_flight.get_mut(&request_id)
             {
-                flight.cached_tokens = cached_tokens;
+                if w == flight.worker {
+                    flight.cached_tokens = cached_tokens;
+                }
+                if w == flight.streams_from() {
+                    flight.first_token = Some(at);
+                    flight.last_token = Some(at);
+                }
             }
+        }
+        for token in &ready.tokens {
+            if let Some(flight) = self.in_flight.get_mut(&token.request_id)
+                && let Some(last) = flight.last_token.replace(token.at)
+            {
+                self.itl_ms.push((token.at - last).as_secs_f64() * 1e3);
+            }
+        }
+        let mut finished = false;
+        for output in ready.outputs {
             if let EngineOutput::Finished {
                 request_id,
                 at,
                 output_tokens,
-                ttft,
-                latency,
+                ..
             } = output
-                && let Some(done) = self.in_flight.remove(&request_id)
             {
-                debug_assert_eq!(done.worker, w);
-                finished = true;
-                let cached = done.cached_tokens;
-                self.tally.done += 1;
-                self.tally.prompt_tokens += done.prompt_tokens;
-                self.tally.cached_tokens += cached;
-                self.finished_at = self.finished_at.max(at);
-                self.recorder.record(RequestSample {
-                    request: done.request,
-                    worker_id,
-                    prompt_tokens: done.prompt_tokens,
-                    cached_tokens: cached,
-                    output_tokens,
-                    ttft,
-                    latency,
-                    selection_latency: Some(done.selection),
-                    selection_wait: Duration::ZERO,
-                });
+                finished |= self.finish(w, request_id, at, output_tokens);
             }
         }
         let worker = &mut self.workers[w];
@@ -605,5 +777,56 @@ impl World<'_> {
             self.schedule(at, Event::Wake(w));
         }
         finished
+    }
+
+    /// Request `request_id` ended on worker `w` at `at`: a paired request's prefill goes on to
+    /// its KV transfer; otherwise the client has its last token. True when it completed.
+    fn finish(
+        &mut self,
+        w: usize,
+        request_id: RequestId,
+        at: Duration,
+        output_tokens: u64,
+    ) -> bool {
+        let Some(flight) = self.in_flight.get_mut(&request_id) else {
+            return false;
+        };
+        if w != flight.streams_from() {
+            debug_assert_eq!(w, flight.worker, "a pair's prefill worker");
+            self.transfer(request_id, at);
+            return false;
+        }
+        let done = self.in_flight.remove(&request_id).expect("looked up above");
+        if let Some(last) = done.last_token
+            && output_tokens > 1
+        {
+            self.itl_ms.push((at - last).as_secs_f64() * 1e3);
+        }
+        let first = done
+            .first_token
+            .expect("a request's first token precedes its end");
+        if let Some(decode) = &done.decode {
+            self.pairs.completed(decode, done.arrived);
+        } else {
+            self.pairs.unpaired += 1;
+        }
+        let worker_id = self.workers[done.worker].card.worker_id;
+        let cached = done.cached_tokens;
+        self.tally.done += 1;
+        self.tally.prompt_tokens += done.prompt_tokens;
+        self.tally.cached_tokens += cached;
+        self.finished_at = self.finished_at.max(at);
+        self.recorder.record(RequestSample {
+            request: done.request,
+            worker_id,
+            prompt_tokens: done.prompt_tokens,
+            cached_tokens: cached,
+            output_tokens,
+            ttft: first - done.arrived,
+            latency: at - done.arrived,
+            selection_latency: Some(done.selection),
+            selection_wait: Duration::ZERO,
+        });
+        true
     }
 }
