@@ -13,6 +13,16 @@ requests a second, spread over the replicas of --gateways in turn, polls every r
           their conversation's worker.
   select  `POST /v1/select` with token ids and `"http_only": false` (the selection API, the
           fleet's workers reached over NATS): answers 200 per replica.
+  completions  OpenAI completions through the `openai` client against a disaggregated fleet,
+          streamed and whole in turn: long prompts (one of a few shared documents, then a
+          question of the request's own: tens of KV blocks), --max-tokens tokens, the replicas
+          in turn, each request given up after --timeout seconds. Each request's outcome, its
+          prefill and decode workers (answer headers `x-kvroute-worker-id`,
+          `x-kvroute-decode-worker-id`) and, for an error, whether its body (or a stream's
+          error event) was JSON. With --faults, per window ({"what", "start", "end", ...}: a
+          kill at `start`, its workers out of routing at `end`): the requests in flight at
+          the kill and those sent before its workers left routing, by outcome, and the
+          longest of them; `success` counts neither.
 
 SIGTERM ends the run early: no more requests are sent, those sent are waited for, and the JSON
 covers what ran.
@@ -357,6 +367,127 @@ async def select(args):
     return 0
 
 
+DECODE_HEADER = "x-kvroute-decode-worker-id"
+DOCUMENTS = ["tides and the moon", "sourdough bread", "volcanic islands", "chess endgames"]
+
+
+def document(d):
+    """A shared prompt prefix of a few hundred tokens (a document many requests ask about)."""
+    topic = DOCUMENTS[d % len(DOCUMENTS)]
+    return "".join(f"Section {s} of the notes on {topic}: the facts below are numbered and each "
+                   f"one follows from the previous; read them in order before answering. "
+                   for s in range(12))
+
+
+def error_body_kind(body):
+    """`json` when an error's body (the client's parsed body) is a JSON object, else `nonjson`."""
+    return "json" if isinstance(body, dict) else "nonjson"
+
+
+async def completions(args):
+    import openai
+
+    urls = gateway_urls(args.gateways)
+    clients = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="unused", max_retries=0,
+                                  timeout=args.timeout + 5) for u in urls]
+    records = []
+
+    async def request(i, seen):
+        gateway = i % len(urls)
+        prompt = document(i) + f"Question {i}: what does section {i % 12} say, in a few words?"
+        headers = {"x-request-id": f"gateway-probe-completion-{i}"}
+        stream = i % 2 == 1
+        seen["stream"] = stream
+        raw = await clients[gateway].completions.with_raw_response.create(
+            model=args.model, prompt=prompt, max_tokens=args.max_tokens, stream=stream,
+            extra_headers=headers)
+        seen["worker"] = int(raw.headers[WORKER_HEADER])
+        decode = raw.headers.get(DECODE_HEADER)
+        seen["decode"] = int(decode) if decode is not None else None
+        answer = raw.parse()
+        finish = None
+        if not stream:
+            finish = answer.choices[0].finish_reason if answer.choices else None
+        else:
+            try:
+                async for chunk in answer:
+                    for choice in chunk.choices:
+                        finish = choice.finish_reason or finish
+            finally:
+                await answer.close()
+        return "ok" if finish else "no_finish_reason"
+
+    async def send(i):
+        seen = {"start": time.time()}
+        kind, status = "ok", None
+        try:
+            kind = await asyncio.wait_for(request(i, seen), args.timeout)
+        except asyncio.TimeoutError:
+            kind = "timeout"
+        except openai.APIStatusError as e:
+            status = e.status_code
+            kind = "status_%d_%s" % (e.status_code, error_body_kind(e.body))
+            header = e.response.headers.get(WORKER_HEADER)
+            if header:
+                seen["worker"] = int(header)
+        except openai.APIConnectionError:
+            kind = "connect"
+        except openai.APIError as e:
+            # After the answer's headers: an error event in the stream.
+            kind = "stream_error_" + error_body_kind(e.body)
+        except Exception as e:  # a non-JSON event, anything else the client raises
+            kind = "error_" + type(e).__name__
+        records.append({"start": seen["start"], "end": time.time(), "gateway": i % len(urls),
+                        "stream": seen.get("stream"), "kind": kind, "status": status,
+                        "worker": seen.get("worker"), "decode": seen.get("decode")})
+
+    with ReadyPoller(urls) as ready:
+        await paced(args.seconds, args.rate, send)
+    for client in clients:
+        await client.close()
+
+    if args.records:
+        with open(args.records, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["start"]))
+    faults = load_faults(args.faults)
+    by_kind = lambda rs: {k: sum(1 for r in rs if r["kind"] == k) for k in sorted({r["kind"] for r in rs})}
+    # Clean: an answer, or the gateway's JSON 5xx (an error event in JSON for a stream).
+    clean = lambda r: r["kind"] == "ok" or (r["kind"].startswith(("status_5", "stream_error_"))
+                                            and r["kind"].endswith("_json"))
+    secs = lambda r: r["end"] - r["start"]
+
+    def window(w):
+        in_flight = [r for r in records if r["start"] <= w["start"] <= r["end"]]
+        before_gone = [r for r in records if w["start"] < r["start"] <= w["end"]]
+        return {"what": w["what"], "in_flight": len(in_flight), "in_flight_by_kind": by_kind(in_flight),
+                "in_flight_unclean": sum(1 for r in in_flight if not clean(r)),
+                "in_flight_max_s": round(max(map(secs, in_flight)), 2) if in_flight else None,
+                "in_flight_prefill_on_its_workers": sum(1 for r in in_flight if r["worker"] in w["workers"]),
+                "sent_before_gone": len(before_gone), "sent_before_gone_by_kind": by_kind(before_gone),
+                "sent_before_gone_unclean": sum(1 for r in before_gone if not clean(r))}
+
+    faulted = lambda r: any(r["start"] <= w["start"] <= r["end"] or w["start"] < r["start"] <= w["end"]
+                            for w in faults)
+    judged = [r for r in records if not faulted(r)]
+    ok = [r for r in records if r["kind"] == "ok"]
+    pairs = {}
+    for r in ok:
+        key = "%s>%s" % (r["worker"], r["decode"])
+        pairs[key] = pairs.get(key, 0) + 1
+    print(json.dumps({
+        "sent": len(records), "ok": len(ok), "by_kind": by_kind(records),
+        "judged": len(judged), "judged_ok": sum(1 for r in judged if r["kind"] == "ok"),
+        "judged_failures": by_kind([r for r in judged if r["kind"] != "ok"]),
+        "success": sum(1 for r in judged if r["kind"] == "ok") / len(judged) if judged else 0.0,
+        "unclean": sum(1 for r in records if not clean(r)),
+        "streamed_ok": sum(1 for r in ok if r["stream"]), "whole_ok": sum(1 for r in ok if not r["stream"]),
+        "without_decode_worker": sum(1 for r in ok if r["decode"] is None),
+        "pairs": pairs, "max_s": round(max(map(secs, records)), 2) if records else None,
+        "p50_ms": pct([secs(r) * 1000 for r in ok], 0.5), "p99_ms": pct([secs(r) * 1000 for r in ok], 0.99),
+        "per_fault": [window(w) for w in faults], "ready": ready.figures()}))
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--gateways", required=True, help="base URLs, comma-separated (http://IP:8080)")
@@ -371,9 +502,15 @@ def main():
     c.add_argument("--max-tokens", type=int, default=8)
     c.add_argument("--faults", help="the fault windows (JSON lines), read at the end")
     sub.add_parser("select")
+    m = sub.add_parser("completions")
+    m.add_argument("--max-tokens", type=int, default=8)
+    m.add_argument("--faults", help="the fault windows (JSON lines), read at the end")
+    m.add_argument("--records", help="writes every request's record there (JSON lines)")
     args = p.parse_args()
     if args.cmd == "chat":
         return asyncio.run(chat(args))
+    if args.cmd == "completions":
+        return asyncio.run(completions(args))
     return asyncio.run(select(args))
 
 
