@@ -5,7 +5,9 @@ answers and a new user message), streamed. The conversations take their turns to
 by round, so each round's requests compete for the workers. The gateway's answer headers say
 where each turn went (`x-kvroute-worker-id`) and how many of its prompt's blocks that worker
 already held (`x-kvroute-overlap-blocks`); the engine's usage, where it reports them, the prompt
-tokens it found cached; the client measures the time to the first token.
+tokens it found cached; the client measures the time to the first token. In front of a
+disaggregated fleet the worker is the prefill worker, and `x-kvroute-decode-worker-id` names
+the decode worker that streamed the answer (printed as `w201/w301`).
 
     python3 examples/python/gateway_conversations.py --base-url http://127.0.0.1:8080/v1 --model chat-demo
 
@@ -29,7 +31,9 @@ def turn(client, model, messages, max_tokens):
     raw = client.chat.completions.with_raw_response.create(
         model=model, messages=messages, max_tokens=max_tokens, stream=True,
         stream_options={"include_usage": True})
+    decode = raw.headers.get("x-kvroute-decode-worker-id")
     out = {"worker": int(raw.headers["x-kvroute-worker-id"]),
+           "decode_worker": int(decode) if decode is not None else None,
            "overlap_blocks": int(raw.headers["x-kvroute-overlap-blocks"]),
            "ttft_s": None, "prompt_tokens": None, "cached_tokens": None}
     text = ""
@@ -98,12 +102,16 @@ def main():
         return 0
     for c, conv in enumerate(turns):
         steps = " → ".join(
-            f"w{x['worker']} ({x['overlap_blocks']}"
+            f"w{x['worker']}" + ("" if x["decode_worker"] is None else f"/w{x['decode_worker']}")
+            + f" ({x['overlap_blocks']}"
             + ("" if x["cached_tokens"] is None else f", {x['cached_tokens']} cached")
             + ")" for x in conv)
         print(f"  conversation {c + 1}: {steps}")
-    print("  (each turn: the worker, and in brackets the prompt blocks it already held as the"
-          " router saw them, then the prompt tokens the engine itself reported cached)")
+    split = any(x["decode_worker"] is not None for conv in turns for x in conv)
+    print("  (each turn: the worker" + (" (prefill/decode)" if split else "")
+          + ", and in brackets the prompt blocks it already held as the router saw them, then the"
+          " prompt tokens the engine itself reported cached"
+          + (": the decode worker's, the KV it pulled included)" if split else ")"))
     ms = lambda v: "-" if v is None else f"{v:.1f} ms"
     print(f"  {stayed}/{len(later)} later turns stayed on their conversation's worker; "
           f"TTFT (client side) p50 {ms(summary['ttft_p50_ms'])}, p90 {ms(summary['ttft_p90_ms'])}")
