@@ -45,6 +45,9 @@ pub struct EngineInfo {
     /// The per-step token budget (SGLang only).
     pub max_num_batched_tokens: Option<u64>,
     pub version: Option<String>,
+    /// An SGLang prefill server's bootstrap port (`disaggregation_bootstrap_port` when its
+    /// `disaggregation_mode` is `prefill`): where decode workers fetch a request's KV.
+    pub bootstrap_port: Option<u16>,
     /// Calls that failed, so a missing fact can be told from one the engine does not report.
     pub problems: Vec<String>,
 }

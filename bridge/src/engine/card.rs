@@ -1,13 +1,19 @@
 //! The engine's `WorkerCard`: the spec's overrides first, then what the engine reports.
 
-use kvroute_common::messages::WorkerCard;
+use kvroute_common::messages::{WorkerCard, WorkerRole};
 use kvroute_common::{DpRank, Names};
 
-use crate::config::EngineSpec;
+use crate::config::{EngineKind, EngineSpec};
 use crate::engine_http::EngineInfo;
 
 /// The card label naming the engine's kind (`vllm`, `sglang`).
 pub const ENGINE_LABEL: &str = "kvroute.bridge/engine";
+
+/// The card label giving an SGLang prefill server's bootstrap port (its host is the card's
+/// `http_url` host): gateways send it to both hops of a disaggregated request.
+pub const BOOTSTRAP_PORT_LABEL: &str = "kvroute.bridge/bootstrap-port";
+/// SGLang's default `--disaggregation-bootstrap-port`.
+const SGLANG_BOOTSTRAP_PORT: u16 = 8998;
 
 /// Facts neither the spec nor the engine gave; each names the flag and the YAML field to set.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -85,6 +91,13 @@ pub fn build_card(
     let worker_id = spec.worker_id();
     let mut labels = spec.labels.clone();
     labels.insert(ENGINE_LABEL.to_owned(), spec.engine.to_string());
+    if spec.engine == EngineKind::Sglang && spec.role == WorkerRole::Prefill {
+        // The spec's label wins, then what the server says, then SGLang's default.
+        let port = info.bootstrap_port.unwrap_or(SGLANG_BOOTSTRAP_PORT);
+        labels
+            .entry(BOOTSTRAP_PORT_LABEL.to_owned())
+            .or_insert_with(|| port.to_string());
+    }
     let software_version = match &info.version {
         Some(v) => format!("{} {v}", spec.engine),
         None => spec.engine.to_string(),
@@ -135,6 +148,7 @@ mod tests {
             dp_size: Some(2),
             max_num_batched_tokens: Some(8192),
             version: Some("0.5.23".into()),
+            bootstrap_port: None,
             problems: Vec::new(),
         }
     }
@@ -158,6 +172,37 @@ mod tests {
         assert_eq!(card.request_subject, names().worker_requests(s.worker_id()));
         assert_eq!(card.http_url.as_deref(), Some("http://10.0.0.7:30000"));
         assert!(card.kv_events);
+    }
+
+    #[test]
+    fn an_sglang_prefill_server_carries_its_bootstrap_port() {
+        let mut i = info();
+        let card = build_card(&spec(""), &i, &[0], &names()).unwrap();
+        assert!(
+            !card.labels.contains_key(BOOTSTRAP_PORT_LABEL),
+            "aggregated"
+        );
+        let prefill = spec("role: prefill\n");
+        let card = build_card(&prefill, &i, &[0], &names()).unwrap();
+        assert_eq!(
+            card.labels[BOOTSTRAP_PORT_LABEL], "8998",
+            "SGLang's default"
+        );
+        i.bootstrap_port = Some(9100);
+        let card = build_card(&prefill, &i, &[0], &names()).unwrap();
+        assert_eq!(
+            card.labels[BOOTSTRAP_PORT_LABEL], "9100",
+            "what the server says"
+        );
+        let set = spec("role: prefill\nlabels: {kvroute.bridge/bootstrap-port: \"7000\"}\n");
+        let card = build_card(&set, &i, &[0], &names()).unwrap();
+        assert_eq!(
+            card.labels[BOOTSTRAP_PORT_LABEL], "7000",
+            "the spec's label"
+        );
+        let decode = spec("role: decode\n");
+        let card = build_card(&decode, &i, &[0], &names()).unwrap();
+        assert!(!card.labels.contains_key(BOOTSTRAP_PORT_LABEL));
     }
 
     #[test]

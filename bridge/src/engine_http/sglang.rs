@@ -47,6 +47,13 @@ pub fn info(server_info: &Value) -> EngineInfo {
             .get("version")
             .and_then(Value::as_str)
             .map(str::to_owned),
+        bootstrap_port: (server_info
+            .get("disaggregation_mode")
+            .and_then(Value::as_str)
+            == Some("prefill"))
+        .then(|| uint(server_info, "disaggregation_bootstrap_port"))
+        .flatten()
+        .and_then(|p| u16::try_from(p).ok()),
         problems: Vec::new(),
     }
 }
@@ -138,9 +145,26 @@ pub(crate) mod tests {
                 dp_size: Some(2),
                 max_num_batched_tokens: Some(8192),
                 version: Some("0.5.23".into()),
+                bootstrap_port: None,
                 problems: Vec::new(),
             }
         );
+    }
+
+    #[test]
+    fn a_prefill_server_gives_its_bootstrap_port() {
+        let mut v: Value = serde_json::from_str(SERVER_INFO).unwrap();
+        v["disaggregation_bootstrap_port"] = 8998.into();
+        assert_eq!(
+            info(&v).bootstrap_port,
+            None,
+            "mode null: not a prefill server"
+        );
+        v["disaggregation_mode"] = "decode".into();
+        assert_eq!(info(&v).bootstrap_port, None);
+        v["disaggregation_mode"] = "prefill".into();
+        v["disaggregation_bootstrap_port"] = 9100.into();
+        assert_eq!(info(&v).bootstrap_port, Some(9100));
     }
 
     #[test]
