@@ -17,6 +17,7 @@ pub mod app;
 pub mod config;
 pub mod directory;
 pub mod error;
+pub mod handoff;
 pub mod http;
 pub mod lifecycle;
 pub mod metrics;

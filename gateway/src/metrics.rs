@@ -132,6 +132,9 @@ pub struct Metrics {
     /// (reason): why a forwarded request failed (`connect`, `send`, `status_5xx`, `timeout`,
     /// `worker_gone`, `mid_stream`, `idle_timeout`, `client_gone`).
     pub upstream_failures: CounterVec<1>,
+    /// (protocol, result): disaggregated requests' attempts (`vllm`/`sglang`; `ok`,
+    /// `prefill_failed`, `decode_failed`, `failed`).
+    pub handoffs: CounterVec<2>,
     pub streams_in_flight: AtomicI64,
     pub in_flight: AtomicI64,
     pub reservations_held: AtomicI64,
@@ -198,6 +201,12 @@ impl Metrics {
             "kvroute_gateway_upstream_failures_total",
             "Forwarded requests that failed, by reason.",
             ["reason"],
+        );
+        self.handoffs.render(
+            &mut out,
+            "kvroute_gateway_disaggregated_attempts_total",
+            "Attempts at a disaggregated request (prefill on one worker, decode on another), by hand-off protocol and result.",
+            ["protocol", "result"],
         );
         self.prompt_token_mismatches.render(
             &mut out,

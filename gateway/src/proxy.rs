@@ -16,13 +16,14 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use kvroute_common::WorkerId;
 use kvroute_common::error_chain::describe;
-use kvroute_common::messages::{Disaggregation, SelectReply, SelectRequest, WorkerRole};
-use serde_json::{Value, json};
+use kvroute_common::messages::{Disaggregation, HopRules, SelectReply, SelectRequest, WorkerRole};
+use serde_json::{Map, Value, json};
 use uuid::Uuid;
 
 use crate::app::App;
-use crate::directory::Upstream;
+use crate::directory::{Serving, Upstream};
 use crate::error::ApiError;
+use crate::handoff;
 use crate::lifecycle::Placement;
 use crate::models::{INLINE_TOKENIZE_BYTES, precheck, prompt_bytes, prompt_tokens, too_long};
 use crate::openai::{Api, Parsed, Prompt, forwarded_body};
@@ -62,7 +63,7 @@ pub async fn handle(app: Arc<App>, api: Api, headers: HeaderMap, body: Bytes) ->
 }
 
 /// Why sending to a worker failed.
-enum SendError {
+pub(crate) enum SendError {
     /// Nothing reached the worker, or it failed before answering: try another.
     Retryable {
         reason: &'static str,
@@ -70,6 +71,32 @@ enum SendError {
     },
     /// No answer within `--response-timeout-ms`.
     Timeout,
+}
+
+/// What one request needs on every attempt.
+pub(crate) struct Ctx<'a> {
+    pub app: &'a Arc<App>,
+    pub api: Api,
+    pub parsed: &'a Parsed,
+    pub raw: &'a Bytes,
+    /// The prompt's token ids when `--forward-token-ids` sends them instead of the text.
+    pub forwarded: Option<&'a [u32]>,
+    pub ids: &'a RequestIds,
+    pub started: Instant,
+}
+
+/// How one attempt ended.
+pub(crate) enum Step {
+    /// The client's answer (the engine's, or its refusal passed on).
+    Done(Response),
+    /// `worker` failed before the client saw anything: try without it (and without `also`,
+    /// the other hop's worker when it may share the blame).
+    Retry {
+        worker: WorkerId,
+        also: Option<WorkerId>,
+        error: ApiError,
+    },
+    Fail(ApiError),
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -83,9 +110,11 @@ async fn forward(
     outcome: &mut Outcome,
 ) -> Result<Response, ApiError> {
     let parsed = Parsed::from_body(api, raw, headers)?;
-    let serving = app.directory.serving(&parsed.model, WorkerRole::Aggregated);
-    if serving.http.is_empty() {
-        return Err(no_worker(app, &parsed.model, serving.without_http));
+    let serving = app.directory.serving(&parsed.model);
+    let first_hop = serving.first_hop();
+    if first_hop.is_empty() {
+        let without = serving.first_hop_without_http() + serving.prefill.without_http;
+        return Err(no_worker(app, &parsed.model, without));
     }
     outcome.model = parsed.model.clone();
     let tokens = tokenize(app, &parsed, api.label()).await?;
@@ -105,26 +134,47 @@ async fn forward(
         session: parsed.session.clone(),
         expected_output_tokens: parsed.max_tokens,
         policy: parsed.policy.clone(),
-        // One worker serves each request here (the prefill/decode hand-off is not run): a
-        // paired decision would charge a decode worker that never gets the request.
-        disaggregation: Some(Disaggregation::Never),
+        disaggregation: disaggregation(&serving, &parsed),
         ..SelectRequest::default()
+    };
+    let ctx = Ctx {
+        app,
+        api,
+        parsed: &parsed,
+        raw,
+        forwarded: forwarded.as_deref(),
+        ids,
+        started,
     };
     let mut excluded: Vec<WorkerId> = Vec::new();
     let mut last_error = None;
     for attempt in 0..ATTEMPTS {
-        let allowed: Vec<WorkerId> = serving
-            .http
-            .iter()
-            .copied()
-            .filter(|w| !excluded.contains(w))
-            .collect();
+        let without = |pool: &[WorkerId]| -> Vec<WorkerId> {
+            pool.iter()
+                .copied()
+                .filter(|w| !excluded.contains(w))
+                .collect()
+        };
+        let allowed = without(&first_hop);
         if allowed.is_empty() {
             break;
         }
         // Workers without an HTTP API may be registered for the model: only the others.
         request.allowed_workers =
-            (serving.without_http > 0 || !excluded.is_empty()).then_some(allowed);
+            (serving.first_hop_without_http() > 0 || !excluded.is_empty()).then_some(allowed);
+        if serving.pairs() && (serving.decode.without_http > 0 || !excluded.is_empty()) {
+            let decode = without(&serving.decode.http);
+            if decode.is_empty() && !serving.prefill.sglang {
+                // Every decode worker failed this request: the prefill worker serves it (not
+                // an SGLang one, which serves only beside a decode server: the routers then
+                // find no decode worker and the answer is a 503).
+                request.disaggregation = Some(Disaggregation::Never);
+            }
+            request.decode = Some(HopRules {
+                allowed_workers: Some(decode),
+                ..HopRules::default()
+            });
+        }
         request.request_id = Some(if attempt == 0 {
             ids.kvroute
         } else {
@@ -133,75 +183,144 @@ async fn forward(
         let reply = select(app, &request).await?;
         outcome.attempts = attempt + 1;
         outcome.worker = Some(reply.worker_id);
+        outcome.decode_worker = reply.decode.as_ref().map(|d| d.worker_id);
         outcome.overlap_blocks = reply.overlap_blocks.values().copied().max().unwrap_or(0);
-        let placement = Placement {
-            request_id: reply.request_id,
-            worker_id: reply.worker_id,
-            dp_rank: reply.dp_rank,
+        let step = match &reply.decode {
+            Some(hop) => handoff::run(&ctx, outcome, &reply, hop).await,
+            None => one_worker(&ctx, outcome, &reply).await,
         };
-        let guard = InFlight::new(app.clone(), placement, started, outcome.clone());
-        let Some(upstream) = app.directory.upstream(reply.worker_id) else {
-            // Chosen, then gone from etcd before we could send: as if it refused.
-            guard.abandon("worker_gone");
-            app.metrics.retries.inc(["worker_gone"]);
-            excluded.push(reply.worker_id);
-            last_error = Some(ApiError::bad_gateway(format!(
-                "worker {} left before the request reached it",
-                reply.worker_id
-            )));
-            continue;
-        };
-        let body = match upstream_body(
-            &parsed,
-            raw,
-            forwarded.as_deref(),
-            &upstream,
-            reply.dp_rank,
-            app,
-        ) {
-            Ok(body) => body,
-            Err(e) => {
-                guard.abandon("body");
-                return Err(e);
-            }
-        };
-        match send(app, api, &upstream, ids, reply.dp_rank, body).await {
-            Ok(answer) if answer.status().is_server_error() => {
-                let status = answer.status();
-                let text = answer.text().await.unwrap_or_default();
-                guard.abandon("status_5xx");
-                app.metrics.retries.inc(["status_5xx"]);
-                excluded.push(reply.worker_id);
-                last_error = Some(ApiError::bad_gateway(format!(
-                    "worker {} answered {status}: {}",
-                    reply.worker_id,
-                    text.chars().take(512).collect::<String>()
-                )));
-            }
-            Ok(answer) => return Ok(respond(app, answer, guard, &reply).await),
-            Err(SendError::Timeout) => {
-                guard.abandon("timeout");
-                return Err(ApiError::timeout(
-                    "upstream_timeout",
-                    format!(
-                        "worker {} did not answer within {} ms",
-                        reply.worker_id,
-                        app.settings.response_timeout.as_millis()
-                    ),
-                ));
-            }
-            Err(SendError::Retryable { reason, message }) => {
-                guard.abandon(reason);
-                app.metrics.retries.inc([reason]);
-                excluded.push(reply.worker_id);
-                last_error = Some(ApiError::bad_gateway(format!(
-                    "worker {} ({}) failed: {message}",
-                    reply.worker_id, upstream.base_url
-                )));
+        match step {
+            Step::Done(response) => return Ok(response),
+            Step::Fail(e) => return Err(e),
+            Step::Retry {
+                worker,
+                also,
+                error,
+            } => {
+                excluded.push(worker);
+                excluded.extend(also);
+                last_error = Some(error);
             }
         }
     }
     Err(last_error.unwrap_or_else(|| ApiError::bad_gateway("no worker could take the request")))
+}
+
+/// How the request may be served when the model has prefill and decode workers: as the
+/// routers' policy says, but always split for SGLang prefill servers (they serve a request
+/// only with a decode server beside them), and never for what one hand-off cannot carry (a
+/// batch of prompts) or when no split is possible here (no prefill or decode worker with an
+/// HTTP URL).
+fn disaggregation(serving: &Serving, parsed: &Parsed) -> Option<Disaggregation> {
+    if !serving.pairs() || parsed.prompts.len() > 1 {
+        Some(Disaggregation::Never)
+    } else if serving.prefill.sglang {
+        Some(Disaggregation::Always)
+    } else {
+        None
+    }
+}
+
+/// Sends the request to the one worker of its decision and answers with what it answers.
+async fn one_worker(ctx: &Ctx<'_>, outcome: &Outcome, reply: &SelectReply) -> Step {
+    let app = ctx.app;
+    let placement = Placement {
+        request_id: reply.request_id,
+        worker_id: reply.worker_id,
+        dp_rank: reply.dp_rank,
+    };
+    let guard = InFlight::new(app.clone(), placement, ctx.started, outcome.clone());
+    let Some(upstream) = app.directory.upstream(reply.worker_id) else {
+        // Chosen, then gone from etcd before we could send: as if it refused.
+        return gone(guard, reply.worker_id);
+    };
+    if reply.role == WorkerRole::Prefill && upstream.engine == "sglang" {
+        guard.abandon("no_decode_worker");
+        return Step::Fail(ApiError::unavailable(
+            "no_decode_worker",
+            format!(
+                "no decode worker of model `{}` could take the request, and its SGLang prefill \
+                 worker {} serves requests only with one",
+                ctx.parsed.model, reply.worker_id
+            ),
+            app.settings.retry_after_secs,
+        ));
+    }
+    let body = match upstream_body(ctx, &upstream, reply.dp_rank, None) {
+        Ok(body) => body,
+        Err(e) => {
+            guard.abandon("body");
+            return Step::Fail(e);
+        }
+    };
+    match send(app, ctx.api, &upstream, ctx.ids, reply.dp_rank, body).await {
+        Ok(answer) if answer.status().is_server_error() => {
+            let error = failed_answer(reply.worker_id, answer).await;
+            retry(guard, reply.worker_id, "status_5xx", error, app)
+        }
+        Ok(answer) => Step::Done(respond(app, answer, guard, reply).await),
+        Err(SendError::Timeout) => {
+            guard.abandon("timeout");
+            Step::Fail(no_answer(app, reply.worker_id))
+        }
+        Err(SendError::Retryable { reason, message }) => {
+            let error = ApiError::bad_gateway(format!(
+                "worker {} ({}) failed: {message}",
+                reply.worker_id, upstream.base_url
+            ));
+            retry(guard, reply.worker_id, reason, error, app)
+        }
+    }
+}
+
+/// The chosen worker left etcd before the request reached it: as if it refused.
+pub(crate) fn gone(guard: InFlight, worker: WorkerId) -> Step {
+    guard.abandon("worker_gone");
+    Step::Retry {
+        worker,
+        also: None,
+        error: ApiError::bad_gateway(format!(
+            "worker {worker} left before the request reached it"
+        )),
+    }
+}
+
+/// `worker` failed before the client saw anything: release, count, try another.
+pub(crate) fn retry(
+    guard: InFlight,
+    worker: WorkerId,
+    reason: &'static str,
+    error: ApiError,
+    app: &App,
+) -> Step {
+    guard.abandon(reason);
+    app.metrics.retries.inc([reason]);
+    Step::Retry {
+        worker,
+        also: None,
+        error,
+    }
+}
+
+/// A 5xx answer as the error the client gets if no other worker takes the request.
+pub(crate) async fn failed_answer(worker: WorkerId, answer: reqwest::Response) -> ApiError {
+    let status = answer.status();
+    let text = answer.text().await.unwrap_or_default();
+    ApiError::bad_gateway(format!(
+        "worker {worker} answered {status}: {}",
+        text.chars().take(512).collect::<String>()
+    ))
+}
+
+/// No answer within `--response-timeout-ms`.
+pub(crate) fn no_answer(app: &App, worker: WorkerId) -> ApiError {
+    ApiError::timeout(
+        "upstream_timeout",
+        format!(
+            "worker {worker} did not answer within {} ms",
+            app.settings.response_timeout.as_millis()
+        ),
+    )
 }
 
 /// The prompt as the routers get it: the local hashes of its full blocks when the model's
@@ -212,7 +331,7 @@ fn prompt_for_routers(
     model: &str,
     tokens: Vec<u32>,
 ) -> (Option<Vec<u32>>, Option<Vec<u64>>, Option<u32>) {
-    match app.directory.block_size(model, WorkerRole::Aggregated) {
+    match app.directory.block_size(model) {
         Some(bs) if tokens.len() >= bs as usize => {
             let seed = kvroute_common::hashing::seed_for_lora(None);
             let hashes = kvroute_common::hashing::local_block_hashes(&tokens, bs as usize, seed);
@@ -288,36 +407,42 @@ async fn select(app: &App, request: &SelectRequest) -> Result<SelectReply, ApiEr
         .map_err(|f| ApiError::from_select(&f, &request.model, app.settings.retry_after_secs))
 }
 
+/// A change a hop of a disaggregated request makes to the body.
+pub(crate) type BodyEdit<'a> = dyn Fn(&mut Map<String, Value>) + 'a;
+
 /// The body for the engine: the client's bytes, unless kvroute's extension must go, the prompt
-/// is sent as token ids, or an SGLang rank goes in the body.
-fn upstream_body(
-    parsed: &Parsed,
-    raw: &Bytes,
-    prompt_ids: Option<&[u32]>,
+/// is sent as token ids, an SGLang rank goes in the body, or `edit` (a hop of a disaggregated
+/// request) changes it.
+pub(crate) fn upstream_body(
+    ctx: &Ctx<'_>,
     upstream: &Upstream,
     dp_rank: u32,
-    app: &App,
+    edit: Option<&BodyEdit<'_>>,
 ) -> Result<Bytes, ApiError> {
+    let parsed = ctx.parsed;
     let sglang_rank = upstream.engine == "sglang" && upstream.dp_size > 1;
-    let as_ids = app.settings.forward_token_ids
+    let as_ids = ctx.app.settings.forward_token_ids
         && parsed.api == Api::Completions
         && matches!(parsed.prompts.as_slice(), [Prompt::Text(_)]);
-    if !parsed.edited && !sglang_rank && !as_ids {
-        return Ok(raw.clone());
+    if !parsed.edited && !sglang_rank && !as_ids && edit.is_none() {
+        return Ok(ctx.raw.clone());
     }
-    let mut body = forwarded_body(raw)?;
-    if as_ids && let Some(ids) = prompt_ids {
+    let mut body = forwarded_body(ctx.raw)?;
+    if as_ids && let Some(ids) = ctx.forwarded {
         body.insert("prompt".into(), json!(ids));
     }
     if sglang_rank {
         body.insert("routed_dp_rank".into(), Value::from(dp_rank));
+    }
+    if let Some(edit) = edit {
+        edit(&mut body);
     }
     Ok(Bytes::from(
         serde_json::to_vec(&body).expect("a JSON map serializes"),
     ))
 }
 
-async fn send(
+pub(crate) async fn send(
     app: &App,
     api: Api,
     upstream: &Upstream,
@@ -347,7 +472,7 @@ async fn send(
 
 /// The engine's answer to the client: streamed through as it comes, or read whole (a body that
 /// stalls is a 504, one that breaks a 502).
-async fn respond(
+pub(crate) async fn respond(
     app: &App,
     answer: reqwest::Response,
     mut guard: InFlight,
@@ -365,7 +490,7 @@ async fn respond(
         guard.start_stream();
         Response::new(relay(answer, guard, idle))
     } else {
-        match read_whole(answer, &mut guard, idle).await {
+        match read_whole(answer, idle, || guard.body_started()).await {
             Ok(bytes) => {
                 if status.is_success() {
                     guard.finish_whole(&bytes);

@@ -30,6 +30,8 @@ pub struct Outcome {
     pub request_id: String,
     pub status: u16,
     pub worker: Option<WorkerId>,
+    /// A disaggregated request's decode worker (`worker` did its prefill).
+    pub decode_worker: Option<WorkerId>,
     pub prompt_tokens: usize,
     pub overlap_blocks: u32,
     /// Workers tried.
@@ -46,6 +48,7 @@ impl Outcome {
             request_id: ids.header.clone(),
             status: 0,
             worker: None,
+            decode_worker: None,
             prompt_tokens: 0,
             overlap_blocks: 0,
             attempts: 0,
@@ -72,6 +75,7 @@ impl Outcome {
                 model = self.model,
                 status = self.status,
                 worker = self.worker,
+                decode_worker = self.decode_worker,
                 prompt_tokens = self.prompt_tokens,
                 overlap_blocks = self.overlap_blocks,
                 attempts = self.attempts,
@@ -154,7 +158,7 @@ impl InFlight {
     }
 
     /// The first byte of a successful answer's body: the prompt is prefilled.
-    fn body_started(&mut self) {
+    pub fn body_started(&mut self) {
         if !self.prefill_done {
             self.prefill_done = true;
             self.app.lifecycle.prefill_done(self.placement);
@@ -412,11 +416,11 @@ pub enum BodyError {
 }
 
 /// The engine's whole (non-streamed) answer body, each piece of it awaited at most `idle`.
-/// The first byte of a successful answer publishes `prefill_done`.
+/// `on_body` runs at each piece of a successful answer (the first publishes `prefill_done`).
 pub async fn read_whole(
     mut answer: reqwest::Response,
-    guard: &mut InFlight,
     idle: Duration,
+    mut on_body: impl FnMut(),
 ) -> Result<Bytes, BodyError> {
     let success = answer.status().is_success();
     let mut body = bytes::BytesMut::new();
@@ -427,7 +431,7 @@ pub async fn read_whole(
             Ok(Ok(None)) => return Ok(body.freeze()),
             Ok(Ok(Some(chunk))) => {
                 if success && !chunk.is_empty() {
-                    guard.body_started();
+                    on_body();
                 }
                 body.extend_from_slice(&chunk);
             }

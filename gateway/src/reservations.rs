@@ -1,6 +1,9 @@
 //! Reservations of `POST /v1/select_and_reserve`: a decision whose load the routers charge until
 //! the caller releases it, or until it expires. Pure: time comes in as `now_ms`.
 //!
+//! A disaggregated selection reserves each hop apart: both share the request id, so a
+//! reservation is keyed by request and worker.
+//!
 //! A reservation id names its request, worker and rank (`rsv_<request>_<worker hex>_<rank>`),
 //! so any gateway replica can act on it: the replica that made it holds it in this table and
 //! publishes `finished` when it expires; a release or `prefill_complete` reaching another
@@ -60,6 +63,13 @@ struct Entry {
     prefilled: bool,
 }
 
+/// A reservation's request and worker.
+type Key = (RequestId, WorkerId);
+
+fn key(r: &Reserved) -> Key {
+    (r.request_id, r.worker_id)
+}
+
 /// The table is full.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Full;
@@ -69,8 +79,8 @@ pub struct Full;
 pub struct Reservations {
     ttl_ms: u64,
     max: usize,
-    entries: HashMap<RequestId, Entry>,
-    by_expiry: BTreeSet<(u64, RequestId)>,
+    entries: HashMap<Key, Entry>,
+    by_expiry: BTreeSet<(u64, Key)>,
 }
 
 impl Reservations {
@@ -93,7 +103,7 @@ impl Reservations {
 
     /// Holds `reserved` until `now_ms + ttl`; returns when it expires.
     pub fn insert(&mut self, reserved: Reserved, now_ms: u64) -> Result<u64, Full> {
-        if let Some(e) = self.entries.get(&reserved.request_id) {
+        if let Some(e) = self.entries.get(&key(&reserved)) {
             return Ok(e.expires_ms); // the same request reserved again (a client retry)
         }
         if self.entries.len() >= self.max {
@@ -101,21 +111,21 @@ impl Reservations {
         }
         let expires_ms = now_ms.saturating_add(self.ttl_ms);
         self.entries.insert(
-            reserved.request_id,
+            key(&reserved),
             Entry {
                 reserved,
                 expires_ms,
                 prefilled: false,
             },
         );
-        self.by_expiry.insert((expires_ms, reserved.request_id));
+        self.by_expiry.insert((expires_ms, key(&reserved)));
         Ok(expires_ms)
     }
 
     /// Marks the prompt prefilled. `false`: not held here (released, expired or another
     /// replica's), or already marked — the caller need not publish again.
     pub fn prefill_complete(&mut self, reserved: &Reserved) -> bool {
-        match self.entries.get_mut(&reserved.request_id) {
+        match self.entries.get_mut(&key(reserved)) {
             Some(e) if e.reserved == *reserved && !e.prefilled => {
                 e.prefilled = true;
                 true
@@ -127,17 +137,17 @@ impl Reservations {
     /// Whether this replica holds `reserved`.
     pub fn holds(&self, reserved: &Reserved) -> bool {
         self.entries
-            .get(&reserved.request_id)
+            .get(&key(reserved))
             .is_some_and(|e| e.reserved == *reserved)
     }
 
     /// Lets go of `reserved`; `true` if it was held here.
     pub fn release(&mut self, reserved: &Reserved) -> bool {
-        match self.entries.get(&reserved.request_id) {
+        match self.entries.get(&key(reserved)) {
             Some(e) if e.reserved == *reserved => {
-                let key = (e.expires_ms, reserved.request_id);
-                self.entries.remove(&reserved.request_id);
-                self.by_expiry.remove(&key);
+                let due = (e.expires_ms, key(reserved));
+                self.entries.remove(&key(reserved));
+                self.by_expiry.remove(&due);
                 true
             }
             _ => false,
@@ -210,6 +220,19 @@ mod tests {
         assert!(t.release(&b));
         assert!(t.expire(10_000).is_empty());
         assert!(t.is_empty());
+    }
+
+    #[test]
+    fn the_hops_of_one_request_are_held_apart() {
+        let mut t = Reservations::new(1000, 10);
+        let (prefill, decode) = (reserved(1, 1), reserved(1, 2));
+        t.insert(prefill, 0).unwrap();
+        t.insert(decode, 10).unwrap();
+        assert_eq!(t.len(), 2);
+        assert!(t.holds(&prefill) && t.holds(&decode));
+        assert!(t.release(&prefill));
+        assert!(t.holds(&decode) && !t.holds(&prefill));
+        assert_eq!(t.expire(1010), [decode]);
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! themselves: `POST /v1/select` (the worker for a prompt; the decision's load is released at
 //! once, so the engine's own load reports count the request), `POST /v1/select_and_reserve`
 //! (the worker, its load held until released or expired), `POST
-//! /v1/reservations/{id}/prefill_complete` and `DELETE /v1/reservations/{id}`.
+//! /v1/reservations/{id}/prefill_complete` and `DELETE /v1/reservations/{id}`. For a model with
+//! prefill and decode workers the answer can be a pair: the prefill worker, and in `decode` the
+//! decode worker (with its HTTP URL, and a reservation of its own when reserving).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -12,7 +14,7 @@ use axum::Json;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use kvroute_common::messages::{SelectReply, SelectRequest, WorkerRole, now_ms};
+use kvroute_common::messages::{Disaggregation, HopRules, SelectReply, SelectRequest, now_ms};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use uuid::Uuid;
@@ -80,6 +82,13 @@ pub struct SelectBody {
     temperature: Option<f64>,
     #[serde(default)]
     policy: Option<String>,
+    /// Whether a model with prefill and decode workers may split the request (default: the
+    /// routers' policy).
+    #[serde(default)]
+    disaggregation: Option<Disaggregation>,
+    /// The decode hop's pin, allow-list and rank range.
+    #[serde(default)]
+    decode: Option<HopRules>,
     /// Only workers whose cards carry an `http_url` (default true): `false` lets the routers
     /// choose any registered worker (one reached over NATS, say).
     #[serde(default)]
@@ -124,7 +133,8 @@ pub fn parse_body(body: &[u8]) -> Result<SelectBody, ApiError> {
 }
 
 /// The answer: the router's `SelectReply` in JSON, the worker's HTTP URL when its card has one,
-/// and for a reservation its id and expiry.
+/// and for a reservation its id and expiry; for a pair, the decode hop's URL and reservation,
+/// and an SGLang prefill server's bootstrap address.
 #[derive(Debug, Serialize)]
 struct SelectAnswer {
     #[serde(flatten)]
@@ -135,6 +145,14 @@ struct SelectAnswer {
     reservation_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     expires_at_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    decode_http_url: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    decode_reservation_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bootstrap_host: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bootstrap_port: Option<u16>,
 }
 
 /// `POST /v1/select` (`reserve` false) and `POST /v1/select_and_reserve`.
@@ -194,10 +212,10 @@ async fn run_select(
             )));
         }
     }
-    let allowed_workers = if b.http_only == Some(false) {
-        b.allowed_workers
+    let (allowed_workers, decode, disaggregation) = if b.http_only == Some(false) {
+        (b.allowed_workers, b.decode, b.disaggregation)
     } else {
-        http_workers(app, &b.model, b.allowed_workers)?
+        http_workers(app, &b.model, b.allowed_workers, b.decode, b.disaggregation)?
     };
     let ids = RequestIds::from_headers(headers, b.request_id.unwrap_or_else(Uuid::new_v4));
     let request = SelectRequest {
@@ -218,6 +236,8 @@ async fn run_select(
         priority: b.priority,
         temperature: b.temperature,
         policy: b.policy,
+        disaggregation,
+        decode,
         ..SelectRequest::default()
     };
     // Selection alone (tokenizing has its own histogram).
@@ -227,44 +247,67 @@ async fn run_select(
     let reply = selected
         .map_err(|f| ApiError::from_select(&f, &b.model, app.settings.retry_after_secs))?
         .reply;
-    let placement = Placement {
-        request_id: reply.request_id,
-        worker_id: reply.worker_id,
-        dp_rank: reply.dp_rank,
+    let hops = hops(&reply);
+    let prefill = app.directory.upstream(reply.worker_id);
+    let decode = reply
+        .decode
+        .as_ref()
+        .and_then(|d| app.directory.upstream(d.worker_id));
+    let bootstrap = match (&prefill, &reply.decode) {
+        (Some(p), Some(_)) if p.engine == "sglang" => Some((
+            p.host().to_owned(),
+            p.bootstrap_port
+                .unwrap_or(crate::handoff::SGLANG_BOOTSTRAP_PORT),
+        )),
+        _ => None,
     };
-    let http_url = app.directory.upstream(reply.worker_id).map(|u| u.base_url);
+    let mut answer = SelectAnswer {
+        http_url: prefill.map(|u| u.base_url),
+        reservation_id: None,
+        expires_at_ms: None,
+        decode_http_url: decode.map(|u| u.base_url),
+        decode_reservation_id: None,
+        bootstrap_port: bootstrap.as_ref().map(|b| b.1),
+        bootstrap_host: bootstrap.map(|b| b.0),
+        reply,
+    };
     if !reserve {
-        // Not held: the engine's own reports count the request once it arrives.
-        app.lifecycle.finished(placement, 0);
-        return Ok(SelectAnswer {
-            reply,
-            http_url,
-            reservation_id: None,
-            expires_at_ms: None,
-        });
+        // Not held: the engines' own reports count the request once it arrives.
+        for hop in &hops {
+            app.lifecycle.finished(placement(hop), 0);
+        }
+        return Ok(answer);
     }
-    let reserved = Reserved {
-        request_id: reply.request_id,
-        worker_id: reply.worker_id,
-        dp_rank: reply.dp_rank,
-    };
     let inserted = {
         let mut table = app.reservations.lock().expect("reservations lock");
-        let r = table.insert(reserved, now_ms());
+        let now = now_ms();
+        let mut result = Ok(0);
+        for (i, hop) in hops.iter().enumerate() {
+            result = table.insert(*hop, now);
+            if result.is_err() {
+                // Both hops or neither.
+                for held in &hops[..i] {
+                    table.release(held);
+                }
+                break;
+            }
+        }
         app.metrics
             .reservations_held
             .store(table.len() as i64, Ordering::Relaxed);
-        r
+        result
     };
     match inserted {
-        Ok(expires_at_ms) => Ok(SelectAnswer {
-            reply,
-            http_url,
-            reservation_id: Some(reserved.id()),
-            expires_at_ms: Some(expires_at_ms),
-        }),
+        Ok(expires_at_ms) => {
+            answer.reservation_id = Some(hops[0].id());
+            answer.decode_reservation_id = hops.get(1).map(Reserved::id);
+            answer.expires_at_ms = Some(expires_at_ms);
+            Ok(answer)
+        }
         Err(Full) => {
-            app.lifecycle.finished(placement, 0);
+            for hop in &hops {
+                app.lifecycle.finished(placement(hop), 0);
+            }
             Err(ApiError::too_many(
                 "too_many_reservations",
                 "this gateway holds its maximum of reservations (--max-reservations); release some",
@@ -274,35 +317,74 @@ async fn run_select(
     }
 }
 
-/// `allowed` narrowed to the model's workers that have an HTTP URL (unchanged when every
-/// worker has one); a 503 `no_http_worker` when none is left.
+/// What a selection charges: its worker, and a pair's decode worker.
+fn hops(reply: &SelectReply) -> Vec<Reserved> {
+    let mut hops = vec![Reserved {
+        request_id: reply.request_id,
+        worker_id: reply.worker_id,
+        dp_rank: reply.dp_rank,
+    }];
+    if let Some(d) = &reply.decode {
+        hops.push(Reserved {
+            request_id: reply.request_id,
+            worker_id: d.worker_id,
+            dp_rank: d.dp_rank,
+        });
+    }
+    hops
+}
+
+/// The request's allow-lists narrowed to the model's workers that have an HTTP URL (unchanged
+/// when every worker has one); a 503 `no_http_worker` when none is left for the first hop. A
+/// model without prefill and decode workers reachable over HTTP is not split.
+type Narrowed = (Option<Vec<u64>>, Option<HopRules>, Option<Disaggregation>);
+
 fn http_workers(
     app: &App,
     model: &str,
     allowed: Option<Vec<u64>>,
-) -> Result<Option<Vec<u64>>, ApiError> {
-    let serving = app.directory.serving(model, WorkerRole::Aggregated);
-    if serving.without_http == 0 {
-        return Ok(allowed);
-    }
-    let narrowed: Vec<u64> = match allowed {
-        None => serving.http,
-        Some(list) => list
-            .into_iter()
-            .filter(|w| serving.http.binary_search(w).is_ok())
-            .collect(),
+    decode: Option<HopRules>,
+    disaggregation: Option<Disaggregation>,
+) -> Result<Narrowed, ApiError> {
+    let serving = app.directory.serving(model);
+    let narrow = |list: Option<Vec<u64>>, http: &[u64]| -> Vec<u64> {
+        match list {
+            None => http.to_vec(),
+            Some(list) => list.into_iter().filter(|w| http.contains(w)).collect(),
+        }
     };
-    if narrowed.is_empty() {
-        return Err(ApiError::unavailable(
-            "no_http_worker",
-            format!(
-                "no allowed worker of model `{model}` has an HTTP URL (send \"http_only\": false \
-                 to choose among workers reached otherwise)"
-            ),
-            app.settings.retry_after_secs,
-        ));
+    let first_hop = serving.first_hop();
+    let allowed = if serving.first_hop_without_http() == 0 {
+        allowed
+    } else {
+        let narrowed = narrow(allowed, &first_hop);
+        if narrowed.is_empty() {
+            return Err(ApiError::unavailable(
+                "no_http_worker",
+                format!(
+                    "no allowed worker of model `{model}` has an HTTP URL (send \"http_only\": \
+                     false to choose among workers reached otherwise)"
+                ),
+                app.settings.retry_after_secs,
+            ));
+        }
+        Some(narrowed)
+    };
+    if !serving.pairs() {
+        return Ok((allowed, None, Some(Disaggregation::Never)));
     }
-    Ok(Some(narrowed))
+    let decode = match decode {
+        Some(mut rules) if serving.decode.without_http > 0 => {
+            rules.allowed_workers = Some(narrow(rules.allowed_workers, &serving.decode.http));
+            Some(rules)
+        }
+        None if serving.decode.without_http > 0 => Some(HopRules {
+            allowed_workers: Some(serving.decode.http.clone()),
+            ..HopRules::default()
+        }),
+        rules => rules,
+    };
+    Ok((allowed, decode, disaggregation))
 }
 
 fn json_text(text: &str) -> Value {

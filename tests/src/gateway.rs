@@ -149,9 +149,41 @@ pub struct GatewayStack {
     pub router: crate::RouterProcess,
     pub engines: kvroute_mocker::engine_face::EngineFleet,
     pub endpoints: Vec<kvroute_mocker::engine_face::WorkerEndpoints>,
+    /// A disaggregated stack's decode engines (`engines` are its prefill engines).
+    pub decode: Option<(
+        kvroute_mocker::engine_face::EngineFleet,
+        Vec<kvroute_mocker::engine_face::WorkerEndpoints>,
+    )>,
     bridge_stop: Option<tokio::sync::oneshot::Sender<()>>,
     bridge: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
     _dir: tempfile::TempDir,
+}
+
+/// The bridge's YAML entries of `endpoints`, worker ids from `first_id`, each engine's kind
+/// and disaggregation role as the mocker impersonates them.
+fn bridge_yaml(
+    endpoints: &[kvroute_mocker::engine_face::WorkerEndpoints],
+    first_id: u64,
+) -> String {
+    use kvroute_mocker::engine_face::DisaggregationRole;
+    endpoints
+        .iter()
+        .map(|e| {
+            let role = match e.role {
+                DisaggregationRole::None => "aggregated",
+                DisaggregationRole::Prefill => "prefill",
+                DisaggregationRole::Decode => "decode",
+            };
+            format!(
+                "  - engine: {}\n    engine_url: {}\n    zmq_endpoint: {}\n    zmq_replay_endpoint: {}\n    worker_id: {}\n    role: {role}\n",
+                e.engine.as_str(),
+                e.url(),
+                e.zmq[0],
+                e.replay[0],
+                first_id + u64::from(e.index)
+            )
+        })
+        .collect()
 }
 
 /// The model name of the stack's engines.
@@ -173,10 +205,40 @@ impl GatewayStack {
         router_flags: &[&str],
         face: impl FnOnce(&mut kvroute_mocker::fleet::FleetConfig),
     ) -> anyhow::Result<Self> {
-        use clap::Parser as _;
-        let env = TestEnv::start()?;
-        let indexer = crate::IndexerProcess::start(&env, "a", &[])?;
-        let router = crate::RouterProcess::start(&env, "r", router_flags)?;
+        let mut config = Self::fleet_config(workers);
+        face(&mut config);
+        Self::start_pools(router_flags, config, None).await
+    }
+
+    /// A disaggregated stack: `prefill` prefill workers (ids 100, 101, ...) and `decode`
+    /// decode workers (ids 200, 201, ...), mocker engines impersonating `api`'s prefill and
+    /// decode servers, each registered by the bridge with its role. `face` adjusts both pools
+    /// (it is told which role it adjusts); the prefill workers listen on a side channel (vLLM's
+    /// NIXL port, SGLang's bootstrap port).
+    pub async fn start_disaggregated(
+        api: kvroute_mocker::engine_face::EngineApi,
+        prefill: u32,
+        decode: u32,
+        router_flags: &[&str],
+        face: impl Fn(&mut kvroute_mocker::fleet::FleetConfig, WorkerRole),
+    ) -> anyhow::Result<Self> {
+        use kvroute_mocker::engine_face::DisaggregationRole;
+        let pool = |workers, role, disagg| {
+            let mut c = Self::fleet_config(workers);
+            c.face.engine_api = api;
+            c.face.disaggregation_role = disagg;
+            if role == WorkerRole::Prefill {
+                c.face.engine_side_channel_port = Some(0);
+            }
+            face(&mut c, role);
+            c
+        };
+        let p = pool(prefill, WorkerRole::Prefill, DisaggregationRole::Prefill);
+        let d = pool(decode, WorkerRole::Decode, DisaggregationRole::Decode);
+        Self::start_pools(router_flags, p, Some(d)).await
+    }
+
+    fn fleet_config(workers: u32) -> kvroute_mocker::fleet::FleetConfig {
         let mut config = kvroute_mocker::fleet::FleetConfig {
             workers,
             model: STACK_MODEL.into(),
@@ -189,22 +251,35 @@ impl GatewayStack {
         config.face.engine_http_port = 0;
         config.face.engine_zmq_port = 0;
         config.face.engine_replay_port = 0;
-        face(&mut config);
-        let engines = kvroute_mocker::engine_face::EngineFleet::start(&config).await?;
+        config
+    }
+
+    /// Starts the servers, the engines of `first` (ids from 100; aggregated or prefill, as its
+    /// face's role says) and of `decode` (ids from 200), and one bridge for all of them.
+    async fn start_pools(
+        router_flags: &[&str],
+        first: kvroute_mocker::fleet::FleetConfig,
+        decode: Option<kvroute_mocker::fleet::FleetConfig>,
+    ) -> anyhow::Result<Self> {
+        use clap::Parser as _;
+        let env = TestEnv::start()?;
+        let indexer = crate::IndexerProcess::start(&env, "a", &[])?;
+        let router = crate::RouterProcess::start(&env, "r", router_flags)?;
+        let engines = kvroute_mocker::engine_face::EngineFleet::start(&first).await?;
         let endpoints = engines.endpoints();
+        let mut yaml = bridge_yaml(&endpoints, 100);
+        let mut workers = endpoints.len();
+        let decode = match decode {
+            Some(config) => {
+                let fleet = kvroute_mocker::engine_face::EngineFleet::start(&config).await?;
+                let at = fleet.endpoints();
+                yaml.push_str(&bridge_yaml(&at, 200));
+                workers += at.len();
+                Some((fleet, at))
+            }
+            None => None,
+        };
         let dir = tempfile::tempdir()?;
-        let yaml: String = endpoints
-            .iter()
-            .map(|e| {
-                format!(
-                    "  - engine: vllm\n    engine_url: {}\n    zmq_endpoint: {}\n    zmq_replay_endpoint: {}\n    worker_id: {}\n",
-                    e.url(),
-                    e.zmq[0],
-                    e.replay[0],
-                    100 + e.index
-                )
-            })
-            .collect();
         let file = dir.path().join("engines.yaml");
         std::fs::write(&file, format!("engines:\n{yaml}"))?;
         let mut argv = vec!["kvroute-bridge".to_owned()];
@@ -234,12 +309,13 @@ impl GatewayStack {
             router,
             engines,
             endpoints,
+            decode,
             bridge_stop: Some(stop),
             bridge: Some(bridge),
             _dir: dir,
         };
         let start = Instant::now();
-        while stack.registered().await? < workers as usize {
+        while stack.registered().await? < workers {
             if start.elapsed() > Duration::from_secs(30) {
                 bail!("the bridged engines did not all register");
             }
