@@ -12,6 +12,8 @@ import json
 
 import openai
 
+from gateway_client import stream_record
+
 
 def hops(raw):
     """The prefill and decode workers of a raw response (`with_raw_response`)."""
@@ -24,15 +26,7 @@ def hops(raw):
 
 
 def streamed(raw, text_of):
-    out = {"text": "", "chunks": 0, "usage": None, "finish_reasons": []}
-    for chunk in raw.parse():
-        out["chunks"] += 1
-        if chunk.usage is not None:
-            out["usage"] = chunk.usage.model_dump()
-        for choice in chunk.choices:
-            out["text"] += text_of(choice) or ""
-            if choice.finish_reason:
-                out["finish_reasons"].append(choice.finish_reason)
+    out = stream_record(raw.parse(), text_of)
     out.update(hops(raw))
     return out
 
