@@ -115,3 +115,35 @@ stop_vllm() {
   done
   return 0
 }
+
+# start_bridged_fleet NAME COUNT FIRST_ID MOCKER_ARG...: a kvroute-mocker of COUNT workers
+# impersonating $engine_api on free ports (each prints the bridge flags that reach it) and one
+# kvroute-bridge serving them as workers FIRST_ID...; returns once the bridge has registered
+# them all, with BRIDGE_URL set. Uses the caller's $bin (the binaries' directory), $work (logs:
+# $work/NAME.{out,log} and $work/NAME-bridge.log), $engine_api, the array common (the bridge's
+# namespace, NATS and etcd flags), and appends both processes to the array pids.
+start_bridged_fleet() {
+  local name="$1" count="$2" first="$3" port; shift 3
+  "$bin/kvroute-mocker" "$@" --workers "$count" --engine-api "$engine_api" --engine-http-port 0 \
+    --engine-zmq-port 0 --engine-replay-port 0 >"$work/$name.out" 2>"$work/$name.log" &
+  pids+=("$!")
+  for _ in $(seq 300); do
+    [ "$(grep -c -- '--zmq-endpoint' "$work/$name.out" 2>/dev/null)" = "$count" ] && break
+    sleep 0.1
+  done
+  {
+    echo "engines:"
+    grep -- '--zmq-endpoint' "$work/$name.out" | while read -r line; do
+      flag() { sed -n "s/.*--$1 \([^ ]*\).*/\1/p" <<<"$line"; }
+      index=$(sed -n 's/^kvroute-mocker: worker \([0-9]*\).*/\1/p' <<<"$line")
+      role=$(flag role)
+      echo "  - {engine: $engine_api, engine_url: $(flag engine-url), zmq_endpoint: $(flag zmq-endpoint), zmq_replay_endpoint: $(flag zmq-replay-endpoint), worker_id: $((first + index))${role:+, role: $role}}"
+    done
+  } >"$work/$name-engines.yaml"
+  port=$(free_port)
+  "$bin/kvroute-bridge" "${common[@]}" --engines-file "$work/$name-engines.yaml" \
+    --http-addr "127.0.0.1:$port" >"$work/$name-bridge.log" 2>&1 &
+  pids+=("$!")
+  wait_http "http://127.0.0.1:$port/readyz" 60 || { tail -20 "$work/$name-bridge.log"; exit 1; }
+  BRIDGE_URL="http://127.0.0.1:$port"
+}

@@ -1,11 +1,13 @@
 //! Trace replay. The pure pieces: the oracle bounds of a trace's prefix-cache hit rate, summary
 //! statistics, the run report and its table and chart. The shell (`kvroute-replay`): the plan
 //! of arrivals, the selectors (routers over NATS, or in-process), the driver that sends each
-//! request through a selector to its worker, and the run over every mode.
+//! request through a selector to its worker (or streams it through a kvroute-gateway), and the
+//! run over every mode.
 
 pub mod chart;
 pub mod config;
 pub mod driver;
+pub mod gateway;
 pub mod local;
 pub mod oracle;
 pub mod plan;
@@ -21,6 +23,7 @@ pub mod workers;
 pub use chart::{ChartError, DEFAULT_FONT, write_chart};
 pub use config::{Mode, OutputArgs, ReplayArgs, SelectorKind};
 pub use driver::{DriveSettings, Tally, drive};
+pub use gateway::{GatewayTarget, SseReader, drive_gateway, prefix_cache_counters};
 pub use local::LocalSelector;
 pub use oracle::{
     InfiniteOracle, LruOracle, OracleHitRates, oracle_hit_rates, oracle_with_hits, ttft_floor,

@@ -304,3 +304,83 @@ async fn a_dead_prefill_is_retried_and_failed_decodes_end_in_a_502() {
         2
     );
 }
+
+/// `kvroute-replay --selector gateway` streams a trace through the gateway's hand-off: every
+/// request completes, paired, with the trace's output length; the client's inter-token gaps
+/// are one per token after the first; the hits come from the prefill engines' own counters
+/// (each prompt computed once, on its prefill worker; later requests of a document hit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trace_replayed_through_the_gateway_measures_the_streams() {
+    use clap::Parser as _;
+    let stack = GatewayStack::start_disaggregated(EngineApi::Vllm, 2, 2, &[], |c, _| {
+        c.face.kv_transfer_ms_per_block = 0.1;
+    })
+    .await
+    .unwrap();
+    let gw = stack.gateway("g", &[]).unwrap();
+    // 12 requests 100 ms apart over 3 documents: a 512-token trace block of the document's,
+    // then 8 tokens of the request's own; 6 output tokens each.
+    let (requests, input, output) = (12u64, 520u64, 6u64);
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.jsonl");
+    let lines: Vec<String> = (0..requests)
+        .map(|i| {
+            format!(
+                r#"{{"timestamp": {}, "input_length": {input}, "output_length": {output}, "hash_ids": [{}, {}]}}"#,
+                i * 100,
+                i % 3,
+                1000 + i
+            )
+        })
+        .collect();
+    std::fs::write(&trace, lines.join("\n")).unwrap();
+    let mut argv: Vec<String> = [
+        "kvroute-replay",
+        "--selector",
+        "gateway",
+        "--gateway-url",
+        &gw.url(""),
+        "--model",
+        STACK_MODEL,
+        "--modes",
+        "kv",
+        "--speedup",
+        "1",
+        "--trace",
+        &trace.display().to_string(),
+    ]
+    .map(String::from)
+    .to_vec();
+    argv.extend(stack.env.server_args());
+    let args = kvroute_lab::replay::ReplayArgs::try_parse_from(argv).unwrap();
+    let report = kvroute_lab::replay::run(&args).await.unwrap();
+    let m = &report.modes[0];
+    assert_eq!((m.completed, m.errors), (requests, 0), "{m:?}");
+    assert_eq!(m.output_tokens, requests * output);
+    let itl = m.itl_ms.expect("the streams were read");
+    assert_eq!(itl.count, requests * (output - 1));
+    assert!(
+        m.ttft_ms.p50 > 0.0 && m.e2e_latency_ms.p50 >= m.ttft_ms.p50,
+        "{m:?}"
+    );
+    let d = m.disaggregation.as_ref().expect("a prefill/decode fleet");
+    assert_eq!(
+        (d.prefill_workers, d.decode_workers, d.paired, d.unpaired),
+        (2, 2, requests, 0),
+        "{d:?}"
+    );
+    assert!(m.hits_from_engines, "{m:?}");
+    assert_eq!(
+        m.prompt_tokens,
+        requests * input,
+        "each prompt computed once"
+    );
+    // A document's 512 tokens are cached where it was computed before, and the routers send
+    // its later requests there.
+    assert!(
+        m.cached_prompt_tokens > 0 && m.cached_prompt_tokens < m.prompt_tokens,
+        "{} cached of {}",
+        m.cached_prompt_tokens,
+        m.prompt_tokens
+    );
+}

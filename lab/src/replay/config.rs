@@ -98,6 +98,12 @@ pub enum SelectorKind {
     /// An in-process approximation of each mode (no router needed; `kv` assumes each worker
     /// caches what was sent to it, LRU-bounded by its card's capacity).
     Local,
+    /// A kvroute-gateway's OpenAI API at `--gateway-url`: the gateway selects through the
+    /// routers and forwards (on a prefill/decode fleet it runs the hand-off); every request is
+    /// streamed, and the client measures TTFT and inter-token latency. The `kv` mode only (the
+    /// routers' configured policy), on the fleet as it is (no cache reset): its workers are
+    /// engines behind kvroute-bridge.
+    Gateway,
 }
 
 /// Replays a Mooncake trace through kvroute's routers onto a (mocker) fleet, once per routing
@@ -145,6 +151,12 @@ pub struct ReplayArgs {
     /// Where selections come from.
     #[arg(long, env = "KVROUTE_REPLAY_SELECTOR", value_enum, default_value_t = SelectorKind::Router)]
     pub selector: SelectorKind,
+    /// With `--selector gateway`: the gateway's base URL (`http://host:port`).
+    #[arg(long, env = "KVROUTE_REPLAY_GATEWAY_URL")]
+    pub gateway_url: Option<String>,
+    /// With `--selector gateway`: an API key the gateway accepts (when it asks for one).
+    #[arg(long, env = "KVROUTE_REPLAY_GATEWAY_API_KEY", hide_env_values = true)]
+    pub gateway_api_key: Option<String>,
     /// Model name to request (the workers' cards must serve it).
     #[arg(long, env = "KVROUTE_REPLAY_MODEL", default_value = "mock-model")]
     pub model: String,
@@ -245,6 +257,35 @@ impl ReplayArgs {
         if let Some(d) = self.target_duration_secs {
             positive("target-duration-secs", d)?;
         }
+        match (self.selector, &self.gateway_url) {
+            (SelectorKind::Gateway, None) => {
+                return Err(ConfigError::new(
+                    "gateway-url",
+                    "--selector gateway needs the gateway's base URL",
+                ));
+            }
+            (SelectorKind::Gateway, Some(url))
+                if !(url.starts_with("http://") || url.starts_with("https://")) =>
+            {
+                return Err(ConfigError::new(
+                    "gateway-url",
+                    format!("must be an http:// or https:// URL, got {url:?}"),
+                ));
+            }
+            (SelectorKind::Gateway, Some(_)) if self.modes != [Mode::Kv] => {
+                return Err(ConfigError::new(
+                    "modes",
+                    "--selector gateway runs the kv mode only (the routers' configured policy)",
+                ));
+            }
+            (SelectorKind::Router | SelectorKind::Local, Some(_)) => {
+                return Err(ConfigError::new(
+                    "gateway-url",
+                    "only with --selector gateway",
+                ));
+            }
+            _ => {}
+        }
         if self.model.trim().is_empty() {
             return Err(ConfigError::new("model", "must not be empty"));
         }
@@ -343,6 +384,24 @@ mod tests {
         );
         assert_eq!(field(&["--modes", "kv,kv"]), "modes");
         assert_eq!(field(&["--modes", "kv,kv-approx"]), "modes");
+        assert_eq!(
+            field(&["--selector", "gateway", "--modes", "kv"]),
+            "gateway-url"
+        );
+        let gateway = ["--selector", "gateway", "--gateway-url"];
+        assert_eq!(
+            field(&[&gateway[..], &["localhost:8080", "--modes", "kv"]].concat()),
+            "gateway-url"
+        );
+        assert_eq!(
+            field(&[&gateway[..], &["http://127.0.0.1:8080"]].concat()),
+            "modes",
+            "the default modes are more than kv"
+        );
+        parse(&[&gateway[..], &["http://127.0.0.1:8080", "--modes", "kv"]].concat())
+            .validate()
+            .unwrap();
+        assert_eq!(field(&["--gateway-url", "http://x"]), "gateway-url");
         assert_eq!(field(&["--speedup", "0"]), "speedup");
         assert_eq!(
             field(&["--max-error-fraction", "1.5"]),

@@ -61,13 +61,16 @@ impl Tally {
     }
 }
 
-enum Outcome {
+/// How one request ended; `X`: what a driver records besides the sample.
+#[derive(Debug)]
+pub enum Outcome<X = ()> {
     Done {
         sample: RequestSample,
         /// Simulated time from the run's start to the last token.
         finished_at: Duration,
         /// Selection attempts beyond the first.
         retries: u32,
+        extra: X,
     },
     Failed {
         kind: String,
@@ -85,24 +88,57 @@ pub async fn drive<S: Selector>(
     nats: async_nats::Client,
     names: &Names,
     stop: &watch::Receiver<bool>,
-    mut progress: impl FnMut(&Tally),
+    progress: impl FnMut(&Tally),
 ) -> ModeReport {
     let mut recorder = ModeRecorder::new(settings.mode.as_str(), settings.workers.clone())
         .with_sessions(plan.sessions.clone(), settings.send_sessions);
+    let duration = schedule(
+        plan,
+        settings.speedup,
+        stop,
+        &mut recorder,
+        progress,
+        |_, ()| {},
+        |request, start| {
+            RequestTask {
+                request,
+                trace: plan.requests[request].clone(),
+                settings: settings.clone(),
+                selector: selector.clone(),
+                nats: nats.clone(),
+                names: names.clone(),
+                start,
+            }
+            .run()
+        },
+    )
+    .await;
+    recorder.finish(duration)
+}
+
+/// Runs `task(request, start)` for every request of `plan` at its arrival (`start + arrival /
+/// speedup` of wall time) until `stop` turns true, records each outcome in `recorder` (a
+/// completed request's extra goes to `on_done`), and returns the simulated time from the start
+/// to the last completion.
+pub async fn schedule<X, Fut>(
+    plan: &Plan,
+    speedup: f64,
+    stop: &watch::Receiver<bool>,
+    recorder: &mut ModeRecorder,
+    mut progress: impl FnMut(&Tally),
+    mut on_done: impl FnMut(&mut ModeRecorder, X),
+    task: impl Fn(usize, Instant) -> Fut,
+) -> Duration
+where
+    X: Send + 'static,
+    Fut: Future<Output = Outcome<X>> + Send + 'static,
+{
     let (tx, mut rx) = mpsc::unbounded_channel();
     // A short lead so the first requests are not late while the rest are being scheduled.
     let start = Instant::now() + Duration::from_millis(20);
-    for (request, (trace, arrival)) in plan.requests.iter().zip(&plan.arrivals).enumerate() {
-        let task = RequestTask {
-            request,
-            trace: trace.clone(),
-            settings: settings.clone(),
-            selector: selector.clone(),
-            nats: nats.clone(),
-            names: names.clone(),
-            start,
-        };
-        let at = start + arrival.div_f64(settings.speedup);
+    for (request, arrival) in plan.arrivals.iter().enumerate() {
+        let run = task(request, start);
+        let at = start + arrival.div_f64(speedup);
         let tx = tx.clone();
         let stop = stop.clone();
         tokio::spawn(async move {
@@ -112,7 +148,7 @@ pub async fn drive<S: Selector>(
                     let _ = tx.send(Outcome::NotSent);
                 }
                 () = tokio::time::sleep_until(at) => {
-                    let _ = tx.send(task.run().await);
+                    let _ = tx.send(run.await);
                 }
             }
         });
@@ -129,6 +165,7 @@ pub async fn drive<S: Selector>(
                 sample,
                 finished_at,
                 retries,
+                extra,
             } => {
                 recorder.record_selection_retries(retries);
                 tally.done += 1;
@@ -136,6 +173,7 @@ pub async fn drive<S: Selector>(
                 tally.cached_tokens += sample.cached_tokens;
                 duration = duration.max(finished_at);
                 recorder.record(sample);
+                on_done(recorder, extra);
             }
             Outcome::Failed { kind } => {
                 tally.errors += 1;
@@ -145,7 +183,7 @@ pub async fn drive<S: Selector>(
         }
         progress(&tally);
     }
-    recorder.finish(duration)
+    duration
 }
 
 /// Resolves once `stop` turns true; never, if its sender is gone first (the run's owner no
@@ -253,6 +291,7 @@ impl<S: Selector> RequestTask<S> {
                     },
                     finished_at: sent_sim + latency,
                     retries: selected.attempts.saturating_sub(1),
+                    extra: (),
                 })
             }
             Ok(GenerateResponse::Error(e)) => Err(format!("worker_{}", e.code.as_str())),

@@ -49,6 +49,9 @@ pub enum SelectionMeasured {
     NatsRoundTrip,
     /// `kvroute-sim`: the decision alone, in process (no network).
     InProcess,
+    /// `kvroute-replay --selector gateway`: the gateway selects; the client does not see it
+    /// apart (its time is in the TTFT).
+    InGateway,
 }
 
 impl SelectionMeasured {
@@ -57,6 +60,7 @@ impl SelectionMeasured {
         match self {
             Self::NatsRoundTrip => "the client's round trip through NATS to a router and back",
             Self::InProcess => "the decision alone, in process (no network)",
+            Self::InGateway => "not measured apart: the gateway selects, within the TTFT",
         }
     }
 }
@@ -129,6 +133,11 @@ pub struct ModeReport {
     pub output_tokens: u64,
     /// `cached_prompt_tokens / prompt_tokens`.
     pub hit_rate: f64,
+    /// The three fields above are the engines' own prefix-cache counters over the mode (the
+    /// prefill and aggregated workers': where prompts are computed), not the answers' usage
+    /// (`kvroute-replay --selector gateway`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub hits_from_engines: bool,
     pub ttft_ms: Summary,
     /// Time to first token as the client sees it: the selection's wait in simulated time (the
     /// real wait × the speedup — a router's admission queue counts here) plus the worker's
@@ -155,10 +164,12 @@ pub struct ModeReport {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sessions: Option<SessionReport>,
     /// Inter-token latency: every gap between two consecutive tokens of a completed request's
-    /// stream, from its first token to its last, in simulated ms (`kvroute-sim` only).
+    /// stream, from its first token to its last, in simulated ms (`kvroute-sim`, and
+    /// `kvroute-replay --selector gateway`, which reads the streams).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub itl_ms: Option<Summary>,
-    /// How a fleet with prefill and decode workers served the requests (`kvroute-sim` only).
+    /// How a fleet with prefill and decode workers served the requests (`kvroute-sim`, and
+    /// `kvroute-replay --selector gateway` from the gateway's answer headers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disaggregation: Option<DisaggregationReport>,
 }
@@ -176,9 +187,11 @@ pub struct DisaggregationReport {
     /// Completed requests served by their prefill worker alone (the rule said no, or no
     /// decode worker could take them).
     pub unpaired: u64,
-    /// Paired requests' KV transfer, simulated ms.
+    /// Paired requests' KV transfer, simulated ms (`kvroute-sim`; a client does not see it:
+    /// count 0).
     pub transfer_ms: Summary,
-    /// Paired requests: from arrival to the prefill worker's end (its one token), simulated ms.
+    /// Paired requests: from arrival to the prefill worker's end (its one token), simulated ms
+    /// (`kvroute-sim`; count 0 from a client).
     pub prefill_ms: Summary,
     /// Coefficient of variation of requests decoded per decode worker.
     pub load_cv_decode_requests: f64,
@@ -221,6 +234,8 @@ pub struct ModeRecorder {
     not_sent: u64,
     selection_retries: u64,
     sessions: Option<SessionRecorder>,
+    /// Inter-token gaps, simulated ms (drivers that see the stream).
+    itl_ms: Vec<f64>,
 }
 
 impl ModeRecorder {
@@ -239,6 +254,7 @@ impl ModeRecorder {
             not_sent: 0,
             selection_retries: 0,
             sessions: None,
+            itl_ms: Vec::new(),
         }
     }
 
@@ -273,6 +289,11 @@ impl ModeRecorder {
         }
     }
 
+    /// Adds a completed request's inter-token gaps (simulated ms).
+    pub fn record_itl(&mut self, gaps_ms: &[f64]) {
+        self.itl_ms.extend_from_slice(gaps_ms);
+    }
+
     /// Counts selection attempts beyond the first.
     pub fn record_selection_retries(&mut self, retries: u32) {
         self.selection_retries += u64::from(retries);
@@ -305,6 +326,7 @@ impl ModeRecorder {
             cached_prompt_tokens: self.cached_tokens,
             output_tokens: self.output_tokens,
             hit_rate: ratio(self.cached_tokens, self.prompt_tokens),
+            hits_from_engines: false,
             ttft_ms: Summary::of(&self.ttft_ms),
             client_ttft_ms: Summary::of(&self.client_ttft_ms),
             e2e_latency_ms: Summary::of(&self.e2e_ms),
@@ -316,10 +338,14 @@ impl ModeRecorder {
             load_cv_requests: coefficient_of_variation(&requests),
             load_cv_prefill_tokens: coefficient_of_variation(&prefill),
             sessions: self.sessions.map(SessionRecorder::finish),
-            itl_ms: None,
+            itl_ms: (!self.itl_ms.is_empty()).then(|| Summary::of(&self.itl_ms)),
             disaggregation: None,
         }
     }
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 fn is_zero(n: &u64) -> bool {

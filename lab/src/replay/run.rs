@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use super::chart::write_chart;
 use super::config::{OutputArgs, ReplayArgs, SelectorKind};
 use super::driver::{DriveSettings, drive};
+use super::gateway::{GatewayTarget, drive_gateway};
 use super::local::LocalSelector;
 use super::oracle::{oracle_with_hits, ttft_floor};
 use super::plan::Plan;
@@ -105,7 +106,8 @@ pub async fn run_until(
             args.model
         );
         let workers: Vec<_> = cards.iter().map(|c| c.worker_id).collect();
-        if !args.no_reset {
+        // A gateway's fleet is engines behind kvroute-bridge: nothing to reset.
+        if !args.no_reset && args.selector != SelectorKind::Gateway {
             reset_workers(&nats, &names, &workers, RESET_TIMEOUT).await?;
             tokio::time::sleep(Duration::from_millis(args.settle_ms)).await;
         }
@@ -142,6 +144,23 @@ pub async fn run_until(
                 watch.abort();
                 report
             }
+            SelectorKind::Gateway => {
+                let target = GatewayTarget {
+                    url: args.gateway_url.clone().context("--gateway-url")?,
+                    api_key: args.gateway_api_key.clone(),
+                };
+                let progress = Progress::new(
+                    settings.mode.as_str(),
+                    plan.len() as u64,
+                    args.output.interactive(),
+                );
+                let report = drive_gateway(&plan, &settings, &target, &cards, &stop, |t| {
+                    progress.update(t)
+                })
+                .await?;
+                progress.finish();
+                report
+            }
         };
         tracing::info!(
             mode = %mode,
@@ -163,7 +182,12 @@ pub async fn run_until(
         oracle,
         ttft_floor_ms,
         session_oracle,
-        selection_measured: super::report::SelectionMeasured::NatsRoundTrip,
+        selection_measured: match args.selector {
+            SelectorKind::Gateway => super::report::SelectionMeasured::InGateway,
+            SelectorKind::Router | SelectorKind::Local => {
+                super::report::SelectionMeasured::NatsRoundTrip
+            }
+        },
         modes,
     })
 }

@@ -119,6 +119,13 @@ pub fn render_table(report: &RunReport) -> String {
          requests over workers;\nsel: the selection in µs of wall clock, {}",
         report.selection_measured.describe()
     );
+    if report.modes.iter().any(|m| m.hits_from_engines) {
+        let _ = writeln!(
+            out,
+            "hit: read from the engines' own prefix-cache counters on the workers that compute \
+             prompts (prefill and aggregated), over the mode"
+        );
+    }
     // The client's view of TTFT, when selections waited (a router's admission queue).
     if report
         .modes
@@ -191,7 +198,7 @@ fn gain(report: &RunReport) -> Option<String> {
 }
 
 /// Inter-token latency and, on a fleet with prefill and decode workers, how requests were
-/// paired (`kvroute-sim`).
+/// paired (`kvroute-sim`, and a replay through the gateway).
 fn render_streams(out: &mut String, report: &RunReport) {
     if report.modes.iter().all(|m| m.itl_ms.is_none()) {
         return;
@@ -212,20 +219,17 @@ fn render_streams(out: &mut String, report: &RunReport) {
         if let Some(d) = &m.disaggregation {
             let _ = write!(
                 line,
-                "\n    {} on {} prefill + {} decode: {} paired, {} by the prefill worker alone; \
-                 paired: prefill done p50 {:.0} / p90 {:.0} ms, transfer p50 {:.1} / p99 {:.1} ms, \
-                 decode cv {:.2}",
-                d.mode,
-                d.prefill_workers,
-                d.decode_workers,
-                d.paired,
-                d.unpaired,
-                d.prefill_ms.p50,
-                d.prefill_ms.p90,
-                d.transfer_ms.p50,
-                d.transfer_ms.p99,
-                d.load_cv_decode_requests
+                "\n    {} on {} prefill + {} decode: {} paired, {} by the prefill worker alone",
+                d.mode, d.prefill_workers, d.decode_workers, d.paired, d.unpaired,
             );
+            if d.transfer_ms.count > 0 {
+                let _ = write!(
+                    line,
+                    "; paired: prefill done p50 {:.0} / p90 {:.0} ms, transfer p50 {:.1} / p99 {:.1} ms",
+                    d.prefill_ms.p50, d.prefill_ms.p90, d.transfer_ms.p50, d.transfer_ms.p99,
+                );
+            }
+            let _ = write!(line, ", decode cv {:.2}", d.load_cv_decode_requests);
         }
         let _ = writeln!(out, "{line}");
     }
