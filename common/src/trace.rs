@@ -1,6 +1,7 @@
 //! Mooncake-format request traces (FAST'25): one JSON object per line with `timestamp` (ms),
 //! `input_length`, `output_length` and `hash_ids` (the prompt as 512-token blocks), and
-//! optionally kvroute's `session_id` and `turn` (a multi-turn conversation's requests).
+//! optionally kvroute's `session_id` and `turn` (a multi-turn conversation's requests) and
+//! `lora_name` (the LoRA adapter it names).
 //!
 //! [`TraceRequest::tokens`] turns hash ids into deterministic token ids, so equal hash ids at
 //! equal positions give equal tokens (a shared prefix) and every tool replays the same prompts.
@@ -28,6 +29,11 @@ pub struct TraceRequest {
     /// The request's turn in its session, from 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub turn: Option<u32>,
+    /// The LoRA adapter the request names (absent: the base model). Its blocks are keyed
+    /// apart from the base model's and other adapters' (the adapter's hash seed), so equal
+    /// hash ids under two adapters share nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_name: Option<String>,
 }
 
 /// A trace line that could not be read.
@@ -137,6 +143,19 @@ mod tests {
         assert_eq!(&ta[..1024], &tb[..]);
         assert_eq!(&ta[..512], &tc[..512]);
         assert_ne!(&ta[512..1024], &tc[512..1024]);
+    }
+
+    #[test]
+    fn a_row_with_an_adapter_round_trips() {
+        let line = r#"{"timestamp":5,"input_length":10,"output_length":2,"hash_ids":[7],"session_id":"s","turn":1,"lora_name":"adapter-3"}"#;
+        let r: TraceRequest = serde_json::from_str(line).unwrap();
+        assert_eq!(r.lora_name.as_deref(), Some("adapter-3"));
+        assert_eq!(to_line(&r), line);
+        let plain = TraceRequest {
+            lora_name: None,
+            ..r
+        };
+        assert!(!to_line(&plain).contains("lora_name"), "absent, not null");
     }
 
     #[test]

@@ -8,6 +8,12 @@
 //! that chunk: the interference disaggregated serving removes (a decode worker whose prompts
 //! arrive as [`SimRequest::transferred_tokens`] computes one token of each).
 //!
+//! LoRA adapters (with [`EngineConfig::max_loras`]): a request naming an adapter is admitted
+//! only when its adapter is resident, or a slot is free, or a resident adapter no running
+//! request uses can be evicted (the least recently used); otherwise it stays in the queue and
+//! later requests may pass it, as vLLM's scheduler skips a request whose adapter does not fit.
+//! Loading an adapter adds [`EngineConfig::lora_load_us`] to the step that admits it.
+//!
 //! Deliberately simple: a request reserves its output blocks at admission, so there is no
 //! preemption; a block is reusable by other requests from the step that allocates it. No
 //! timing noise: the model is deterministic (add noise in a shell if wanted).
@@ -96,6 +102,22 @@ pub struct Engine {
     clock: Duration,
     /// Report computed prompts in [`Ready::prefilled`].
     shared_writes: bool,
+    /// Resident LoRA adapters (with `max_loras`), each with the step that last admitted a
+    /// request of it.
+    adapters: Vec<(String, Duration)>,
+    /// Adapters loaded into a slot so far.
+    adapter_loads: u64,
+}
+
+/// Where a request's adapter comes from when it is admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AdapterSlot {
+    /// Base model, adapters not modelled, or already resident (at this index).
+    Ready(Option<usize>),
+    /// Loaded into a free slot.
+    Free,
+    /// Loaded in place of the idle adapter at this index.
+    Evict(usize),
 }
 
 impl Engine {
@@ -114,6 +136,8 @@ impl Engine {
             step_end: None,
             clock: Duration::ZERO,
             shared_writes: false,
+            adapters: Vec::new(),
+            adapter_loads: 0,
         })
     }
 
@@ -227,6 +251,68 @@ impl Engine {
     }
 
     /// Requests (running, waiting): a cheap check of whether [`Engine::load`] changed shape.
+    /// LoRA adapters loaded into a slot since the start (0 without `max_loras`).
+    pub fn adapter_loads(&self) -> u64 {
+        self.adapter_loads
+    }
+
+    /// The resident LoRA adapters (with `max_loras`), least recently used first.
+    pub fn resident_adapters(&self) -> Vec<&str> {
+        let mut by_use: Vec<_> = self.adapters.iter().collect();
+        by_use.sort_by_key(|(name, used)| (*used, name.clone()));
+        by_use.into_iter().map(|(name, _)| name.as_str()).collect()
+    }
+
+    /// How a request of adapter `name` would get its adapter now (`None`: it cannot: every
+    /// slot holds an adapter a running request uses).
+    fn adapter_slot(&self, name: Option<&str>) -> Option<AdapterSlot> {
+        let Some(name) = name.filter(|_| self.config.max_loras > 0) else {
+            return Some(AdapterSlot::Ready(None));
+        };
+        if let Some(i) = self.adapters.iter().position(|(a, _)| a == name) {
+            return Some(AdapterSlot::Ready(Some(i)));
+        }
+        if self.adapters.len() < self.config.max_loras as usize {
+            return Some(AdapterSlot::Free);
+        }
+        let in_use = |a: &str| {
+            self.running
+                .iter()
+                .any(|r| r.req.lora_name.as_deref() == Some(a))
+        };
+        self.adapters
+            .iter()
+            .enumerate()
+            .filter(|(_, (a, _))| !in_use(a))
+            .min_by_key(|(_, (a, used))| (*used, a.clone()))
+            .map(|(i, _)| AdapterSlot::Evict(i))
+    }
+
+    /// Makes `name` resident as `slot` says, at `now`; counts a load in `work`.
+    fn take_adapter_slot(
+        &mut self,
+        slot: AdapterSlot,
+        name: Option<&str>,
+        now: Duration,
+        work: &mut StepWork,
+    ) {
+        let entry = || (name.unwrap_or_default().to_owned(), now);
+        match slot {
+            AdapterSlot::Ready(None) => {}
+            AdapterSlot::Ready(Some(i)) => self.adapters[i].1 = now,
+            AdapterSlot::Free => {
+                self.adapters.push(entry());
+                self.adapter_loads += 1;
+                work.lora_loads += 1;
+            }
+            AdapterSlot::Evict(i) => {
+                self.adapters[i] = entry();
+                self.adapter_loads += 1;
+                work.lora_loads += 1;
+            }
+        }
+    }
+
     pub fn request_counts(&self) -> (u64, u64) {
         (self.running.len() as u64, self.waiting.len() as u64)
     }
@@ -293,13 +379,20 @@ impl Engine {
             budget -= r.scheduled;
             work.prefill_tokens += u64::from(r.scheduled);
         }
+        // The queue's position being considered: requests whose adapter cannot get a slot
+        // stay where they are, and the next ones are considered.
+        let mut at = 0;
         while budget > 0 && self.running.len() < self.config.max_num_seqs as usize {
-            let Some(head) = self.waiting.front() else {
+            let Some(head) = self.waiting.get(at) else {
                 break;
             };
             if head.arrival > start {
                 break;
             }
+            let Some(slot) = self.adapter_slot(head.req.lora_name.as_deref()) else {
+                at += 1;
+                continue;
+            };
             let private = self.private_blocks(&head.req);
             let admission = match self
                 .cache
@@ -310,7 +403,8 @@ impl Engine {
                 Err(CacheError::Full { .. }) => break,
                 Err(e) => unreachable!("submit checked the request: {e}"),
             };
-            let w = self.waiting.pop_front().expect("head exists");
+            let w = self.waiting.remove(at).expect("head exists");
+            self.take_adapter_slot(slot, w.req.lora_name.as_deref(), start, &mut work);
             // An engine always computes at least the last prompt token.
             let last = w.req.prompt_tokens.saturating_sub(1);
             let cached_tokens = (admission.cached_blocks * self.config.block_size).min(last);

@@ -224,6 +224,7 @@ impl<S: Selector> RequestTask<S> {
             request_id: Some(uuid::Uuid::new_v4()),
             model: self.settings.model.clone(),
             token_ids: Some(tokens.clone()),
+            lora_name: self.trace.lora_name.clone(),
             expected_output_tokens: Some(output),
             policy: self.settings.mode.router_policy().map(str::to_owned),
             session: if self.settings.send_sessions {
@@ -245,6 +246,7 @@ impl<S: Selector> RequestTask<S> {
         let generate = GenerateRequest {
             request_id: reply.request_id,
             token_ids: Some(tokens),
+            lora_name: self.trace.lora_name.clone(),
             max_tokens: output,
             dp_rank: Some(reply.dp_rank),
             decision_id: Some(reply.decision_id),

@@ -48,7 +48,8 @@ pub fn oracle_with_hits(
     let (mut total, mut inf_hits, mut fin_hits) = (0u64, 0u64, 0u64);
     let mut per_request = Vec::with_capacity(requests.len());
     for req in requests {
-        let hashes = BlockHashes::of_tokens(&req.tokens(), block_size as usize, None);
+        let hashes =
+            BlockHashes::of_tokens(&req.tokens(), block_size as usize, req.lora_name.as_deref());
         total += hashes.sequence.len() as u64;
         inf_hits += infinite.observe(&hashes.sequence) as u64;
         let hits = finite.observe(&hashes.sequence);

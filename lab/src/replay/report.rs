@@ -168,6 +168,10 @@ pub struct ModeReport {
     /// `kvroute-replay --selector gateway`, which reads the streams).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub itl_ms: Option<Summary>,
+    /// LoRA adapters the workers loaded into a slot over the mode (`kvroute-sim` with
+    /// `--max-loras`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapter_loads: Option<u64>,
     /// How a fleet with prefill and decode workers served the requests (`kvroute-sim`, and
     /// `kvroute-replay --selector gateway` from the gateway's answer headers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -339,6 +343,7 @@ impl ModeRecorder {
             load_cv_prefill_tokens: coefficient_of_variation(&prefill),
             sessions: self.sessions.map(SessionRecorder::finish),
             itl_ms: (!self.itl_ms.is_empty()).then(|| Summary::of(&self.itl_ms)),
+            adapter_loads: None,
             disaggregation: None,
         }
     }

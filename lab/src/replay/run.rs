@@ -59,6 +59,12 @@ pub async fn run_until(
         "the trace {} is empty",
         args.trace.display()
     );
+    anyhow::ensure!(
+        args.selector != SelectorKind::Gateway
+            || plan.requests.iter().all(|r| r.lora_name.is_none()),
+        "the trace names LoRA adapters (lora_name), which --selector gateway does not send: \
+         replay it through the routers"
+    );
     let names = Names::new(&args.namespace.namespace);
     let nats = args.nats.connect("kvroute-replay").await?;
     let mut etcd = args.etcd.connect().await?;

@@ -145,6 +145,7 @@ pub fn render_table(report: &RunReport) -> String {
             );
         }
     }
+    render_adapters(&mut out, report);
     render_streams(&mut out, report);
     render_sessions(&mut out, report);
     for m in report.modes.iter().filter(|m| m.errors > 0) {
@@ -195,6 +196,21 @@ fn gain(report: &RunReport) -> Option<String> {
         rr.ttft_ms.p90,
         of_bound(kv.hit_rate, report.oracle.finite)
     ))
+}
+
+/// LoRA adapter loads, when the workers model adapter slots (`kvroute-sim --max-loras`).
+fn render_adapters(out: &mut String, report: &RunReport) {
+    for m in &report.modes {
+        if let Some(loads) = m.adapter_loads {
+            let requests = (m.completed + m.errors).max(1);
+            let _ = writeln!(
+                out,
+                "  {:<12} adapter loads {loads} ({:.1} per 1,000 requests)",
+                m.mode,
+                loads as f64 * 1000.0 / requests as f64
+            );
+        }
+    }
 }
 
 /// Inter-token latency and, on a fleet with prefill and decode workers, how requests were

@@ -436,6 +436,9 @@ pub fn simulate(
     let mut report = world.recorder.finish(world.finished_at);
     report.itl_ms = Some(Summary::of(&world.itl_ms));
     report.disaggregation = world.pairs.report(settings);
+    if settings.engine.max_loras > 0 {
+        report.adapter_loads = Some(world.workers.iter().map(|w| w.engine.adapter_loads()).sum());
+    }
     Ok(report)
 }
 
@@ -578,13 +581,15 @@ impl World<'_> {
         let trace = &self.plan.requests[i];
         let tokens = trace.tokens();
         let block_size = self.settings.engine.block_size;
-        let hashes = BlockHashes::of_tokens(&tokens, block_size as usize, None);
+        let hashes =
+            BlockHashes::of_tokens(&tokens, block_size as usize, trace.lora_name.as_deref());
         let request_id = Uuid::from_u128(i as u128 + 1);
         let (role, pair) = self.plan_hops();
         let request = SelectRequest {
             request_id: Some(request_id),
             model: SIM_MODEL.to_owned(),
             role,
+            lora_name: trace.lora_name.clone(),
             expected_output_tokens: Some(trace.output_length),
             session: if self.settings.send_sessions {
                 // Every mode has its own session table: no scope needed.
@@ -642,6 +647,7 @@ impl World<'_> {
             hashes,
             report_tokens: paired.is_none(),
             transferred_tokens: 0,
+            lora_name: trace.lora_name.clone(),
         };
         if let Err(e) = self.workers[w].engine.submit(sim, now) {
             tracing::debug!(error = %e, "the simulated worker refused a request");

@@ -61,6 +61,15 @@ pub struct SessionTraceParams {
         default_value_t = 60.0
     )]
     pub burst_interval_secs: f64,
+    /// LoRA adapters the sessions use (`adapter-1` … `adapter-N`, each row's `lora_name`); each
+    /// session draws one, by popularity (--adapter-zipf). 0: every session uses the base
+    /// model.
+    #[arg(long, env = "KVROUTE_TRACEGEN_ADAPTERS", default_value_t = 0)]
+    pub adapters: u32,
+    /// Skew of the adapters' popularity: adapter k is drawn with weight 1 / k^s (0: uniform;
+    /// 1: Zipf's law, the most popular about N/ln(N) times the median's share).
+    #[arg(long, env = "KVROUTE_TRACEGEN_ADAPTER_ZIPF", default_value_t = 1.0)]
+    pub adapter_zipf: f64,
     /// Seed of every draw: the same parameters and seed give the same trace.
     #[arg(long, env = "KVROUTE_TRACEGEN_SEED", default_value_t = 1)]
     pub seed: u64,
@@ -80,6 +89,8 @@ impl Default for SessionTraceParams {
             session_rate: 1.0,
             burst_sessions: 0,
             burst_interval_secs: 60.0,
+            adapters: 0,
+            adapter_zipf: 1.0,
             seed: 1,
         }
     }
@@ -101,6 +112,15 @@ impl SessionTraceParams {
         at_least_one("turns", self.turns)?;
         if self.turns.max > 10_000 {
             return Err(ConfigError::new("turns", "at most 10000 turns per session"));
+        }
+        if self.adapters > 100_000 {
+            return Err(ConfigError::new("adapters", "must be 0..=100000"));
+        }
+        if !(self.adapter_zipf.is_finite() && (0.0..=10.0).contains(&self.adapter_zipf)) {
+            return Err(ConfigError::new(
+                "adapter-zipf",
+                format!("must be a number in [0, 10], got {}", self.adapter_zipf),
+            ));
         }
         if self.templates > 100_000 {
             return Err(ConfigError::new("templates", "must be 0..=100000"));
@@ -143,8 +163,9 @@ impl SessionTraceParams {
 }
 
 /// Writes a seeded multi-turn session trace in Mooncake's JSONL format, each row with its
-/// `session_id` and `turn`: every turn's prompt is its session's template, the conversation
-/// so far (earlier user messages and replies) and the new user message.
+/// `session_id` and `turn` (and with --adapters, its session's LoRA adapter as `lora_name`):
+/// every turn's prompt is its session's template, the conversation so far (earlier user
+/// messages and replies) and the new user message.
 #[derive(Debug, Clone, clap::Parser)]
 #[command(name = "kvroute-tracegen", version)]
 pub struct TracegenArgs {
@@ -189,6 +210,12 @@ mod tests {
     fn validation_names_the_flag() {
         let field = |args: &[&str]| parse(args).validate().unwrap_err().field;
         assert_eq!(field(&["--sessions", "0"]), "sessions");
+        assert_eq!(field(&["--adapters", "100001"]), "adapters");
+        assert_eq!(field(&["--adapter-zipf=-1"]), "adapter-zipf");
+        assert_eq!(field(&["--adapter-zipf", "inf"]), "adapter-zipf");
+        parse(&["--adapters", "20", "--adapter-zipf", "0"])
+            .validate()
+            .unwrap();
         assert_eq!(field(&["--turns", "0-3"]), "turns");
         assert_eq!(
             field(&["--turns", "5000", "--user-tokens", "1000"]),

@@ -20,6 +20,8 @@ use super::config::SessionTraceParams;
 /// Mixed into the seed of the content draws, so arrivals and contents are independent streams
 /// (adding bursts does not change the Poisson arrivals).
 const CONTENT_STREAM: u64 = 0x5e55_10e5_c0de_0001;
+/// Mixed into the seed of the sessions' adapter draws: adding adapters changes nothing else.
+const ADAPTER_STREAM: u64 = 0xada9_7e45_0000_0002;
 
 /// The trace `params` describe (validated by the caller), sorted by timestamp; a session's
 /// turns keep their order.
@@ -35,8 +37,11 @@ pub fn generate(params: &SessionTraceParams) -> Vec<TraceRequest> {
             ids
         })
         .collect();
+    let adapters = Adapters::new(params.adapters, params.adapter_zipf);
+    let mut adapter_rng = StdRng::seed_from_u64(params.seed ^ ADAPTER_STREAM);
     let mut out = Vec::new();
     for (i, start) in starts.into_iter().enumerate() {
+        let lora_name = adapters.draw(&mut adapter_rng);
         let mut conversation = Conversation::default();
         if !templates.is_empty() {
             let template = &templates[rng.random_range(0..templates.len())];
@@ -55,6 +60,7 @@ pub fn generate(params: &SessionTraceParams) -> Vec<TraceRequest> {
                 hash_ids: conversation.blocks.clone(),
                 session_id: Some(session_id.clone()),
                 turn: Some(turn),
+                lora_name: lora_name.clone(),
             });
             conversation.append(reply, &mut next_id);
             at += f64::from(reply) * params.reply_ms_per_token / 1e3
@@ -102,6 +108,42 @@ fn session_starts(params: &SessionTraceParams) -> Vec<f64> {
         }
     }
     starts
+}
+
+/// The adapters sessions draw from: adapter k (from 1) with weight 1 / k^zipf.
+#[derive(Debug)]
+struct Adapters {
+    /// Cumulative weights, normalized to end at 1 (empty: no adapters).
+    cumulative: Vec<f64>,
+}
+
+impl Adapters {
+    fn new(count: u32, zipf: f64) -> Self {
+        let weights: Vec<f64> = (1..=count).map(|k| f64::from(k).powf(-zipf)).collect();
+        let total: f64 = weights.iter().sum();
+        let mut sum = 0.0;
+        let cumulative = weights
+            .iter()
+            .map(|w| {
+                sum += w / total;
+                sum
+            })
+            .collect();
+        Self { cumulative }
+    }
+
+    /// A session's adapter name (`None`: the base model, when there are no adapters).
+    fn draw(&self, rng: &mut StdRng) -> Option<String> {
+        if self.cumulative.is_empty() {
+            return None;
+        }
+        let u: f64 = rng.random();
+        let k = self
+            .cumulative
+            .partition_point(|&c| c < u)
+            .min(self.cumulative.len() - 1);
+        Some(format!("adapter-{}", k + 1))
+    }
 }
 
 /// A draw of an exponential distribution with this mean (0: always 0).
@@ -245,6 +287,70 @@ mod tests {
             firsts.len(),
             40,
             "no template: nothing shared across sessions"
+        );
+    }
+
+    #[test]
+    fn sessions_draw_adapters_by_popularity_and_nothing_else_changes() {
+        let p = SessionTraceParams {
+            sessions: 2000,
+            turns: TokenRange::new(1, 2),
+            ..params()
+        };
+        let base = generate(&p);
+        assert!(base.iter().all(|r| r.lora_name.is_none()));
+        let with = generate(&SessionTraceParams {
+            adapters: 10,
+            ..p.clone()
+        });
+        // The same trace, each row with its session's adapter.
+        let strip = |t: &[TraceRequest]| -> Vec<TraceRequest> {
+            t.iter()
+                .map(|r| TraceRequest {
+                    lora_name: None,
+                    ..r.clone()
+                })
+                .collect()
+        };
+        assert_eq!(strip(&with), base);
+        let mut per_adapter: BTreeMap<String, HashSet<&str>> = BTreeMap::new();
+        for turns in by_session(&with).values() {
+            let names: HashSet<_> = turns.iter().map(|r| r.lora_name.clone()).collect();
+            assert_eq!(names.len(), 1, "a session keeps its adapter");
+            let name = turns[0].lora_name.clone().unwrap();
+            per_adapter
+                .entry(name)
+                .or_default()
+                .insert(turns[0].session_id.as_deref().unwrap());
+        }
+        let sessions = |k: u32| per_adapter[&format!("adapter-{k}")].len() as f64;
+        assert_eq!(per_adapter.len(), 10);
+        // Zipf with s = 1 over 10: adapter 1 has 1/H(10) = 34 % of the sessions, adapter 10
+        // 3.4 %, within sampling noise over 2000 sessions.
+        assert!(
+            (0.30..0.38).contains(&(sessions(1) / 2000.0)),
+            "{}",
+            sessions(1)
+        );
+        assert!(
+            (0.02..0.05).contains(&(sessions(10) / 2000.0)),
+            "{}",
+            sessions(10)
+        );
+        assert!(sessions(1) > sessions(2) && sessions(2) > sessions(5));
+        // Uniform: every adapter near a tenth.
+        let uniform = generate(&SessionTraceParams {
+            adapters: 10,
+            adapter_zipf: 0.0,
+            ..p.clone()
+        });
+        let mut counts: BTreeMap<String, u32> = BTreeMap::new();
+        for r in uniform.iter().filter(|r| r.turn == Some(1)) {
+            *counts.entry(r.lora_name.clone().unwrap()).or_default() += 1;
+        }
+        assert!(
+            counts.values().all(|&n| (150..250).contains(&n)),
+            "{counts:?}"
         );
     }
 

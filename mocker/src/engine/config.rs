@@ -31,6 +31,13 @@ pub struct EngineConfig {
     /// Cost of each prompt token loaded from the shared tier instead of prefilled, ns (a
     /// remote store at about 12 GB/s for 128 KiB of KV per token). Default 10,000.
     pub shared_load_ns_per_token: u64,
+    /// LoRA adapters resident at once (vLLM's `max_loras`); a request naming another adapter
+    /// waits until one of them is idle. Default 0: adapters are not modelled (every adapter
+    /// is always resident, at no cost).
+    pub max_loras: u32,
+    /// Cost of loading an adapter into a slot, µs, added to the step that first runs it.
+    /// Default 50,000.
+    pub lora_load_us: u64,
 }
 
 impl Default for EngineConfig {
@@ -45,6 +52,8 @@ impl Default for EngineConfig {
             decode_ns_per_seq: 100_000,
             decode_ns_per_context_token: 20,
             shared_load_ns_per_token: 10_000,
+            max_loras: 0,
+            lora_load_us: 50_000,
         }
     }
 }
@@ -98,7 +107,10 @@ impl EngineConfig {
                 .saturating_mul(self.decode_ns_per_context_token)
             + work
                 .shared_load_tokens
-                .saturating_mul(self.shared_load_ns_per_token);
+                .saturating_mul(self.shared_load_ns_per_token)
+            + work
+                .lora_loads
+                .saturating_mul(self.lora_load_us.saturating_mul(1000));
         Duration::from_nanos(nanos)
     }
 }
@@ -114,6 +126,8 @@ pub struct StepWork {
     pub decode_context_tokens: u64,
     /// Prompt tokens loaded from the shared tier (requests admitted in this step).
     pub shared_load_tokens: u64,
+    /// LoRA adapters loaded into a slot for requests admitted in this step.
+    pub lora_loads: u64,
 }
 
 #[cfg(test)]

@@ -28,6 +28,9 @@ pub struct SimRequest {
     /// any step — the caller has already waited out the transfer. The last prompt token is
     /// still computed, as the engines recompute it to sample the next one. 0 when aggregated.
     pub transferred_tokens: u32,
+    /// The LoRA adapter the request runs under (its blocks are hashed with the adapter's
+    /// seed); with `max_loras` it needs one of the engine's adapter slots.
+    pub lora_name: Option<String>,
 }
 
 impl SimRequest {
@@ -46,6 +49,7 @@ impl SimRequest {
             report_tokens: false,
             shared_blocks: 0,
             transferred_tokens: 0,
+            lora_name: lora_name.map(str::to_owned),
         }
     }
 }

@@ -349,3 +349,84 @@ fn progress_comes_once_per_block_of_output_before_the_last_token() {
         .collect();
     assert_eq!(seen, [(id(1), 64), (id(1), 128)]);
 }
+
+/// A request of adapter `lora` (a prompt of its own, `len` tokens).
+fn adapter_request(n: u128, lora: &str, len: u32, output: u32) -> SimRequest {
+    let tokens: Vec<u32> = (0..len)
+        .map(|t| (n as u32).wrapping_mul(7_919) ^ t)
+        .collect();
+    SimRequest::from_tokens(id(n), &tokens, output, 64, Some(lora))
+}
+
+fn first_token_at(outputs: &[EngineOutput], request: RequestId) -> Duration {
+    outputs
+        .iter()
+        .find_map(|o| match *o {
+            EngineOutput::PrefillDone { request_id, at, .. } if request_id == request => Some(at),
+            _ => None,
+        })
+        .expect("request prefilled")
+}
+
+#[test]
+fn adapters_take_slots_and_a_load_costs_its_step() {
+    let config = EngineConfig {
+        max_loras: 2,
+        lora_load_us: 100_000,
+        ..EngineConfig::default()
+    };
+    let mut e = engine(config.clone());
+    // a and b fill the two slots (each load adds 100 ms to the step that admits it); c must
+    // wait until a request of a or b is done, then evicts the least recently used idle one.
+    e.submit(adapter_request(1, "a", 64, 50), ms(0)).unwrap();
+    e.submit(adapter_request(2, "b", 64, 5), ms(0)).unwrap();
+    e.submit(adapter_request(3, "c", 64, 5), ms(0)).unwrap();
+    // A base-model request passes c, which waits for a slot.
+    e.submit(request(4, 1, 64, 5), ms(0)).unwrap();
+    let out = drain(&mut e);
+    assert_eq!(e.adapter_loads(), 3);
+    let first = config.step_duration(StepWork {
+        prefill_tokens: 3 * 64,
+        lora_loads: 2,
+        ..StepWork::default()
+    });
+    assert_eq!(first_token_at(&out, id(1)), first);
+    assert_eq!(first_token_at(&out, id(2)), first);
+    assert_eq!(
+        first_token_at(&out, id(4)),
+        first,
+        "the base model needs no slot"
+    );
+    // c starts only after b finished (a still runs), in place of b.
+    let (_, b_latency, _) = finished(&out, id(2));
+    let c_first = first_token_at(&out, id(3));
+    assert!(
+        c_first > b_latency,
+        "c {c_first:?} after b's end {b_latency:?}"
+    );
+    assert_eq!(e.resident_adapters().len(), 2);
+    assert!(e.resident_adapters().contains(&"c"));
+    assert!(e.resident_adapters().contains(&"a"));
+
+    // A resident adapter costs nothing more.
+    e.submit(adapter_request(5, "a", 64, 1), ms(60_000))
+        .unwrap();
+    drain(&mut e);
+    assert_eq!(e.adapter_loads(), 3);
+
+    // Without max_loras, adapters are not modelled: no waiting, no load.
+    let mut free = engine(EngineConfig::default());
+    for (n, lora) in ["a", "b", "c", "d"].iter().enumerate() {
+        free.submit(adapter_request(n as u128 + 1, lora, 64, 5), ms(0))
+            .unwrap();
+    }
+    let out = drain(&mut free);
+    assert_eq!(free.adapter_loads(), 0);
+    let step = EngineConfig::default().step_duration(StepWork {
+        prefill_tokens: 4 * 64,
+        ..StepWork::default()
+    });
+    for n in 1..=4 {
+        assert_eq!(first_token_at(&out, id(n)), step);
+    }
+}

@@ -67,6 +67,15 @@ pub struct EngineArgs {
         default_value_t = 10_000
     )]
     pub shared_load_ns_per_token: u64,
+    /// LoRA adapters a worker holds at once (vLLM's `--max-loras`): a request naming another
+    /// waits until one is idle, and loading it costs --lora-load-us. 0: adapters are not
+    /// modelled.
+    #[arg(long, env = "KVROUTE_MOCKER_MAX_LORAS", default_value_t = 0)]
+    pub max_loras: u32,
+    /// Cost of loading a LoRA adapter into a slot, in microseconds (simulated), added to the
+    /// step that first runs it.
+    #[arg(long, env = "KVROUTE_MOCKER_LORA_LOAD_US", default_value_t = 50_000)]
+    pub lora_load_us: u64,
 }
 
 impl EngineArgs {
@@ -103,6 +112,8 @@ impl EngineArgs {
             decode_ns_per_seq: self.decode_ns_per_seq,
             decode_ns_per_context_token: self.decode_ns_per_context_token,
             shared_load_ns_per_token: self.shared_load_ns_per_token,
+            max_loras: self.max_loras,
+            lora_load_us: self.lora_load_us,
         }
     }
 }
@@ -120,6 +131,8 @@ impl Default for EngineArgs {
             decode_ns_per_seq: c.decode_ns_per_seq,
             decode_ns_per_context_token: c.decode_ns_per_context_token,
             shared_load_ns_per_token: c.shared_load_ns_per_token,
+            max_loras: c.max_loras,
+            lora_load_us: c.lora_load_us,
         }
     }
 }

@@ -96,6 +96,7 @@ pub fn to_sim_request(
                 report_tokens: false,
                 shared_blocks: 0,
                 transferred_tokens: 0,
+                lora_name: req.lora_name.clone(),
             })
         }
     }

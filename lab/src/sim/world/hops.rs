@@ -143,6 +143,7 @@ impl World<'_> {
             report_tokens: true,
             shared_blocks: 0,
             transferred_tokens: prompt_tokens,
+            lora_name: self.plan.requests[flight.request].lora_name.clone(),
         };
         if let Err(e) = self.workers[w].engine.submit(sim, now) {
             tracing::debug!(error = %e, "the simulated decode worker refused a request");
