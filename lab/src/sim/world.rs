@@ -32,149 +32,36 @@ use kvroute_common::messages::{
 };
 use kvroute_common::{Names, Namespace, RequestId};
 use kvroute_indexer::index::{IndexConfig, RadixIndex};
-use kvroute_mocker::engine::{Engine, EngineConfig, EngineOutput, SimRequest};
+use kvroute_mocker::engine::{Engine, EngineOutput, SimRequest};
 use kvroute_mocker::shared_store::SharedStore;
 use kvroute_router::decide::candidates::Partition;
-use kvroute_router::decide::load_view::models::LoadModels;
 use kvroute_router::decide::load_view::{LoadView, LoadViewConfig};
 use kvroute_router::decide::prompt::{Prepared, Prompt};
 use kvroute_router::decide::selection::{Context, Selection, Start};
 use kvroute_router::decide::{Decided, NewDecision, Owned, PartitionPolicy, wire};
 use kvroute_router::drive::{self, Ended};
 use kvroute_router::pipeline::WorkerInputs;
-use kvroute_router::registry::{DisaggregationConfig, ResolvedPolicies};
+use kvroute_router::registry::ResolvedPolicies;
 use kvroute_router::select::{SelectFailure, SelectionSettings};
-use kvroute_router::session::{MemSessionStore, SessionConfig, SessionTable};
+use kvroute_router::session::{MemSessionStore, SessionTable};
 use kvroute_router::signals::SignalSnapshot;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use uuid::Uuid;
 
 use crate::replay::{
-    Mode, ModeRecorder, ModeReport, Plan, RequestSample, Summary, Tally, session_context,
+    ModeRecorder, ModeReport, Plan, RequestSample, Summary, Tally, session_context,
 };
 use kvroute_router::policies::device_aware::DEVICE_LABEL;
 
 mod hops;
+mod outputs;
+mod settings;
+
+pub use settings::{SimSettings, sim_cards, slowed};
 
 /// The model every simulated worker serves.
 pub const SIM_MODEL: &str = "mock-model";
-
-/// Everything one mode's simulation needs besides the plan and the policies.
-#[derive(Debug, Clone)]
-pub struct SimSettings {
-    pub mode: Mode,
-    pub engine: EngineConfig,
-    /// Aggregated workers (ids 1..=workers).
-    pub workers: u32,
-    /// Prefill workers (the next ids) and decode workers (the last ones): with both above 0,
-    /// requests are served as the router serves a model with prefill and decode workers.
-    pub prefill_workers: u32,
-    pub decode_workers: u32,
-    /// The routers' `disaggregation` (the mode and the conditional rule's thresholds).
-    pub disaggregation: DisaggregationConfig,
-    /// The KV transfer from a prefill to a decode worker, per engine block of the prompt.
-    pub kv_transfer_per_block: Duration,
-    /// Router replicas; arrivals go to them in turn.
-    pub routers: u32,
-    /// From a worker's KV event to the index.
-    pub event_delay: Duration,
-    /// From a decision, lifecycle event or load report to the (other) router replicas.
-    pub signal_delay: Duration,
-    /// Between two load reports of a worker.
-    pub load_interval: Duration,
-    /// Whether workers send load reports at all.
-    pub load_reports: bool,
-    /// The load view's report interval assumed until reports show it.
-    pub report_covers: Duration,
-    /// The load view's confirm window (reports here name their new requests).
-    pub prediction_confirm: Duration,
-    /// The load view's cap on a prediction's age.
-    pub prediction_max_age: Duration,
-    /// The routers' predicted-overlap TTL (zero: off).
-    pub predicted_overlap_ttl: Duration,
-    /// The routers' approximate-cache TTL for workers without KV events (zero: off).
-    pub approx_cache_ttl: Duration,
-    /// The first `no_kv_events_workers` workers publish no KV events in every mode (a mixed
-    /// fleet); in `kv-approx` none does.
-    pub no_kv_events_workers: u32,
-    pub seed: u64,
-    /// Send a row's `session_id` as the request's `SessionContext`.
-    pub send_sessions: bool,
-    /// The routers' session settings (`--session-affinity`, `--session-idle-ttl-secs`).
-    pub sessions: SessionConfig,
-    /// The last `cpu_workers` aggregated workers are CPU workers (card label
-    /// `kvroute.io/device: cpu`), their engines `cpu_slowdown` times slower.
-    pub cpu_workers: u32,
-    pub cpu_slowdown: f64,
-    /// Blocks of the shared tier per worker (0: no shared tier).
-    pub shared_cache_blocks: u64,
-    /// The routers' load models (`--track-output-blocks`, `--prefill-load-model`).
-    pub load_models: LoadModels,
-}
-
-impl SimSettings {
-    /// Every worker: aggregated, prefill and decode.
-    pub fn fleet(&self) -> u32 {
-        self.workers + self.prefill_workers + self.decode_workers
-    }
-
-    /// Worker `i`'s (0-based) role.
-    fn role_of(&self, i: u32) -> WorkerRole {
-        if i < self.workers {
-            WorkerRole::Aggregated
-        } else if i < self.workers + self.prefill_workers {
-            WorkerRole::Prefill
-        } else {
-            WorkerRole::Decode
-        }
-    }
-
-    /// Worker `i`'s (0-based) engine and whether it is a CPU worker.
-    fn engine_of(&self, i: u32) -> (EngineConfig, bool) {
-        let cpu_from = self.workers - self.cpu_workers.min(self.workers);
-        if !(cpu_from..self.workers).contains(&i) {
-            return (self.engine.clone(), false);
-        }
-        (slowed(&self.engine, self.cpu_slowdown), true)
-    }
-}
-
-/// `engine` with every step cost `factor` times larger (a CPU worker).
-pub fn slowed(engine: &EngineConfig, factor: f64) -> EngineConfig {
-    let f = |v: u64| (v as f64 * factor).round() as u64;
-    EngineConfig {
-        step_overhead_us: f(engine.step_overhead_us),
-        prefill_ns_per_token: f(engine.prefill_ns_per_token),
-        decode_ns_per_seq: f(engine.decode_ns_per_seq),
-        decode_ns_per_context_token: f(engine.decode_ns_per_context_token),
-        shared_load_ns_per_token: f(engine.shared_load_ns_per_token),
-        ..engine.clone()
-    }
-}
-
-/// The cards of a simulated fleet (worker ids 1..=n).
-pub fn sim_cards(engine: &EngineConfig, workers: u32) -> Vec<WorkerCard> {
-    (1..=u64::from(workers))
-        .map(|worker_id| WorkerCard {
-            v: SchemaVersion::CURRENT,
-            worker_id,
-            model: SIM_MODEL.to_owned(),
-            role: WorkerRole::Aggregated,
-            block_size: engine.block_size,
-            total_kv_blocks: engine.num_blocks,
-            max_num_batched_tokens: u64::from(engine.max_num_batched_tokens),
-            dp_start_rank: 0,
-            dp_size: 1,
-            taints: Vec::new(),
-            labels: Default::default(),
-            request_subject: format!("sim.worker.{worker_id}"),
-            software_version: format!("kvroute-sim {}", env!("CARGO_PKG_VERSION")),
-            http_url: None,
-            kv_events: true,
-        })
-        .collect()
-}
 
 enum Event {
     Arrival(usize),
@@ -679,160 +566,5 @@ impl World<'_> {
             .iter()
             .position(|w| w.card.worker_id == worker_id)
             .expect("the core picks a registered worker")
-    }
-
-    /// Runs engine `w` up to `now`, forwards what it produced and schedules its next wake-up.
-    fn advance(&mut self, w: usize, now: Duration) -> bool {
-        let ready = self.workers[w].engine.advance_to(now);
-        if !ready.kv_events.is_empty() {
-            self.schedule(
-                now + self.settings.event_delay,
-                Event::KvEvents(w, ready.kv_events),
-            );
-        }
-        let worker_id = self.workers[w].card.worker_id;
-        if let Some(store) = &mut self.shared {
-            // Written through once computed; announced after the device blocks (their parents).
-            let events: Vec<KvEventData> = ready
-                .prefilled
-                .iter()
-                .flat_map(|hashes| store.write(worker_id, hashes))
-                .collect();
-            if !events.is_empty() {
-                self.schedule(now + self.settings.event_delay, Event::KvEvents(w, events));
-            }
-        }
-        // Progress events only matter to routers that track output blocks.
-        if self.settings.load_models.track_output_blocks {
-            for token in ready.progress {
-                let lifecycle = RequestLifecycle {
-                    v: SchemaVersion::CURRENT,
-                    request_id: token.request_id,
-                    worker_id,
-                    dp_rank: 0,
-                    kind: LifecycleKind::Progress {
-                        output_tokens: token.generated,
-                    },
-                    ts: millis(token.at),
-                };
-                self.schedule(
-                    token.at + self.settings.signal_delay,
-                    Event::Lifecycle(lifecycle),
-                );
-            }
-        }
-        for output in &ready.outputs {
-            let lifecycle = RequestLifecycle {
-                v: SchemaVersion::CURRENT,
-                request_id: output.request_id(),
-                worker_id,
-                dp_rank: 0,
-                kind: output.lifecycle_kind(),
-                ts: millis(output.at()),
-            };
-            self.schedule(
-                output.at() + self.settings.signal_delay,
-                Event::Lifecycle(lifecycle),
-            );
-        }
-        // Per request, its first token comes before its streamed ones, and they before its
-        // last: first tokens, then the stream, then the ends.
-        for output in &ready.outputs {
-            if let EngineOutput::PrefillDone {
-                request_id,
-                at,
-                cached_tokens,
-                ..
-            } = *output
-                && let Some(flight) = self.in_flight.get_mut(&request_id)
-            {
-                if w == flight.worker {
-                    flight.cached_tokens = cached_tokens;
-                }
-                if w == flight.streams_from() {
-                    flight.first_token = Some(at);
-                    flight.last_token = Some(at);
-                }
-            }
-        }
-        for token in &ready.tokens {
-            if let Some(flight) = self.in_flight.get_mut(&token.request_id)
-                && let Some(last) = flight.last_token.replace(token.at)
-            {
-                self.itl_ms.push((token.at - last).as_secs_f64() * 1e3);
-            }
-        }
-        let mut finished = false;
-        for output in ready.outputs {
-            if let EngineOutput::Finished {
-                request_id,
-                at,
-                output_tokens,
-                ..
-            } = output
-            {
-                finished |= self.finish(w, request_id, at, output_tokens);
-            }
-        }
-        let worker = &mut self.workers[w];
-        let next = worker.engine.next_wakeup();
-        if next != worker.wake
-            && let Some(at) = next
-        {
-            worker.wake = Some(at);
-            self.schedule(at, Event::Wake(w));
-        }
-        finished
-    }
-
-    /// Request `request_id` ended on worker `w` at `at`: a paired request's prefill goes on to
-    /// its KV transfer; otherwise the client has its last token. True when it completed.
-    fn finish(
-        &mut self,
-        w: usize,
-        request_id: RequestId,
-        at: Duration,
-        output_tokens: u64,
-    ) -> bool {
-        let Some(flight) = self.in_flight.get_mut(&request_id) else {
-            return false;
-        };
-        if w != flight.streams_from() {
-            debug_assert_eq!(w, flight.worker, "a pair's prefill worker");
-            self.transfer(request_id, at);
-            return false;
-        }
-        let done = self.in_flight.remove(&request_id).expect("looked up above");
-        if let Some(last) = done.last_token
-            && output_tokens > 1
-        {
-            self.itl_ms.push((at - last).as_secs_f64() * 1e3);
-        }
-        let first = done
-            .first_token
-            .expect("a request's first token precedes its end");
-        if let Some(decode) = &done.decode {
-            self.pairs.completed(decode, done.arrived);
-        } else {
-            self.pairs.unpaired += 1;
-        }
-        let worker_id = self.workers[done.worker].card.worker_id;
-        let cached = done.cached_tokens;
-        self.tally.done += 1;
-        self.tally.prompt_tokens += done.prompt_tokens;
-        self.tally.cached_tokens += cached;
-        self.finished_at = self.finished_at.max(at);
-        self.recorder.record(RequestSample {
-            request: done.request,
-            worker_id,
-            prompt_tokens: done.prompt_tokens,
-            cached_tokens: cached,
-            output_tokens,
-            ttft: first - done.arrived,
-            latency: at - done.arrived,
-            selection_latency: Some(done.selection),
-            selection_wait: Duration::ZERO,
-        });
-        true
     }
 }
