@@ -23,7 +23,7 @@ pub mod workers;
 pub use chart::{ChartError, DEFAULT_FONT, write_chart};
 pub use config::{Mode, OutputArgs, ReplayArgs, SelectorKind};
 pub use driver::{DriveSettings, Tally, drive};
-pub use gateway::{GatewayTarget, SseReader, drive_gateway, prefix_cache_counters};
+pub use gateway::{GatewayTarget, drive_gateway, prefix_cache_counters};
 pub use local::LocalSelector;
 pub use oracle::{
     InfiniteOracle, LruOracle, OracleHitRates, oracle_hit_rates, oracle_with_hits, ttft_floor,

@@ -33,6 +33,9 @@ use super::plan::Plan;
 use super::report::{DisaggregationReport, ModeRecorder, ModeReport, RequestSample};
 use super::sessions::session_context;
 use super::stats::{Summary, coefficient_of_variation};
+use kvroute_bridge::engine_http::prometheus;
+use kvroute_bridge::engine_http::sse::SseDecoder;
+use kvroute_bridge::engine_http::vllm::{PREFIX_HITS, PREFIX_QUERIES};
 
 /// The gateway's answer header naming the worker (the prefill worker of a split request).
 const WORKER_HEADER: &str = "x-kvroute-worker-id";
@@ -176,23 +179,16 @@ async fn engine_counters(client: &reqwest::Client, cards: &[&WorkerCard]) -> Opt
     Some((queries, hits))
 }
 
-/// vLLM's prefix-cache counters in a Prometheus text page, summed over their series.
+/// vLLM's prefix-cache counters (queries, hits) in a `/metrics` page, summed over their
+/// series (read with the bridge's parser of the exposition format).
 pub fn prefix_cache_counters(metrics: &str) -> Option<(u64, u64)> {
+    let page = prometheus::parse(metrics, |n| n == PREFIX_QUERIES || n == PREFIX_HITS);
     let sum = |name: &str| {
-        let values: Vec<f64> = metrics
-            .lines()
-            .filter(|l| {
-                l.strip_prefix(name)
-                    .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .collect();
-        (!values.is_empty()).then(|| values.iter().sum::<f64>() as u64)
+        let mut series = page.named(name).peekable();
+        series.peek()?;
+        Some(series.map(|s| s.value).sum::<f64>() as u64)
     };
-    Some((
-        sum("vllm:prefix_cache_queries_total")?,
-        sum("vllm:prefix_cache_hits_total")?,
-    ))
+    Some((sum(PREFIX_QUERIES)?, sum(PREFIX_HITS)?))
 }
 
 struct StreamTask {
@@ -244,26 +240,37 @@ impl StreamTask {
         };
         let worker_id = header(WORKER_HEADER).ok_or("gateway_no_worker_header")?;
         let decode_worker = header(DECODE_WORKER_HEADER);
-        let mut reader = SseReader::default();
+        let mut reader = SseDecoder::default();
         let mut tokens: Vec<Instant> = Vec::with_capacity(output as usize);
         let mut usage = None;
         let mut done = false;
         let mut body = resp.bytes_stream();
+        let mut read = |event: &str, now: Instant| -> Result<(), String> {
+            match parse_event(event)? {
+                Event::Done => done = true,
+                Event::Chunk { token, chunk_usage } => {
+                    if token {
+                        tokens.push(now);
+                    }
+                    usage = chunk_usage.or(usage.take());
+                }
+                Event::Other => {}
+            }
+            Ok(())
+        };
         while let Some(bytes) = body.next().await {
             let bytes = bytes.map_err(|e| transport_kind(&e))?;
             let now = Instant::now();
-            for event in reader.push(&bytes) {
-                match parse_event(&event)? {
-                    Event::Done => done = true,
-                    Event::Chunk { token, chunk_usage } => {
-                        if token {
-                            tokens.push(now);
-                        }
-                        usage = chunk_usage.or(usage);
-                    }
-                    Event::Other => {}
-                }
+            let events = reader
+                .feed(&bytes)
+                .map_err(|_| "gateway_malformed_stream")?;
+            for event in events {
+                read(&event, now)?;
             }
+        }
+        // An event the body ended without its blank line still counts.
+        if let Some(event) = reader.finish() {
+            read(&event, Instant::now())?;
         }
         let ended = Instant::now();
         if !done {
@@ -311,48 +318,6 @@ fn transport_kind(e: &reqwest::Error) -> String {
         "gateway_unreachable".to_owned()
     } else {
         "gateway_transport".to_owned()
-    }
-}
-
-/// Splits a server-sent event stream into its events' `data` (joined lines), across chunk
-/// boundaries.
-#[derive(Debug, Default)]
-pub struct SseReader {
-    buf: Vec<u8>,
-}
-
-impl SseReader {
-    /// The events `bytes` completes.
-    pub fn push(&mut self, bytes: &[u8]) -> Vec<String> {
-        self.buf.extend_from_slice(bytes);
-        let mut events = Vec::new();
-        while let Some(end) = find_event_end(&self.buf) {
-            let (event, sep) = end;
-            let raw: Vec<u8> = self.buf.drain(..event + sep).collect();
-            let text = String::from_utf8_lossy(&raw[..event]);
-            let data: Vec<&str> = text
-                .lines()
-                .filter_map(|l| l.strip_prefix("data:"))
-                .map(|d| d.strip_prefix(' ').unwrap_or(d))
-                .collect();
-            if !data.is_empty() {
-                events.push(data.join("\n"));
-            }
-        }
-        events
-    }
-}
-
-/// The end of the first event in `buf`: its length and the separator's (`\n\n` or `\r\n\r\n`).
-fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2));
-    let crlf = buf
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map(|i| (i, 4));
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
-        (a, b) => a.or(b),
     }
 }
 
@@ -442,18 +407,6 @@ fn parse_event(data: &str) -> Result<Event, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn events_are_split_across_chunks_and_separators() {
-        let mut r = SseReader::default();
-        assert!(r.push(b"data: {\"a\"").is_empty());
-        assert_eq!(
-            r.push(b":1}\n\ndata: x\r\n\r\ndata: [DO"),
-            vec!["{\"a\":1}", "x"]
-        );
-        assert_eq!(r.push(b"NE]\n\n: comment\n\n"), vec!["[DONE]"]);
-        assert!(r.push(b"").is_empty());
-    }
 
     #[test]
     fn chunks_tell_tokens_usage_done_and_errors() {
