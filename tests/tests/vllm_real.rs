@@ -18,6 +18,8 @@
 //! Ignored in the workspace run: scripts/test runs it alone after the rest
 //! (`cargo nextest run -p kvroute-tests --test vllm_real --run-ignored only`).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kvroute_common::Names;
@@ -522,28 +524,48 @@ async fn busy_engine(c: &Cluster) {
     c.complete_direct(1, &prefix, 1).await;
     c.settle(1, &prefix, "after priming worker 1").await;
     let mut loads = c.nats.subscribe(c.names.load(1)).await.unwrap();
-    let mut long = Vec::new();
-    // 12 generations of 320 tokens, 2 at a time: 10 waiting at first, and 4 or more for half
-    // of the busy spell (8 of 480 tokens were once over before a load report showed 4 waiting;
-    // more tokens in all starve the 2-core machine for seconds: the engine's OpenMP thread
-    // spins on its core).
-    for i in 0..12 {
-        let (http, url) = (
+    // 12 generations of 64 tokens kept in flight on worker 1 (2 running with --max-num-seqs 2,
+    // 10 waiting): each one that ends is replaced until the gateway's prompts are answered, so
+    // the busy spell lasts as long as the check needs whatever the engine's speed (a fixed
+    // batch of generations ended before a load report saw them on a fast host). Few tokens
+    // each keep the drain short: the engine's OpenMP thread spins on one of the 2 cores.
+    let busy = Arc::new(AtomicBool::new(true));
+    let keeper = {
+        let (http, url, busy) = (
             c.http.clone(),
             format!("{}/v1/completions", c.node(1).engine.url()),
+            busy.clone(),
         );
-        let prompt = distinct_prompt(50 + i, 24);
-        long.push(tokio::spawn(async move {
-            let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 320,
-                              "ignore_eos": true});
-            http.post(url)
-                .json(&body)
-                .send()
-                .await
-                .map(|r| r.status().as_u16())
-        }));
-    }
-    let deadline = Instant::now() + Duration::from_secs(20);
+        tokio::spawn(async move {
+            let generate = |i: u32| {
+                let (http, url) = (http.clone(), url.clone());
+                async move {
+                    let body = json!({"model": MODEL, "prompt": distinct_prompt(50 + i, 24),
+                                      "max_tokens": 64, "ignore_eos": true});
+                    http.post(url)
+                        .json(&body)
+                        .send()
+                        .await
+                        .map(|r| r.status().as_u16())
+                }
+            };
+            let mut flying = tokio::task::JoinSet::new();
+            for i in 0..12 {
+                flying.spawn(generate(i));
+            }
+            let (mut next, mut statuses) = (12, Vec::new());
+            while let Some(done) = flying.join_next().await {
+                statuses.push(done.unwrap());
+                if busy.load(Ordering::Relaxed) {
+                    flying.spawn(generate(next));
+                    next += 1;
+                }
+            }
+            statuses
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut seen = Vec::new();
     let waiting = loop {
         use futures::StreamExt;
         let msg = tokio::time::timeout(Duration::from_secs(5), loads.next())
@@ -551,13 +573,13 @@ async fn busy_engine(c: &Cluster) {
             .expect("load reports")
             .unwrap();
         let load: WorkerLoad = decode(&msg.payload).unwrap();
-        // 2 running (--max-num-seqs 2), 10 waiting at first.
+        seen.push((load.active_requests, load.waiting_requests));
         if load.waiting_requests >= 4 {
             break load;
         }
         assert!(
             Instant::now() < deadline,
-            "worker 1 never reported waiting requests"
+            "worker 1 never reported 4 waiting requests; (running, waiting) reports: {seen:?}"
         );
     };
     let mut prompt_text = Vec::new();
@@ -583,8 +605,9 @@ async fn busy_engine(c: &Cluster) {
     for a in &prompt_text {
         assert_eq!((a.status, a.worker_id), (200, Some(2)), "{a:?}");
     }
-    for t in long {
-        assert_eq!(t.await.unwrap().unwrap(), 200);
+    busy.store(false, Ordering::Relaxed);
+    for status in keeper.await.unwrap() {
+        assert_eq!(status.unwrap(), 200);
     }
     c.index_agrees("after the busy engine").await;
 }
