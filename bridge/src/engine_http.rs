@@ -53,7 +53,7 @@ pub struct EngineInfo {
 }
 
 /// One rank's load as the engine reports it; unknown fields are `None`.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct EngineLoad {
     pub running: Option<u64>,
     pub waiting: Option<u64>,
@@ -68,6 +68,8 @@ pub struct EngineLoad {
     /// Prompt tokens looked up in the prefix cache so far, and those found (vLLM's counters).
     pub prefix_cache_queries: Option<u64>,
     pub prefix_cache_hits: Option<u64>,
+    /// The rank's LoRA adapter slots (vLLM with LoRA enabled, one rank).
+    pub adapters: Option<kvroute_common::messages::AdapterSlots>,
 }
 
 impl EngineLoad {

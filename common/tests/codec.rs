@@ -169,6 +169,7 @@ fn decision() -> Decision {
         attempt: 1,
         prefix_hashes: Vec::new(),
         decode: None,
+        lora_name: None,
     }
 }
 
@@ -197,6 +198,11 @@ fn load() -> WorkerLoad {
         total_kv_blocks: 1000,
         ts: 1,
         new_requests: Some(vec![uuid::Uuid::from_u128(7)]),
+        adapters: Some(kvroute_common::messages::AdapterSlots {
+            loaded: vec!["a".into()],
+            waiting: vec!["b".into()],
+            max_loaded: 4,
+        }),
     }
 }
 

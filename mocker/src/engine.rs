@@ -36,6 +36,7 @@ pub use io::{Aborted, EngineLoad, EngineOutput, Ready, SimRequest, TokenOutput};
 
 use crate::cache::{CacheConfig, CacheError, KvCache};
 use kvroute_common::RequestId;
+use kvroute_common::messages::AdapterSlots;
 
 /// A request the engine refuses at submission.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -261,6 +262,56 @@ impl Engine {
         let mut by_use: Vec<_> = self.adapters.iter().collect();
         by_use.sort_by_key(|(name, used)| (*used, name.clone()));
         by_use.into_iter().map(|(name, _)| name.as_str()).collect()
+    }
+
+    /// The adapter slots as a load report carries them (with `max_loras`; else `None`): the
+    /// resident adapters, the adapters waiting requests name that no slot holds, and the
+    /// number of slots. Lists are cut at [`AdapterSlots::MAX_NAMES`].
+    pub fn adapter_slots(&self) -> Option<AdapterSlots> {
+        if self.config.max_loras == 0 {
+            return None;
+        }
+        let loaded: Vec<String> = self
+            .resident_adapters()
+            .into_iter()
+            .rev()
+            .take(AdapterSlots::MAX_NAMES)
+            .map(str::to_owned)
+            .collect();
+        let mut waiting: Vec<String> = Vec::new();
+        for name in self
+            .waiting
+            .iter()
+            .filter_map(|w| w.req.lora_name.as_deref())
+        {
+            if waiting.len() == AdapterSlots::MAX_NAMES {
+                break;
+            }
+            if !loaded.iter().any(|a| a == name) && !waiting.iter().any(|a| a == name) {
+                waiting.push(name.to_owned());
+            }
+        }
+        Some(AdapterSlots {
+            loaded,
+            waiting,
+            max_loaded: self.config.max_loras,
+        })
+    }
+
+    /// The adapters running requests use, each once, in batch order (what vLLM's
+    /// `lora_requests_info` lists as `running_lora_adapters`).
+    pub fn running_adapters(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for name in self
+            .running
+            .iter()
+            .filter_map(|r| r.req.lora_name.as_deref())
+        {
+            if !out.iter().any(|a| a == name) {
+                out.push(name.to_owned());
+            }
+        }
+        out
     }
 
     /// How a request of adapter `name` would get its adapter now (`None`: it cannot: every

@@ -40,6 +40,7 @@ fn decision(i: u64) -> Decision {
         attempt: 0,
         prefix_hashes: Vec::new(),
         decode: None,
+        lora_name: None,
     }
 }
 

@@ -102,23 +102,64 @@ impl From<&WorkerLoad> for ObservedLoad {
     }
 }
 
+/// How a rank stands for the LoRA adapter a request names (the Gateway API inference
+/// extension's adapter affinity: 1.0 loaded, 0.8 a free slot, 0.6 waiting, 0 full).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdapterAffinity {
+    /// Resident (reported, or sent there by a recent decision).
+    Loaded,
+    /// Not resident; a slot is free to load it into.
+    FreeSlot,
+    /// Requests waiting there name it: it is about to be loaded.
+    Waiting,
+    /// Not resident and every slot holds another adapter.
+    Full,
+}
+
+impl AdapterAffinity {
+    /// 1.0 loaded, 0.8 free slot, 0.6 waiting, 0 full.
+    pub fn score(self) -> f64 {
+        match self {
+            Self::Loaded => 1.0,
+            Self::FreeSlot => 0.8,
+            Self::Waiting => 0.6,
+            Self::Full => 0.0,
+        }
+    }
+}
+
 /// Where the core reads per-rank signals. Called once per eligible rank and requested group.
 pub trait SignalSource {
     /// The request's prefix overlap with `worker`; zero when the index knows nothing of it.
     fn overlap(&self, worker: WorkerRank) -> Overlap;
     /// The rank's load; `None` when no report has arrived yet (treated as idle).
     fn load(&self, worker: WorkerRank) -> Option<ObservedLoad>;
+    /// How the rank stands for the request's LoRA adapter; `None` when the request names
+    /// none or nothing is known of the rank's adapters.
+    fn adapter(&self, worker: WorkerRank) -> Option<AdapterAffinity> {
+        let _ = worker;
+        None
+    }
 }
 
 /// Per-rank values sorted by rank, read in rank order: the core asks for the ranks of the
 /// partition's cards in card order (by worker id), so a read usually finds its rank at the
 /// slot after the previous read's and costs a comparison; any other order falls back to a
 /// binary search. (A hash map here cost a SipHash per candidate rank and per signal group.)
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct RankTable<T> {
     entries: Vec<(WorkerRank, T)>,
     /// Where the next read looks first. Only a hint: any value is correct.
     next: AtomicUsize,
+}
+
+impl<T> Default for RankTable<T> {
+    fn default() -> Self {
+        Self {
+            entries: Vec::new(),
+            next: AtomicUsize::new(0),
+        }
+    }
 }
 
 impl<T: Copy> Clone for RankTable<T> {
@@ -182,6 +223,7 @@ impl<T: Copy> RankTable<T> {
 pub struct SignalSnapshot {
     overlaps: RankTable<Overlap>,
     loads: RankTable<ObservedLoad>,
+    adapters: RankTable<AdapterAffinity>,
     /// The prompt's shared-tier prefix, reported for every rank (also ranks without a row).
     shared: u32,
 }
@@ -254,6 +296,11 @@ impl SignalSnapshot {
         self.loads.insert(worker, load);
         self
     }
+
+    pub fn with_adapter(mut self, worker: WorkerRank, affinity: AdapterAffinity) -> Self {
+        self.adapters.insert(worker, affinity);
+        self
+    }
 }
 
 impl SignalSource for SignalSnapshot {
@@ -267,6 +314,10 @@ impl SignalSource for SignalSnapshot {
 
     fn load(&self, worker: WorkerRank) -> Option<ObservedLoad> {
         self.loads.get(worker)
+    }
+
+    fn adapter(&self, worker: WorkerRank) -> Option<AdapterAffinity> {
+        self.adapters.get(worker)
     }
 }
 
@@ -291,6 +342,7 @@ mod tests {
             total_kv_blocks: 64,
             ts: 0,
             new_requests: None,
+            adapters: None,
         };
         // vLLM: waiting requests, no token count.
         let vllm = ObservedLoad::from(&report(0, 3));

@@ -56,6 +56,7 @@ pub fn decision(worker_id: u64, request_id: Uuid, blocks: u32, prefill: u64) -> 
         attempt: 0,
         prefix_hashes: Vec::new(),
         decode: None,
+        lora_name: None,
     }
 }
 

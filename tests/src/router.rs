@@ -308,6 +308,7 @@ impl PromptWorker {
             total_kv_blocks: 100_000,
             ts: 0,
             new_requests: None,
+            adapters: None,
         };
         self.agent.publish_load(&load).await.expect("load report");
     }

@@ -217,6 +217,7 @@ async fn own_decisions_echoed_back_are_not_duplicates() {
         attempt: 0,
         prefix_hashes: Vec::new(),
         decode: None,
+        lora_name: None,
     };
     for _ in 0..2 {
         nats.publish(names.decisions(), encode(&foreign).unwrap())

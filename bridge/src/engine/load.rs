@@ -63,6 +63,7 @@ pub fn worker_load(
         total_kv_blocks: capacity.total_kv_blocks,
         ts,
         new_requests: None,
+        adapters: load.adapters.clone(),
     }
 }
 

@@ -4,6 +4,7 @@
 //! versions) is taken to describe the first rank.
 
 use kvroute_common::DpRank;
+use kvroute_common::messages::AdapterSlots;
 
 use super::prometheus::{Exposition, Sample, parse};
 use super::{EngineInfo, EngineLoad};
@@ -18,12 +19,54 @@ pub const PREFIX_QUERIES: &str = "vllm:prefix_cache_queries_total";
 pub const PREFIX_HITS: &str = "vllm:prefix_cache_hits_total";
 /// An info gauge (always 1): every `CacheConfig` field is a label, values as Python's `str()`.
 pub const CACHE_CONFIG: &str = "vllm:cache_config_info";
+/// With LoRA enabled: one series per combination of labels `running_lora_adapters` and
+/// `waiting_lora_adapters` (comma-separated names) and `max_lora` ever seen, whose value is
+/// the time it was last current (`set_to_current_time`): the newest series is the state now.
+/// It has no `engine` label: with several data-parallel ranks it mixes theirs.
+pub const LORA_INFO: &str = "vllm:lora_requests_info";
 
 fn wanted(name: &str) -> bool {
     matches!(
         name,
-        RUNNING | WAITING | KV_USAGE | KV_USAGE_OLD | CACHE_CONFIG | PREFIX_QUERIES | PREFIX_HITS
+        RUNNING
+            | WAITING
+            | KV_USAGE
+            | KV_USAGE_OLD
+            | CACHE_CONFIG
+            | PREFIX_QUERIES
+            | PREFIX_HITS
+            | LORA_INFO
     )
+}
+
+/// The adapter slots `lora_requests_info` says the engine has now (its newest series):
+/// running requests' adapters as the resident ones (vLLM does not list idle resident
+/// adapters there), waiting requests' adapters that are not running, and `max_lora`. `None`
+/// without the gauge (LoRA disabled) or when its newest series has no readable `max_lora`.
+pub fn adapters(page: &Exposition<'_>) -> Option<AdapterSlots> {
+    let newest = page
+        .named(LORA_INFO)
+        .filter(|s| s.value.is_finite())
+        .max_by(|a, b| a.value.total_cmp(&b.value))?;
+    let max_loaded = newest.label("max_lora")?.trim().parse::<u32>().ok()?;
+    let names = |label: &str| -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for name in newest.label(label).unwrap_or("").split(',').map(str::trim) {
+            if !name.is_empty() && !out.iter().any(|n| n == name) {
+                out.push(name.to_owned());
+            }
+        }
+        out.truncate(AdapterSlots::MAX_NAMES);
+        out
+    };
+    let loaded = names("running_lora_adapters");
+    let mut waiting = names("waiting_lora_adapters");
+    waiting.retain(|name| !loaded.contains(name));
+    Some(AdapterSlots {
+        loaded,
+        waiting,
+        max_loaded,
+    })
 }
 
 /// Parses a `/metrics` page, keeping only the series the bridge reads.
@@ -75,6 +118,12 @@ pub fn load(page: &Exposition<'_>, ranks: &[DpRank]) -> Vec<(DpRank, EngineLoad)
                 kv_usage,
                 prefix_cache_queries: count(PREFIX_QUERIES),
                 prefix_cache_hits: count(PREFIX_HITS),
+                // The gauge mixes the ranks of a data-parallel engine: only a lone rank's.
+                adapters: if ranks.len() == 1 {
+                    adapters(page)
+                } else {
+                    None
+                },
                 ..EngineLoad::default()
             };
             (rank, load)
@@ -93,6 +142,37 @@ mod tests {
         assert_eq!(info.block_size, Some(16));
         assert_eq!(info.num_gpu_blocks, Some(27153));
         assert_eq!(info.dp_size, None, "vLLM's /metrics does not say");
+    }
+
+    /// As prometheus_client prints vLLM's info gauge after three scheduler states: one series
+    /// per label set, valued at the time it was last current.
+    const LORA_PAGE: &str = "\
+# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 1.7649e+09
+vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"sql,chat\",waiting_lora_adapters=\"chat,math\"} 1.7649000052e+09
+vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"sql\",waiting_lora_adapters=\"\"} 1.7649000031e+09
+vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 2.0
+";
+
+    #[test]
+    fn adapter_slots_come_from_the_newest_lora_series() {
+        let page = parse_page(LORA_PAGE);
+        let slots = adapters(&page).unwrap();
+        assert_eq!(slots.loaded, ["sql", "chat"]);
+        assert_eq!(slots.waiting, ["math"], "running adapters are not waiting");
+        assert_eq!(slots.max_loaded, 2);
+        assert_eq!(load(&page, &[0])[0].1.adapters, Some(slots));
+        // Data-parallel ranks: the gauge mixes them, so no rank gets it.
+        assert!(
+            load(&page, &[0, 1])
+                .iter()
+                .all(|(_, l)| l.adapters.is_none())
+        );
+        // LoRA disabled (no gauge), or no readable max_lora: nothing.
+        assert_eq!(adapters(&parse_page(VLLM_PAGE)), None);
+        let bad = "vllm:lora_requests_info{max_lora=\"None\",running_lora_adapters=\"a\"} 5\n";
+        assert_eq!(adapters(&parse_page(bad)), None);
     }
 
     #[test]

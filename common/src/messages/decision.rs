@@ -57,6 +57,10 @@ pub struct Decision {
     /// `prefill`): every replica charges the decode worker too, under the hop's decision id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode: Option<DecodeHop>,
+    /// The LoRA adapter the request names: every replica counts it as about to be resident
+    /// on the chosen rank (and the decode hop's) until a report of the rank says otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_name: Option<String>,
 }
 
 impl WireMessage for Decision {

@@ -31,7 +31,7 @@ pub use select::{
     SelectError, SelectReply, SelectRequest, SelectResponse, SessionContext, SessionTrigger,
 };
 pub use session::SessionBindingRecord;
-pub use worker::{CardField, InvalidCard, WorkerCard, WorkerLoad, WorkerRole};
+pub use worker::{AdapterSlots, CardField, InvalidCard, WorkerCard, WorkerLoad, WorkerRole};
 
 use serde::{Deserialize, Serialize};
 

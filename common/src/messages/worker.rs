@@ -202,11 +202,46 @@ pub struct WorkerLoad {
     /// more than one report interval ago.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub new_requests: Option<Vec<RequestId>>,
+    /// The rank's LoRA adapter slots; `None` when the worker does not report them (it serves
+    /// no adapters, or its engine does not say).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapters: Option<AdapterSlots>,
 }
 
 impl WorkerLoad {
     /// The most request ids one report names (38 bytes each in MessagePack: uuid strings).
     pub const MAX_NEW_REQUESTS: usize = 256;
+}
+
+/// A rank's LoRA adapter slots, as its engine reports them (vLLM:
+/// `vllm:lora_requests_info`'s `running_lora_adapters`, `waiting_lora_adapters` and
+/// `max_lora`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdapterSlots {
+    /// Adapters resident in the rank's slots (at least those its running requests use).
+    #[serde(default)]
+    pub loaded: Vec<String>,
+    /// Adapters that waiting requests name and no slot holds yet.
+    #[serde(default)]
+    pub waiting: Vec<String>,
+    /// Adapters the rank can hold at once; 0: not known.
+    #[serde(default)]
+    pub max_loaded: u32,
+}
+
+impl AdapterSlots {
+    /// The most adapter names one report lists, per list (longer lists are cut by senders).
+    pub const MAX_NAMES: usize = 64;
+
+    /// Whether `name` is resident.
+    pub fn holds(&self, name: &str) -> bool {
+        self.loaded.iter().any(|a| a == name)
+    }
+
+    /// Whether a slot is free: fewer resident than `max_loaded` (unknown capacity: yes).
+    pub fn has_free_slot(&self) -> bool {
+        self.max_loaded == 0 || self.loaded.len() < self.max_loaded as usize
+    }
 }
 
 impl WireMessage for WorkerLoad {

@@ -168,6 +168,7 @@ fn select_in_session(
             total_kv_blocks: 1000,
             ts: now_ms,
             new_requests: None,
+            adapters: None,
         };
         view.apply_report(&report, now_ms);
     }

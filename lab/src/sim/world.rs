@@ -357,13 +357,14 @@ impl World<'_> {
                 let done = self.advance(w, now);
                 let worker = &mut self.workers[w];
                 worker.report_seq += 1;
-                let report = worker.engine.load().to_worker_load(
+                let mut report = worker.engine.load().to_worker_load(
                     worker.card.worker_id,
                     0,
                     worker.report_seq,
                     millis(now),
                     std::mem::take(&mut worker.new_requests),
                 );
+                report.adapters = worker.engine.adapter_slots();
                 self.schedule(now + self.settings.signal_delay, Event::Report(report));
                 self.schedule(now + self.settings.load_interval, Event::LoadTick(w));
                 return done;

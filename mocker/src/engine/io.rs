@@ -182,6 +182,8 @@ impl EngineLoad {
             // More than one report may name: left to the readers' interval rule.
             new_requests: (new_requests.len() <= WorkerLoad::MAX_NEW_REQUESTS)
                 .then_some(new_requests),
+            // The engine's adapter slots are not load figures: see `Engine::adapter_slots`.
+            adapters: None,
         }
     }
 }

@@ -430,3 +430,29 @@ fn adapters_take_slots_and_a_load_costs_its_step() {
         assert_eq!(first_token_at(&out, id(n)), step);
     }
 }
+
+#[test]
+fn load_reports_carry_the_adapter_slots() {
+    let mut e = engine(EngineConfig {
+        max_loras: 2,
+        ..EngineConfig::default()
+    });
+    e.submit(adapter_request(1, "a", 64, 50), ms(0)).unwrap();
+    e.submit(adapter_request(2, "b", 64, 50), ms(0)).unwrap();
+    e.submit(adapter_request(3, "c", 64, 5), ms(0)).unwrap();
+    e.submit(adapter_request(4, "c", 64, 5), ms(0)).unwrap();
+    // The first step admits a and b into the two slots; c's two requests wait for one.
+    let first = e.next_wakeup().unwrap();
+    e.advance_to(first);
+    let slots = e.adapter_slots().unwrap();
+    let mut loaded = slots.loaded.clone();
+    loaded.sort();
+    assert_eq!(loaded, ["a", "b"]);
+    assert_eq!(slots.waiting, ["c"], "one name per adapter");
+    assert_eq!(slots.max_loaded, 2);
+    drain(&mut e);
+    let slots = e.adapter_slots().unwrap();
+    assert!(slots.holds("c") && slots.waiting.is_empty());
+    // Without max_loras the engine reports no slots.
+    assert_eq!(engine(EngineConfig::default()).adapter_slots(), None);
+}

@@ -453,23 +453,27 @@ impl Worker {
         if self.settings.no_load_reports {
             return;
         }
-        let load = {
+        let (load, adapters) = {
             let core = self.core.lock();
             let counts = core.engine.engine().request_counts();
             if !force && self.last_counts == Some(counts) {
                 return;
             }
             self.last_counts = Some(counts);
-            core.engine.engine().load()
+            (
+                core.engine.engine().load(),
+                core.engine.engine().adapter_slots(),
+            )
         };
         self.load_seq += 1;
-        let report = load.to_worker_load(
+        let mut report = load.to_worker_load(
             self.worker_id,
             DP_RANK,
             self.load_seq,
             now_ms(),
             std::mem::take(&mut self.new_requests),
         );
+        report.adapters = adapters;
         self.metrics.load_reports.inc();
         if let Err(e) = self.agent.publish_load(&report).await {
             tracing::warn!(worker_id = self.worker_id, error = %e, "publishing load failed");

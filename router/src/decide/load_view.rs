@@ -17,6 +17,9 @@
 //! report naming the request that arrives before its decision (they come from different
 //! publishers, which NATS does not order) keeps that decision from being charged.
 //!
+//! Adapter residency ([`adapters`]): each rank's LoRA adapter slots as an LRU of the adapters
+//! decisions sent it and its reports listed.
+//!
 //! Two optional models refine what a prediction counts ([`models`], `LoadViewConfig::models`):
 //! output blocks from `progress` events, and the decay of each rank's oldest prefill over its
 //! predicted duration (which makes a rank's load depend on the time it is read at).
@@ -24,6 +27,7 @@
 use kvroute_common::messages::{Decision, LifecycleKind, RequestLifecycle, WorkerCard, WorkerLoad};
 use kvroute_common::{RequestId, WorkerId};
 
+use self::adapters::AdapterView;
 use self::approx::ApproxCache;
 use self::foresight::Foresight;
 use self::models::LoadModels;
@@ -31,9 +35,10 @@ use self::predicted::PredictedOverlap;
 use self::predictions::Prediction;
 use self::ranks::RankLoads;
 use self::retries::{Known, RetryMemory};
-use crate::signals::ObservedLoad;
+use crate::signals::{AdapterAffinity, ObservedLoad};
 use crate::worker::WorkerRank;
 
+pub mod adapters;
 pub mod approx;
 mod foresight;
 pub mod models;
@@ -102,6 +107,7 @@ pub struct LoadView {
     loads: RankLoads,
     retries: RetryMemory,
     foresight: Foresight,
+    adapters: AdapterView,
 }
 
 impl LoadView {
@@ -111,6 +117,7 @@ impl LoadView {
             loads: RankLoads::new(config),
             retries: RetryMemory::default(),
             foresight: Foresight::new(config.predicted_overlap_ttl_ms, config.approx_cache_ttl_ms),
+            adapters: AdapterView::new(config.prediction_max_age_ms),
         }
     }
 
@@ -118,6 +125,12 @@ impl LoadView {
     /// is known of it.
     pub fn load(&self, rank: WorkerRank, now_ms: u64) -> Option<ObservedLoad> {
         self.loads.load(rank, now_ms)
+    }
+
+    /// How `rank` stands for LoRA adapter `name` (resident, a free slot, waiting, full);
+    /// `None` when nothing is known of the rank's adapters.
+    pub fn adapter_affinity(&self, rank: WorkerRank, name: &str) -> Option<AdapterAffinity> {
+        self.adapters.affinity(rank, name)
     }
 
     /// Every rank the view holds anything of, in rank order: its load at `now_ms` (when known)
@@ -169,6 +182,12 @@ impl LoadView {
     pub fn apply_decision(&mut self, d: &Decision, now_ms: u64) -> Applied {
         let applied = self.charge(d, now_ms);
         self.foresight.record(d, applied, now_ms);
+        if matches!(
+            applied,
+            Applied::Added | Applied::Replaced | Applied::AlreadyCounted
+        ) {
+            self.adapters.record(d, now_ms);
+        }
         applied
     }
 
@@ -262,6 +281,7 @@ impl LoadView {
         if !self.loads.report(report, now_ms) {
             return false;
         }
+        self.adapters.report(report, now_ms);
         let at = WorkerRank::new(report.worker_id, report.dp_rank);
         for id in report.new_requests.iter().flatten() {
             match self.retries.get_mut(id) {
@@ -280,6 +300,7 @@ impl LoadView {
     pub fn remove_worker(&mut self, worker_id: WorkerId) {
         self.loads.remove_worker(worker_id);
         self.foresight.remove_worker(worker_id);
+        self.adapters.remove_worker(worker_id);
     }
 
     /// Drops every prediction added at or before `cutoff_ms`: after this replica lost its NATS
@@ -296,6 +317,7 @@ impl LoadView {
     /// nothing left.
     pub fn expire(&mut self, now_ms: u64) {
         self.foresight.expire(now_ms);
+        self.adapters.expire(now_ms);
         let cutoff = now_ms.saturating_sub(self.config.prediction_max_age_ms);
         self.loads.expire(cutoff);
         self.retries.expire(cutoff, now_ms);

@@ -33,7 +33,7 @@ use self::prompt::Prompt;
 use crate::pipeline::{WorkerInputs, WorkerSelectionPolicy};
 use crate::select::{Chosen, SelectFailure, SelectInput, SelectionSettings, select_worker};
 use crate::session::SessionRoute;
-use crate::signals::{ObservedLoad, Overlap, SignalSnapshot, SignalSource};
+use crate::signals::{AdapterAffinity, ObservedLoad, Overlap, SignalSnapshot, SignalSource};
 use crate::worker::{WorkerRank, WorkerTarget};
 
 /// A partition's policy and its random generator, used by one decision at a time.
@@ -134,6 +134,8 @@ struct Signals<'a> {
     overlap: &'a SignalSnapshot,
     predicted: Vec<(WorkerRank, u32)>,
     view: Option<&'a LoadView>,
+    /// The request's adapter and the view, when the policy reads `ADAPTER`.
+    adapter: Option<(&'a LoadView, &'a str)>,
     now_ms: u64,
 }
 
@@ -148,6 +150,14 @@ impl SignalSource for Signals<'_> {
 
     fn load(&self, worker: WorkerRank) -> Option<ObservedLoad> {
         self.view.and_then(|v| v.load(worker, self.now_ms))
+    }
+
+    fn adapter(&self, worker: WorkerRank) -> Option<AdapterAffinity> {
+        // A rank that reports no adapter slots (and was sent none) counts as a free slot.
+        self.adapter.map(|(view, name)| {
+            view.adapter_affinity(worker, name)
+                .unwrap_or(AdapterAffinity::FreeSlot)
+        })
     }
 }
 
@@ -181,6 +191,12 @@ pub fn decide(
             .map(|p| predicted_overlap(view, p, now_ms))
             .unwrap_or_default(),
         view: policy.inputs.contains(WorkerInputs::LOAD).then_some(&*view),
+        adapter: input
+            .request
+            .lora_name
+            .as_deref()
+            .filter(|name| !name.is_empty() && policy.inputs.contains(WorkerInputs::ADAPTER))
+            .map(|name| (&*view, name)),
         now_ms,
     };
     let select_input = SelectInput {

@@ -54,6 +54,7 @@ pub fn decision(input: &DecideInput<'_>, selection: &Chosen, now_ms: u64) -> Dec
         attempt: request.attempt,
         prefix_hashes: Vec::new(),
         decode: None,
+        lora_name: request.lora_name.clone().filter(|name| !name.is_empty()),
     }
 }
 

@@ -3,7 +3,7 @@
 
 use kvroute_common::messages::WorkerCard;
 
-use crate::signals::{ObservedLoad, Overlap};
+use crate::signals::{AdapterAffinity, ObservedLoad, Overlap};
 use crate::worker::WorkerRank;
 
 /// Load signals of one rank, projected for this request.
@@ -42,6 +42,7 @@ pub struct WorkerCandidate<'a> {
     cache: Option<Overlap>,
     load: Option<LoadSignals>,
     preferred_taint_multiplier: Option<f64>,
+    adapter: Option<AdapterAffinity>,
 }
 
 impl<'a> WorkerCandidate<'a> {
@@ -53,6 +54,7 @@ impl<'a> WorkerCandidate<'a> {
             cache: None,
             load: None,
             preferred_taint_multiplier: None,
+            adapter: None,
         }
     }
 
@@ -68,6 +70,11 @@ impl<'a> WorkerCandidate<'a> {
 
     pub fn with_preferred_taint_multiplier(mut self, multiplier: Option<f64>) -> Self {
         self.preferred_taint_multiplier = multiplier;
+        self
+    }
+
+    pub fn with_adapter(mut self, affinity: Option<AdapterAffinity>) -> Self {
+        self.adapter = affinity;
         self
     }
 
@@ -100,6 +107,12 @@ impl<'a> WorkerCandidate<'a> {
     /// names preferred taints: below 1 when the worker carries one of them, else 1.
     pub fn preferred_taint_multiplier(&self) -> Option<f64> {
         self.preferred_taint_multiplier
+    }
+
+    /// With [`super::WorkerInputs::ADAPTER`] requested: how the rank stands for the request's
+    /// LoRA adapter; `None` when the request names none or nothing is known of the rank's.
+    pub fn adapter(&self) -> Option<AdapterAffinity> {
+        self.adapter
     }
 }
 

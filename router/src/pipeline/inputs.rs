@@ -17,6 +17,8 @@ impl WorkerInputs {
     pub const LOAD: WorkerInputs = WorkerInputs(1 << 1);
     /// The cost multiplier from the request's preferred taints.
     pub const PREFERRED_TAINT: WorkerInputs = WorkerInputs(1 << 2);
+    /// How the rank stands for the request's LoRA adapter (loaded, free slot, waiting, full).
+    pub const ADAPTER: WorkerInputs = WorkerInputs(1 << 3);
 
     /// Whether every group of `other` is in `self`.
     pub fn contains(self, other: WorkerInputs) -> bool {
@@ -47,6 +49,7 @@ impl fmt::Debug for WorkerInputs {
             (WorkerInputs::CACHE, "CACHE"),
             (WorkerInputs::LOAD, "LOAD"),
             (WorkerInputs::PREFERRED_TAINT, "PREFERRED_TAINT"),
+            (WorkerInputs::ADAPTER, "ADAPTER"),
         ]
         .into_iter()
         .filter(|(group, _)| self.contains(*group))

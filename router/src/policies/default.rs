@@ -4,7 +4,8 @@
 //! queued_blocks   = active_prefill_tokens / block_size + unsized_waiting · request_blocks
 //! own             = max(request_blocks − min(credit, 1)·device − host_weight·host
 //!                       − disk_weight·disk − shared_cache_multiplier·shared_beyond_device, 0)
-//! adjusted        = own + max(queued_blocks − max(credit − 1, 0)·device, 0)
+//! adapter         = adapter_miss_blocks · (1 − affinity)      (requests naming a LoRA adapter)
+//! adjusted        = own + adapter + max(queued_blocks − max(credit − 1, 0)·device, 0)
 //! cost            = (prefill_load_scale·adjusted + decode_blocks) · preferred_taint_multiplier
 //! ```
 //!
@@ -28,6 +29,15 @@
 //! so keep `shared_cache_multiplier` at most what loading a block from the shared tier saves,
 //! which is less than a host hit saves. Off (0) by default. Temperature 0 picks the lowest cost (costs within `tie_tolerance`
 //! of it tie, and a tie goes to a random one of them, seeded); above 0 it samples.
+//!
+//! `affinity` is how the rank stands for the request's LoRA adapter (`AdapterAffinity`: 1
+//! resident, 0.8 a free slot, 0.6 waiting, 0 every slot taken), from the load view's LRU of the
+//! adapters decisions sent each rank and its reports listed (`load_view::adapters`); a rank
+//! that reports no adapter slots counts as a free slot. Loading an adapter delays the request like prefill does, so the term is in
+//! prompt blocks: `adapter_miss_blocks` (default 16) is what a load into a full rank costs.
+//! It keeps an adapter's requests together, but a rank holding the adapter still loses to an
+//! idle one once it has that many blocks more of queued prefill. 0 turns it off (the policy then
+//! does not read the adapter signal).
 //!
 //! `prefill_load_scale` defaults to 64: an uncomputed prompt block costs an engine far more
 //! than a block held by a decoding request, and at 1 the decode term moves follow-up turns
@@ -66,6 +76,9 @@ pub struct DefaultPolicyParameters {
     pub prefill_load_scale: f64,
     /// 0: lowest cost; above 0: softmax sampling. Default 0.
     pub temperature: f64,
+    /// Prompt blocks that loading the request's LoRA adapter into a rank with no free slot
+    /// costs (scaled by `1 − affinity`), ≥ 0. Default 16; 0: adapters are not considered.
+    pub adapter_miss_blocks: f64,
     /// At temperature 0, costs within this fraction of the lowest tie (a tie is broken at
     /// random), ≥ 0. Default 0 (only equal costs tie); 0.02–0.05 spreads bursts of requests
     /// that several router replicas receive at the same moment.
@@ -80,6 +93,7 @@ impl Default for DefaultPolicyParameters {
             disk_cache_hit_weight: 0.5,
             shared_cache_multiplier: 0.0,
             prefill_load_scale: 64.0,
+            adapter_miss_blocks: 16.0,
             temperature: 0.0,
             tie_tolerance: 0.0,
         }
@@ -106,6 +120,7 @@ impl DefaultPolicyParameters {
                 None,
             ),
             ("prefill_load_scale", self.prefill_load_scale, None),
+            ("adapter_miss_blocks", self.adapter_miss_blocks, None),
             ("temperature", self.temperature, None),
             ("tie_tolerance", self.tie_tolerance, None),
         ];
@@ -161,7 +176,12 @@ impl WorkerScorer for PrefillCostScorer {
     }
 
     fn required_inputs(&self) -> WorkerInputs {
-        WorkerInputs::CACHE | WorkerInputs::LOAD | WorkerInputs::PREFERRED_TAINT
+        let inputs = WorkerInputs::CACHE | WorkerInputs::LOAD | WorkerInputs::PREFERRED_TAINT;
+        if self.parameters.adapter_miss_blocks > 0.0 {
+            inputs | WorkerInputs::ADAPTER
+        } else {
+            inputs
+        }
     }
 
     fn score(
@@ -186,8 +206,13 @@ impl WorkerScorer for PrefillCostScorer {
             + p.disk_cache_hit_weight * f64::from(overlap.disk)
             + p.shared_cache_multiplier * f64::from(overlap.shared_beyond_device_blocks());
         let queued_credit = (p.overlap_score_credit - 1.0).max(0.0) * device;
-        let adjusted =
-            (request_blocks - own_credit).max(0.0) + (queued_blocks - queued_credit).max(0.0);
+        // `None`: no adapter named, or the signal not read (adapter_miss_blocks 0).
+        let adapter = candidate
+            .adapter()
+            .map_or(0.0, |a| p.adapter_miss_blocks * (1.0 - a.score()));
+        let adjusted = (request_blocks - own_credit).max(0.0)
+            + adapter
+            + (queued_blocks - queued_credit).max(0.0);
         Ok(p.prefill_load_scale * adjusted * taint_multiplier(candidate))
     }
 }

@@ -95,6 +95,9 @@ impl SelectionSettings {
                     row = row
                         .with_preferred_taint_multiplier(self.taint_multiplier(request, rank.card));
                 }
+                if inputs.contains(WorkerInputs::ADAPTER) {
+                    row = row.with_adapter(signals.adapter(rank.worker));
+                }
                 row
             })
             .collect()

@@ -313,6 +313,7 @@ mod tests {
             total_kv_blocks: 0,
             ts: 0,
             new_requests: None,
+            adapters: None,
         }
     }
 

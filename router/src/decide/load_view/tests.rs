@@ -42,6 +42,7 @@ fn report(worker_id: u64, seq: u64, requests: u64) -> WorkerLoad {
         total_kv_blocks: 0,
         ts: 0,
         new_requests: None,
+        adapters: None,
     }
 }
 
@@ -50,6 +51,7 @@ fn naming(worker_id: u64, seq: u64, requests: u64, ts: u64, new: &[Uuid]) -> Wor
     WorkerLoad {
         ts,
         new_requests: Some(new.to_vec()),
+        adapters: None,
         ..report(worker_id, seq, requests)
     }
 }
