@@ -31,13 +31,14 @@ fn round_trip(
     writer: &EventWriter,
     event: &KvEventData,
     tokens: &[(u64, Vec<u32>)],
+    lora: Option<&str>,
     rank: u32,
 ) -> Vec<EngineEvent> {
     let lookup = |h: u64| {
         tokens
             .iter()
             .find(|(k, _)| *k == h)
-            .map(|(_, t)| t.as_slice())
+            .map(|(_, t)| (t.as_slice(), lora))
     };
     let events = writer.events(event, lookup).unwrap();
     let payload = writer.batch(1.25, events, rank);
@@ -58,6 +59,7 @@ proptest! {
         hashes in prop::collection::hash_set(any::<u64>(), 1..6),
         parent in prop::option::of(any::<u64>()),
         token_seed in any::<u32>(),
+        lora in prop::option::of("[a-z][a-z0-9-]{0,11}"),
         rank in 0u32..64,
     ) {
         let writer = EventWriter { engine, format, block_size };
@@ -80,7 +82,7 @@ proptest! {
                 .collect(),
             tier,
         };
-        let events = round_trip(&writer, &stored, &tokens, rank);
+        let events = round_trip(&writer, &stored, &tokens, lora.as_deref(), rank);
         prop_assert_eq!(events.len(), 1);
         let EngineEvent::Stored(s) = &events[0] else {
             panic!("not a store: {:?}", events[0]);
@@ -91,13 +93,15 @@ proptest! {
         prop_assert_eq!(&s.token_ids, &all_tokens);
         prop_assert_eq!(s.block_size, block_size);
         prop_assert_eq!(s.lora_id, None);
-        prop_assert_eq!(s.lora_name.as_deref(), None);
+        // The adapter the blocks were computed under, by name (as vLLM's and SGLang's
+        // publishers name it; the bridge hashes the tokens under its seed).
+        prop_assert_eq!(s.lora_name.as_deref(), lora.as_deref());
         prop_assert!(s.extra_keys.is_empty() && s.cache_salt.is_none());
         prop_assert!(s.lookahead_token_ids.is_empty());
         prop_assert_eq!(tier_of(s.medium.as_deref(), s.locality.as_deref()), Ok(tier));
 
         let removed = KvEventData::Removed { block_hashes: hashes.clone(), tier };
-        let events = round_trip(&writer, &removed, &tokens, rank);
+        let events = round_trip(&writer, &removed, &tokens, lora.as_deref(), rank);
         let mut seen = Vec::new();
         for e in &events {
             let EngineEvent::Removed(r) = e else {
@@ -108,7 +112,7 @@ proptest! {
         }
         prop_assert_eq!(seen, hashes);
 
-        let events = round_trip(&writer, &KvEventData::Cleared, &tokens, rank);
+        let events = round_trip(&writer, &KvEventData::Cleared, &tokens, lora.as_deref(), rank);
         prop_assert_eq!(events, vec![EngineEvent::AllCleared]);
     }
 }

@@ -47,6 +47,8 @@ pub struct App {
     pub api_keys: Option<HashSet<String>>,
     pub nats: async_nats::Client,
     pub tokenize_gate: TokenizeGate,
+    /// `--lora-adapter`: each adapter's base model.
+    pub adapter_bases: std::collections::HashMap<String, String>,
 }
 
 impl App {
@@ -57,6 +59,15 @@ impl App {
         self.models
             .context_length(model)
             .map_or(ceiling, |n| n.min(ceiling))
+    }
+
+    /// A request for `model`: the model whose workers serve it, and the LoRA adapter it names
+    /// when `model` is one of `--lora-adapter`'s (else `None`).
+    pub fn resolve_model(&self, model: &str) -> (String, Option<String>) {
+        match self.adapter_bases.get(model) {
+            Some(base) => (base.clone(), Some(model.to_owned())),
+            None => (model.to_owned(), None),
+        }
     }
 
     /// Whether the gateway can route: NATS connected and the worker cards read.

@@ -1,6 +1,7 @@
 //! `kvroute-gateway`'s flags (each with a `KVROUTE_GATEWAY_*` or `KVROUTE_*` env fallback) and
 //! their checks. A bad value stops startup with a message naming the flag.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -42,6 +43,16 @@ pub struct GatewayArgs {
     /// workers register (`GET /v1/models` of the engine).
     #[arg(long = "model", env = "KVROUTE_GATEWAY_MODELS", value_delimiter = ',')]
     pub models: Vec<String>,
+    /// A LoRA adapter the engines serve: `NAME=BASE`. A request whose `model` is NAME is routed
+    /// among BASE's workers, tokenized as BASE, its blocks keyed apart by the adapter (the
+    /// routers' `lora_name`), and sent to the engine as NAME. Repeat (or comma-separate) for
+    /// more.
+    #[arg(
+        long = "lora-adapter",
+        env = "KVROUTE_GATEWAY_LORA_ADAPTERS",
+        value_delimiter = ','
+    )]
+    pub lora_adapters: Vec<String>,
     /// A directory of model folders, each named by its model and holding `tokenizer.json`.
     #[arg(long, env = "KVROUTE_GATEWAY_MODELS_DIR")]
     pub models_dir: Option<PathBuf>,
@@ -277,7 +288,38 @@ impl GatewayArgs {
                 format!("must be in 1..={MAX_RESERVATIONS_LIMIT}"),
             ));
         }
+        self.adapter_bases()?;
         Ok(())
+    }
+
+    /// The `--lora-adapter NAME=BASE` values: each adapter's base model.
+    pub fn adapter_bases(&self) -> Result<HashMap<String, String>, ConfigError> {
+        let mut bases = HashMap::new();
+        let models = self.model_specs()?;
+        for raw in &self.lora_adapters {
+            let fail =
+                |why: String| Err(ConfigError::new("lora-adapter", format!("{raw:?}: {why}")));
+            let Some((name, base)) = raw.split_once('=') else {
+                return fail("expected NAME=BASE".into());
+            };
+            let (name, base) = (name.trim(), base.trim());
+            if name.is_empty() || base.is_empty() {
+                return fail("expected NAME=BASE with both parts".into());
+            }
+            if name == base || models.iter().any(|m| m.name == name) {
+                return fail(format!("{name:?} is a base model's name"));
+            }
+            if bases.insert(name.to_owned(), base.to_owned()).is_some() {
+                return fail(format!("adapter {name:?} is given twice"));
+            }
+        }
+        if let Some((name, base)) = bases.iter().find(|(_, base)| bases.contains_key(*base)) {
+            return Err(ConfigError::new(
+                "lora-adapter",
+                format!("adapter {name:?} names adapter {base:?} as its base model"),
+            ));
+        }
+        Ok(bases)
     }
 
     /// The `--model NAME=DIR` values, parsed.
@@ -391,6 +433,23 @@ mod tests {
             .model_specs()
             .unwrap_err();
         assert!(e.message.contains("twice"), "{}", e.message);
+    }
+
+    #[test]
+    fn lora_adapters_are_name_equals_base() {
+        let a = args(&["--lora-adapter", "sql=m", "--lora-adapter", " chat = m "]);
+        let bases = a.adapter_bases().expect("valid");
+        assert_eq!((bases["sql"].as_str(), bases["chat"].as_str()), ("m", "m"));
+        for bad in ["sql", "=m", "sql=", "m=m", "a=m,a=n", "a=b,b=m"] {
+            let e = args(&["--lora-adapter", bad]).validate().unwrap_err();
+            assert_eq!(e.field, "lora-adapter", "{bad}");
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let model = format!("m={}", dir.path().display());
+        let e = args(&["--model", &model, "--lora-adapter", "m=base"])
+            .validate()
+            .unwrap_err();
+        assert!(e.message.contains("base model's name"), "{}", e.message);
     }
 
     #[test]

@@ -261,25 +261,37 @@ async fn release(State(app): State<Arc<App>>, Path(id): Path<String>) -> Respons
 }
 
 /// `GET /v1/models`: the models registered workers with an HTTP API serve, as OpenAI lists
-/// them (`owned_by` says whether this gateway tokenizes it).
+/// them (`kvroute.tokenizer` says whether this gateway tokenizes it), each followed by the
+/// `--lora-adapter`s of it, with `parent` naming the base model as vLLM lists adapters.
 async fn models(State(app): State<Arc<App>>) -> Response {
-    let data: Vec<_> = app
-        .directory
-        .models()
-        .into_iter()
-        .map(|(name, workers)| {
-            json!({
-                "id": name,
+    let mut data = Vec::new();
+    for (name, workers) in app.directory.models() {
+        let tokenizer = app.models.get(&name).is_some();
+        data.push(json!({
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvroute",
+            "kvroute": {"workers": workers, "tokenizer": tokenizer},
+        }));
+        let mut adapters: Vec<&String> = app
+            .adapter_bases
+            .iter()
+            .filter(|(_, base)| **base == name)
+            .map(|(adapter, _)| adapter)
+            .collect();
+        adapters.sort();
+        for adapter in adapters {
+            data.push(json!({
+                "id": adapter,
                 "object": "model",
                 "created": 0,
                 "owned_by": "kvroute",
-                "kvroute": {
-                    "workers": workers,
-                    "tokenizer": app.models.get(&name).is_some(),
-                },
-            })
-        })
-        .collect();
+                "parent": name,
+                "kvroute": {"workers": workers, "tokenizer": tokenizer},
+            }));
+        }
+    }
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 

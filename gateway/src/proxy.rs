@@ -109,7 +109,10 @@ async fn forward(
     started: Instant,
     outcome: &mut Outcome,
 ) -> Result<Response, ApiError> {
-    let parsed = Parsed::from_body(api, raw, headers)?;
+    let mut parsed = Parsed::from_body(api, raw, headers)?;
+    // An adapter's request is its base model's (the body still names the adapter).
+    let (base, lora_name) = app.resolve_model(&parsed.model);
+    parsed.model = base;
     let serving = app.directory.serving(&parsed.model);
     let first_hop = serving.first_hop();
     if first_hop.is_empty() {
@@ -124,13 +127,15 @@ async fn forward(
     }
     outcome.prompt_tokens = tokens.len();
     let forwarded = app.settings.forward_token_ids.then(|| tokens.clone());
-    let (token_ids, block_hashes, block_size) = prompt_for_routers(app, &parsed.model, tokens);
+    let (token_ids, block_hashes, block_size) =
+        prompt_for_routers(app, &parsed.model, lora_name.as_deref(), tokens);
     let mut request = SelectRequest {
         model: parsed.model.clone(),
         role: WorkerRole::Aggregated,
         token_ids,
         block_hashes,
         block_size,
+        lora_name,
         session: parsed.session.clone(),
         expected_output_tokens: parsed.max_tokens,
         policy: parsed.policy.clone(),
@@ -329,11 +334,12 @@ pub(crate) fn no_answer(app: &App, worker: WorkerId) -> ApiError {
 fn prompt_for_routers(
     app: &App,
     model: &str,
+    lora_name: Option<&str>,
     tokens: Vec<u32>,
 ) -> (Option<Vec<u32>>, Option<Vec<u64>>, Option<u32>) {
     match app.directory.block_size(model) {
         Some(bs) if tokens.len() >= bs as usize => {
-            let seed = kvroute_common::hashing::seed_for_lora(None);
+            let seed = kvroute_common::hashing::seed_for_lora(lora_name);
             let hashes = kvroute_common::hashing::local_block_hashes(&tokens, bs as usize, seed);
             (None, Some(hashes), Some(bs))
         }

@@ -81,6 +81,7 @@ pub async fn run(
             access_log: !args.no_access_log,
         },
         models,
+        adapter_bases: args.adapter_bases()?,
         directory,
         select: SelectClient::new(nats.clone(), &names, args.select.policy()),
         http: engine_client(args.connect_timeout()).context("building the HTTP client")?,

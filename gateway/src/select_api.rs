@@ -178,7 +178,12 @@ async fn run_select(
     body: &Bytes,
     reserve: bool,
 ) -> Result<SelectAnswer, ApiError> {
-    let b = parse_body(body)?;
+    let mut b = parse_body(body)?;
+    // An adapter's selection is its base model's, under the adapter.
+    if let (base, Some(adapter)) = app.resolve_model(&b.model) {
+        b.model = base;
+        b.lora_name.get_or_insert(adapter);
+    }
     if !app.directory.all_models().contains(&b.model) {
         return Err(ApiError::model_not_found(&b.model));
     }

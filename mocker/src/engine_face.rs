@@ -85,6 +85,8 @@ pub(crate) struct FaceSettings {
     pub started: Duration,
     /// `--engine-tokenizer`: the model's tokenizer and chat template (else bytes).
     pub text: Option<Arc<kvroute_text::ModelText>>,
+    /// `--engine-lora-modules`: the adapters served beside the base model.
+    pub lora_modules: Vec<String>,
 }
 
 /// Where one impersonated worker listens. Displays as the kvroute-bridge flags that serve it.
@@ -295,6 +297,7 @@ impl EngineFleet {
                 replay_buffer: face.engine_replay_buffer,
                 started: rank::unix_now(),
                 text: text.clone(),
+                lora_modules: face.engine_lora_modules.clone(),
             };
             let state = Arc::new(WorkerFace {
                 settings,

@@ -10,6 +10,8 @@ use kvroute_common::hashing::SequenceHash;
 #[derive(Debug)]
 struct Entry {
     tokens: Box<[u32]>,
+    /// The LoRA adapter whose request computed the block (its hash is keyed by it).
+    lora: Option<std::sync::Arc<str>>,
     /// Requests in flight whose prompt holds the block.
     refs: u32,
 }
@@ -22,13 +24,21 @@ pub struct BlockTokens {
 
 impl BlockTokens {
     /// Takes a reference on each full block of `prompt` (`hashes[i]` names block i, of
-    /// `block_size` tokens).
-    pub fn retain(&mut self, hashes: &[SequenceHash], prompt: &[u32], block_size: usize) {
+    /// `block_size` tokens), a prompt of LoRA adapter `lora` (`None`: the base model).
+    pub fn retain(
+        &mut self,
+        hashes: &[SequenceHash],
+        prompt: &[u32],
+        block_size: usize,
+        lora: Option<&str>,
+    ) {
+        let lora: Option<std::sync::Arc<str>> = lora.map(Into::into);
         for (&h, tokens) in hashes.iter().zip(prompt.chunks_exact(block_size)) {
             self.blocks
                 .entry(h)
                 .or_insert_with(|| Entry {
                     tokens: tokens.into(),
+                    lora: lora.clone(),
                     refs: 0,
                 })
                 .refs += 1;
@@ -47,8 +57,9 @@ impl BlockTokens {
         }
     }
 
-    pub fn get(&self, h: SequenceHash) -> Option<&[u32]> {
-        self.blocks.get(&h).map(|e| &*e.tokens)
+    /// The block's tokens and the adapter it was computed under.
+    pub fn get(&self, h: SequenceHash) -> Option<(&[u32], Option<&str>)> {
+        self.blocks.get(&h).map(|e| (&*e.tokens, e.lora.as_deref()))
     }
 
     /// Blocks known.
@@ -75,13 +86,13 @@ mod tests {
         let hb = BlockHashes::of_tokens(&b, 4, None).sequence;
         assert_eq!(ha[..2], hb[..2]);
         let mut t = BlockTokens::default();
-        t.retain(&ha, &a, 4);
-        t.retain(&hb, &b, 4);
+        t.retain(&ha, &a, 4, None);
+        t.retain(&hb, &b, 4, Some("sql"));
         assert_eq!(t.len(), 3, "two shared blocks and b's own third");
-        assert_eq!(t.get(ha[1]), Some(&[4, 5, 6, 7][..]));
+        assert_eq!(t.get(ha[1]), Some((&[4, 5, 6, 7][..], None)));
         t.release(&ha);
-        assert_eq!(t.get(hb[2]), Some(&[100, 101, 102, 103][..]));
-        assert_eq!(t.get(ha[0]), Some(&[0, 1, 2, 3][..]));
+        assert_eq!(t.get(hb[2]), Some((&[100, 101, 102, 103][..], Some("sql"))));
+        assert_eq!(t.get(ha[0]), Some((&[0, 1, 2, 3][..], None)));
         t.release(&hb);
         assert!(t.is_empty());
     }

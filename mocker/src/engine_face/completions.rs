@@ -202,7 +202,7 @@ fn submit(
     id: String,
     transferred_tokens: u64,
 ) -> Result<Job, ApiError> {
-    face.check_model(asked.model)?;
+    let lora = face.check_model(asked.model)?;
     let common = asked.common;
     common.check().map_err(ApiError::bad_request)?;
     let max_tokens = openai::max_tokens(asked.max_tokens).map_err(ApiError::bad_request)?;
@@ -225,6 +225,7 @@ fn submit(
                 index,
                 tx.clone(),
                 transferred_tokens.min(prompt.len() as u64) as u32,
+                lora,
             )
             .map_err(|e| ApiError {
                 status: match e {
@@ -240,6 +241,7 @@ fn submit(
         api,
         id,
         created: unix_now().as_secs(),
+        model: lora.unwrap_or(&face.settings.model).to_owned(),
         prompt_tokens: asked.prompts.iter().map(|p| p.len() as u64).collect(),
         max_tokens,
         progress,
@@ -267,7 +269,7 @@ async fn full(mut job: Job, handoff: Option<serde_json::Value>) -> Response {
         }
     };
     let usage = Some(job.usage(&progress));
-    let model = &job.face.settings.model;
+    let model = &job.model;
     let choices = progress.iter().map(|p| p.generated).enumerate();
     // Serialized from the shapes, so fields keep the engines' order.
     let body = match job.api {

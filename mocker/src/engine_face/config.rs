@@ -131,6 +131,16 @@ pub struct EngineFaceArgs {
     /// hash the same tokens. Absent: one token per UTF-8 byte and a fixed chat format.
     #[arg(long, env = "KVROUTE_MOCKER_ENGINE_TOKENIZER")]
     pub engine_tokenizer: Option<std::path::PathBuf>,
+    /// LoRA adapters every worker serves (vLLM's `--lora-modules`): a request whose `model` is
+    /// one of them runs under that adapter (its blocks keyed apart, its `BlockStored` events
+    /// naming it; with `--max-loras`, one of the engine's adapter slots), `/v1/models` lists
+    /// them, and vLLM's `/metrics` has `vllm:lora_requests_info`.
+    #[arg(
+        long,
+        env = "KVROUTE_MOCKER_ENGINE_LORA_MODULES",
+        value_delimiter = ','
+    )]
+    pub engine_lora_modules: Vec<String>,
     /// Every worker's role in disaggregated serving: `none` (aggregated), `prefill` or
     /// `decode`. Prefill workers hold prompts' KV for decode workers to pull through their
     /// side channel (`engine_face/transfer.rs`); see PROTOCOL.md for the request fields.
@@ -187,6 +197,7 @@ impl Default for EngineFaceArgs {
             engine_bind_host: IpAddr::from([127, 0, 0, 1]),
             engine_replay_buffer: 10_000,
             engine_tokenizer: None,
+            engine_lora_modules: Vec::new(),
             disaggregation_role: DisaggregationRole::None,
             engine_side_channel_port: None,
             kv_transfer_ms_per_block: 0.4,
@@ -213,6 +224,16 @@ impl EngineFaceArgs {
     pub fn validate(&self, workers: u32) -> Result<(), ConfigError> {
         if self.engine_api == EngineApi::Kvroute {
             return Ok(());
+        }
+        if let Some(bad) = self
+            .engine_lora_modules
+            .iter()
+            .find(|name| name.trim().is_empty() || name.trim() != name.as_str())
+        {
+            return Err(ConfigError::new(
+                "engine-lora-modules",
+                format!("{bad:?} is not an adapter name"),
+            ));
         }
         if self.engine_dp_size == 0 || self.engine_dp_size > MAX_DP_SIZE {
             return Err(ConfigError::new(

@@ -120,14 +120,16 @@ impl WorkerFace {
         (e.status, axum::Json(body)).into_response()
     }
 
-    /// A request naming another model gets the engines' 404.
-    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+    /// The LoRA adapter a request's `model` names (`None`: the base model, or no `model`); a
+    /// request naming another model gets the engines' 404.
+    pub fn check_model<'m>(&self, model: Option<&'m str>) -> Result<Option<&'m str>, ApiError> {
         match model {
+            Some(m) if self.settings.lora_modules.iter().any(|a| a == m) => Ok(Some(m)),
             Some(m) if m != self.settings.model => Err(ApiError {
                 status: StatusCode::NOT_FOUND,
                 message: format!("The model `{m}` does not exist."),
             }),
-            _ => Ok(()),
+            _ => Ok(None),
         }
     }
 

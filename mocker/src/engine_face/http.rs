@@ -92,7 +92,16 @@ async fn models(State(face): State<Arc<WorkerFace>>) -> Response {
             "root": s.model, "parent": null, "max_model_len": max_model_len,
         }),
     };
-    axum::Json(json!({"object": "list", "data": [card]})).into_response()
+    // Adapters follow the base model, as vLLM lists its `--lora-modules` (root: the adapter's
+    // path there; here its name).
+    let mut data = vec![card];
+    data.extend(s.lora_modules.iter().map(|adapter| {
+        json!({
+            "id": adapter, "object": "model", "created": created, "owned_by": "kvroute-mocker",
+            "root": adapter, "parent": s.model, "max_model_len": max_model_len,
+        })
+    }));
+    axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
 async fn vllm_metrics(State(face): State<Arc<WorkerFace>>) -> Response {

@@ -16,6 +16,9 @@ pub(super) struct Job {
     pub api: Api,
     pub id: String,
     pub created: u64,
+    /// The model the answer names: the request's adapter, else the base model (vLLM answers
+    /// with the name asked for).
+    pub model: String,
     /// Per prompt.
     pub prompt_tokens: Vec<u64>,
     /// Of each prompt.

@@ -106,6 +106,24 @@ pub(crate) fn vllm_metrics(face: &FaceSettings, ranks: &[RankSnapshot]) -> Strin
             let _ = writeln!(out, "{name}_created{{{l}}} {}", float(created));
         }
     }
+    // With adapter slots, vLLM's LoRA info gauge: one series, current now (vLLM keeps the
+    // earlier label sets too, each valued at the time it was last current; readers take the
+    // newest). Without an `engine` label: vLLM mixes data-parallel ranks' into one.
+    if let Some(slots) = ranks.first().and_then(|s| s.adapters.as_ref()) {
+        let name = "vllm:lora_requests_info";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Running stats on lora requests.\n# TYPE {name} gauge"
+        );
+        let _ = writeln!(
+            out,
+            "{name}{{max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} {}",
+            slots.max_loaded,
+            escape(&slots.loaded.join(",")),
+            escape(&slots.waiting.join(",")),
+            float(super::rank::unix_now().as_secs_f64()),
+        );
+    }
     let name = "vllm:cache_config_info";
     let _ = writeln!(
         out,

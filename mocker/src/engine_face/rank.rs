@@ -57,6 +57,9 @@ pub(crate) struct RankSnapshot {
     /// Blocks pinned by running requests (the engines' "used": cached idle blocks are free).
     pub pinned_blocks: u64,
     pub counters: RankCounters,
+    /// The adapter slots (with `--max-loras`), `loaded` holding only running requests'
+    /// adapters.
+    pub adapters: Option<kvroute_common::messages::AdapterSlots>,
 }
 
 #[derive(Debug)]
@@ -144,7 +147,9 @@ impl Rank {
 
     /// Queues `prompt` for `max_tokens` output tokens; its progress goes to slot `index` of
     /// `sink`, token by token if it is `streamed`. Its first `transferred_tokens` came from a
-    /// prefill worker (a decode worker's request): not computed.
+    /// prefill worker (a decode worker's request): not computed. `lora`: the adapter it runs
+    /// under.
+    #[allow(clippy::too_many_arguments)]
     pub fn submit(
         &self,
         prompt: &[u32],
@@ -153,17 +158,19 @@ impl Rank {
         index: usize,
         sink: ProgressTx,
         transferred_tokens: u32,
+        lora: Option<&str>,
     ) -> Result<RequestId, SubmitError> {
         let request_id = uuid::Uuid::new_v4();
         let block_size = self.engine_config.block_size;
-        let mut sim = SimRequest::from_tokens(request_id, prompt, max_tokens, block_size, None);
+        let mut sim = SimRequest::from_tokens(request_id, prompt, max_tokens, block_size, lora);
         sim.report_tokens = streamed;
         sim.transferred_tokens = transferred_tokens;
         let hashes = sim.hashes.sequence.clone();
         {
             let mut core = self.lock();
             core.engine.submit(sim)?;
-            core.tokens.retain(&hashes, prompt, block_size as usize);
+            core.tokens
+                .retain(&hashes, prompt, block_size as usize, lora);
             core.pending.insert(
                 request_id,
                 Pending {
@@ -221,6 +228,12 @@ impl Rank {
             load,
             pinned_blocks: core.engine.engine().cache().pinned_blocks(),
             counters: core.counters,
+            // As vLLM's gauge lists them: the running requests' adapters, not every resident
+            // one.
+            adapters: core.engine.engine().adapter_slots().map(|mut slots| {
+                slots.loaded = core.engine.engine().running_adapters();
+                slots
+            }),
         }
     }
 

@@ -158,7 +158,7 @@ impl Streamer {
             id: &self.job.id,
             object: self.job.api.object(true),
             created: self.job.created,
-            model: &self.job.face.settings.model,
+            model: &self.job.model,
             choices: Vec::new(),
             usage: Some(self.job.usage(&self.seen)),
             extra: None,
@@ -174,7 +174,7 @@ impl Job {
                 id: &self.id,
                 object: self.api.object(true),
                 created: self.created,
-                model: &self.face.settings.model,
+                model: &self.model,
                 choices: vec![TextChoice {
                     index,
                     text,
@@ -205,7 +205,7 @@ impl Job {
             id: &self.id,
             object: self.api.object(true),
             created: self.created,
-            model: &self.face.settings.model,
+            model: &self.model,
             choices: vec![DeltaChoice {
                 index,
                 delta: Delta {

@@ -45,11 +45,12 @@ pub struct EventWriter {
 
 impl EventWriter {
     /// The engine events saying what `event` says. `tokens(block_hash)` gives a stored block's
-    /// `block_size` token ids.
+    /// `block_size` token ids and the LoRA adapter it was computed under (a stored run is one
+    /// request's: its first block's adapter is the event's `lora_name`).
     pub fn events<'t>(
         &self,
         event: &KvEventData,
-        tokens: impl Fn(SequenceHash) -> Option<&'t [u32]>,
+        tokens: impl Fn(SequenceHash) -> Option<(&'t [u32], Option<&'t str>)>,
     ) -> Result<Vec<Value>, MissingTokens> {
         Ok(match event {
             KvEventData::Stored {
@@ -58,14 +59,19 @@ impl EventWriter {
                 tier,
             } => {
                 let mut token_ids = Vec::with_capacity(blocks.len() * self.block_size as usize);
-                for b in blocks {
-                    let t = tokens(b.block_hash).ok_or(MissingTokens {
+                let mut lora = None;
+                for (i, b) in blocks.iter().enumerate() {
+                    let (t, adapter) = tokens(b.block_hash).ok_or(MissingTokens {
                         block_hash: b.block_hash,
                     })?;
+                    if i == 0 {
+                        lora = adapter;
+                    }
                     token_ids.extend(t.iter().map(|&t| Value::from(t)));
                 }
                 let hashes = blocks.iter().map(|b| self.hash(b.block_hash)).collect();
-                vec![self.stored(hashes, parent_hash.map(|h| self.hash(h)), token_ids, *tier)]
+                let parent = parent_hash.map(|h| self.hash(h));
+                vec![self.stored(hashes, parent, token_ids, *tier, lora)]
             }
             KvEventData::Removed { block_hashes, tier } => match self.engine {
                 // vLLM's block pool reports each evicted block on its own.
@@ -118,8 +124,10 @@ impl EventWriter {
         parent: Option<Value>,
         token_ids: Vec<Value>,
         tier: StorageTier,
+        lora: Option<&str>,
     ) -> Value {
         let blocks = hashes.len();
+        let lora_name = lora.map_or(Value::Nil, Value::from);
         let mut fields = vec![
             (Field::BlockHashes, Value::Array(hashes)),
             (Field::ParentBlockHash, parent.unwrap_or(Value::Nil)),
@@ -130,17 +138,22 @@ impl EventWriter {
         ];
         match (self.engine, self.format) {
             (EngineKind::Vllm, EventFormat::Maps) => fields.extend([
-                (Field::LoraName, Value::Nil),
+                (Field::LoraName, lora_name),
                 (Field::ExtraKeys, Value::Array(vec![Value::Nil; blocks])),
                 (Field::GroupIdx, Value::from(0)),
             ]),
-            (EngineKind::Vllm, EventFormat::Arrays) => fields.push((Field::LoraName, Value::Nil)),
-            // cache_salt, session_id and lora_name default to None: omitted from maps.
-            (EngineKind::Sglang, EventFormat::Maps) => {}
+            (EngineKind::Vllm, EventFormat::Arrays) => fields.push((Field::LoraName, lora_name)),
+            // cache_salt, session_id and lora_name default to None: omitted from maps when
+            // unset.
+            (EngineKind::Sglang, EventFormat::Maps) => {
+                if !lora_name.is_nil() {
+                    fields.push((Field::LoraName, lora_name));
+                }
+            }
             (EngineKind::Sglang, EventFormat::Arrays) => fields.extend([
                 (Field::CacheSalt, Value::Nil),
                 (Field::SessionId, Value::Nil),
-                (Field::LoraName, Value::Nil),
+                (Field::LoraName, lora_name),
             ]),
         }
         if self.remote(tier) {
@@ -223,10 +236,10 @@ mod tests {
         }
     }
 
-    fn tokens(h: SequenceHash) -> Option<&'static [u32]> {
+    fn tokens(h: SequenceHash) -> Option<(&'static [u32], Option<&'static str>)> {
         match h {
-            1 => Some(&[5, 6]),
-            u64::MAX => Some(&[7, 8]),
+            1 => Some((&[5, 6], None)),
+            u64::MAX => Some((&[7, 8], None)),
             _ => None,
         }
     }
