@@ -60,6 +60,25 @@ pub fn decision(worker_id: u64, request_id: Uuid, blocks: u32, prefill: u64) -> 
     }
 }
 
+/// A report of worker `worker_id`'s rank 0: idle, 1000 blocks, no adapter slots.
+pub fn idle_report(worker_id: WorkerId) -> kvroute_common::messages::WorkerLoad {
+    kvroute_common::messages::WorkerLoad {
+        v: Default::default(),
+        worker_id,
+        dp_rank: 0,
+        seq: 1,
+        active_prefill_tokens: 0,
+        active_decode_blocks: 0,
+        active_requests: 0,
+        waiting_requests: 0,
+        kv_used_blocks: 0,
+        total_kv_blocks: 1000,
+        ts: 0,
+        new_requests: None,
+        adapters: None,
+    }
+}
+
 /// A load view's settings for tests: 1 s reports, a 2 s confirm window, predictions kept 60 s,
 /// no predicted overlap, no approximate caches, no load models.
 pub fn view_config() -> LoadViewConfig {

@@ -74,6 +74,20 @@ impl GatewayProcess {
         format!("http://127.0.0.1:{}{path}", self.port)
     }
 
+    /// POSTs `body` as JSON to `path` with `http`; panics when nothing answers.
+    pub async fn post(
+        &self,
+        http: &reqwest::Client,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> reqwest::Response {
+        http.post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .expect("the gateway answers")
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.spec.log).unwrap_or_default()
     }

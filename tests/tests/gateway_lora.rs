@@ -32,12 +32,7 @@ async fn complete(
     prompt: &[u32],
 ) -> (u16, u64, u64) {
     let body = json!({"model": model, "prompt": prompt, "max_tokens": 2});
-    let r = http
-        .post(gateway.url("/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = gateway.post(http, "/v1/completions", &body).await;
     let header = |name: &str| -> u64 {
         r.headers()
             .get(name)

@@ -661,13 +661,7 @@ async fn busy_engine(c: &Cluster) {
         let mut prompt = prefix.clone();
         prompt.extend(distinct_prompt(90 + i, 40));
         let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});
-        let resp = c
-            .http
-            .post(c.gateway.url("/v1/completions"))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
+        let resp = c.gateway.post(&c.http, "/v1/completions", &body).await;
         prompt_text.push(answer(resp).await);
     }
     eprintln!(
@@ -844,14 +838,7 @@ async fn lora_adapters(c: &Cluster) {
     }
     let complete = |model: &'static str, prompt: Vec<u32>| async move {
         let body = json!({"model": model, "prompt": prompt, "max_tokens": 1});
-        let resp = c
-            .http
-            .post(c.gateway.url("/v1/completions"))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        answer(resp).await
+        answer(c.gateway.post(&c.http, "/v1/completions", &body).await).await
     };
     let prompt = distinct_prompt(700, 5 * BS + 3);
     let first = complete("sql", prompt.clone()).await;

@@ -578,23 +578,12 @@ fn a_worker_without_events_that_served_a_prompt_wins_its_next_request_on_every_r
 /// A report of worker `worker_id` with nothing running and the adapters `loaded` in 2 slots.
 fn adapter_report(worker_id: u64, loaded: &[&str]) -> kvroute_common::messages::WorkerLoad {
     kvroute_common::messages::WorkerLoad {
-        v: Default::default(),
-        worker_id,
-        dp_rank: 0,
-        seq: 1,
-        active_prefill_tokens: 0,
-        active_decode_blocks: 0,
-        active_requests: 0,
-        waiting_requests: 0,
-        kv_used_blocks: 0,
-        total_kv_blocks: 1000,
-        ts: 0,
-        new_requests: None,
         adapters: Some(kvroute_common::messages::AdapterSlots {
             loaded: loaded.iter().map(|a| a.to_string()).collect(),
             waiting: Vec::new(),
             max_loaded: 2,
         }),
+        ..crate::testing::idle_report(worker_id)
     }
 }
 

@@ -146,25 +146,6 @@ mod tests {
     use super::*;
     use crate::signals::AdapterAffinity::{FreeSlot, Full, Loaded, Waiting};
 
-    /// A report of worker `worker_id`'s rank 0 without adapter slots.
-    fn plain_report(worker_id: u64) -> WorkerLoad {
-        WorkerLoad {
-            v: Default::default(),
-            worker_id,
-            dp_rank: 0,
-            seq: 1,
-            active_prefill_tokens: 0,
-            active_decode_blocks: 0,
-            active_requests: 0,
-            waiting_requests: 0,
-            kv_used_blocks: 0,
-            total_kv_blocks: 100,
-            ts: 0,
-            new_requests: None,
-            adapters: None,
-        }
-    }
-
     fn report(worker_id: u64, loaded: &[&str], waiting: &[&str], max: u32) -> WorkerLoad {
         WorkerLoad {
             adapters: Some(AdapterSlots {
@@ -172,7 +153,7 @@ mod tests {
                 waiting: waiting.iter().map(|s| s.to_string()).collect(),
                 max_loaded: max,
             }),
-            ..plain_report(worker_id)
+            ..crate::testing::idle_report(worker_id)
         }
     }
 
@@ -199,7 +180,7 @@ mod tests {
         assert_eq!(view.affinity(W1, "d"), Some(Full));
         assert_eq!(view.affinity(W1, "c"), Some(Full));
         // A report without adapter slots changes nothing.
-        view.report(&plain_report(1), 20);
+        view.report(&crate::testing::idle_report(1), 20);
         assert_eq!(view.affinity(W1, "a"), Some(Loaded));
     }
 
