@@ -592,6 +592,16 @@ async fn conversations(c: &Cluster) {
     );
 }
 
+/// The next load report on `loads` (5 s at most: reports come every few hundred ms).
+async fn next_load(loads: &mut async_nats::Subscriber) -> WorkerLoad {
+    use futures::StreamExt;
+    let msg = tokio::time::timeout(Duration::from_secs(5), loads.next())
+        .await
+        .expect("load reports")
+        .unwrap();
+    decode(&msg.payload).unwrap()
+}
+
 /// A busy engine (requests waiting) loses a prompt whose prefix it holds to the idle one.
 async fn busy_engine(c: &Cluster) {
     let prefix = distinct_prompt(7, 8 * BS);
@@ -641,12 +651,7 @@ async fn busy_engine(c: &Cluster) {
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut seen = Vec::new();
     let waiting = loop {
-        use futures::StreamExt;
-        let msg = tokio::time::timeout(Duration::from_secs(5), loads.next())
-            .await
-            .expect("load reports")
-            .unwrap();
-        let load: WorkerLoad = decode(&msg.payload).unwrap();
+        let load = next_load(&mut loads).await;
         seen.push((load.active_requests, load.waiting_requests));
         if load.waiting_requests >= 4 {
             break load;
@@ -877,13 +882,7 @@ async fn lora_adapters(c: &Cluster) {
     let worker = first.worker_id.unwrap();
     let mut loads = c.nats.subscribe(c.names.load(worker)).await.unwrap();
     let slots = loop {
-        use futures::StreamExt;
-        let msg = tokio::time::timeout(Duration::from_secs(5), loads.next())
-            .await
-            .expect("load reports")
-            .unwrap();
-        let load: WorkerLoad = decode(&msg.payload).unwrap();
-        if let Some(slots) = load.adapters {
+        if let Some(slots) = next_load(&mut loads).await.adapters {
             break slots;
         }
     };
