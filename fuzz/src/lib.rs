@@ -27,7 +27,8 @@ use xxhash_rust::xxh3::xxh3_64;
 pub type Check = fn(&[u8]);
 
 /// Every target, by its name (its `fuzz_targets/` file and its `corpus/` folder).
-pub const TARGETS: [(&str, Check); 17] = [
+pub const TARGETS: [(&str, Check); 18] = [
+    ("engine_metrics", engine_metrics),
     ("engine_sglang", engine_sglang),
     ("engine_vllm", engine_vllm),
     ("gateway_openai", gateway_openai),
@@ -117,6 +118,50 @@ pub fn engine_sglang(data: &[u8]) {
 /// [`check_engine_batch`].
 pub fn engine_vllm(data: &[u8]) {
     check_engine_batch(EngineKind::Vllm, data);
+}
+
+/// The bridge's reading of a vLLM `/metrics` page (any text: an engine's page holds hundreds of
+/// series the bridge skips): loads per rank, cache facts and the LoRA adapter slots of the
+/// newest `vllm:lora_requests_info` series, never a panic; usage within 0..=1; adapter lists
+/// of at most `AdapterSlots::MAX_NAMES` distinct non-empty names, waiting ones not loaded; the
+/// slots only for an engine of one rank.
+pub fn engine_metrics(data: &[u8]) {
+    use kvroute_bridge::engine_http::vllm;
+    use kvroute_common::messages::AdapterSlots;
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let page = vllm::parse_page(text);
+    let _ = vllm::info(&page);
+    let adapters = vllm::adapters(&page);
+    if let Some(slots) = &adapters {
+        for list in [&slots.loaded, &slots.waiting] {
+            assert!(list.len() <= AdapterSlots::MAX_NAMES, "{slots:?}");
+            assert!(
+                list.iter().all(|n| !n.is_empty() && n.trim() == n),
+                "{slots:?}"
+            );
+            let distinct: std::collections::BTreeSet<&String> = list.iter().collect();
+            assert_eq!(distinct.len(), list.len(), "{slots:?}");
+        }
+        assert!(
+            slots.waiting.iter().all(|n| !slots.loaded.contains(n)),
+            "{slots:?}"
+        );
+    }
+    let one = vllm::load(&page, &[0]);
+    assert_eq!(one.len(), 1);
+    assert_eq!(one[0].1.adapters, adapters);
+    for (_, load) in vllm::load(&page, &[0, 1, 7]) {
+        assert!(
+            load.adapters.is_none(),
+            "a data-parallel engine's slots are mixed"
+        );
+        assert!(
+            load.kv_usage.is_none_or(|u| (0.0..=1.0).contains(&u)),
+            "{load:?}"
+        );
+    }
 }
 
 /// The gateway's reading of OpenAI /v1/completions and /v1/chat/completions bodies (the first

@@ -31,6 +31,8 @@ fn main() {
         v: SchemaVersion::CURRENT,
         action: ControlAction::WorkerRemoved { worker_id: WORKER },
         replica_id: "indexer-1".into(),
+        term: 0,
+        at_ms: 0,
     });
 
     let mut out = Corpus::new(&root);
@@ -120,6 +122,7 @@ fn main() {
     card_inputs.push(prefixed(1, &keyed));
     out.target("worker_card", card_inputs);
 
+    out.target("engine_metrics", metrics_pages());
     out.target("engine_vllm", engine_batches(false));
     out.target("engine_sglang", engine_batches(true));
     out.target("gateway_openai", openai_bodies());
@@ -140,11 +143,21 @@ impl Corpus {
         }
     }
 
-    /// Replaces the target's corpus with `inputs`, named `seed-<n>`.
+    /// Replaces the target's seeds with `inputs`, named `seed-<n>`; other inputs (crashes a
+    /// fuzzer found, kept as regressions) stay.
     fn target(&mut self, name: &str, inputs: impl IntoIterator<Item = Vec<u8>>) {
         let dir = self.root.join(name);
-        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("create the corpus directory");
+        for entry in std::fs::read_dir(&dir).expect("read the corpus directory") {
+            let path = entry.expect("a corpus entry").path();
+            if path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("seed-"))
+            {
+                std::fs::remove_file(&path).expect("remove an old seed");
+            }
+        }
         for (i, input) in inputs.into_iter().enumerate() {
             std::fs::write(dir.join(format!("seed-{i:02}")), input).expect("write a seed");
             self.files += 1;
@@ -419,6 +432,24 @@ fn ints(v: &[i64]) -> Value {
 
 /// Batches as the engines' publishers write them: vLLM's (integer or bytes hashes, extra keys,
 /// maps and positional events) or SGLang's (signed hashes, `attn_dp_rank`).
+/// vLLM `/metrics` pages: loads and cache facts, and LoRA slots as prometheus_client prints
+/// vLLM's info gauge (one series per label set, valued at when it was last current).
+fn metrics_pages() -> Vec<Vec<u8>> {
+    [
+        "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 2.0\n\
+         vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 1.0\n\
+         vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n\
+         vllm:cache_config_info{block_size=\"32\",engine=\"0\",num_gpu_blocks=\"64\"} 1.0\n",
+        "# HELP vllm:lora_requests_info Running stats on lora requests.\n\
+         # TYPE vllm:lora_requests_info gauge\n\
+         vllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"sql\",waiting_lora_adapters=\"sql\"} 1.7964664500219235e+09\n\
+         vllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 1.7964664505107772e+09\n\
+         vllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"chat\",waiting_lora_adapters=\"chat,sql\"} 1.796466450505553e+09\n",
+    ]
+    .map(|page| page.as_bytes().to_vec())
+    .to_vec()
+}
+
 fn engine_batches(sglang: bool) -> Vec<Vec<u8>> {
     let hashes = if sglang {
         ints(&[-1, 42, -7])
