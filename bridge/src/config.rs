@@ -280,6 +280,14 @@ pub struct BridgeArgs {
     /// How often to probe each engine's /health, in milliseconds.
     #[arg(long, env = "KVROUTE_BRIDGE_HEALTH_INTERVAL_MS", default_value_t = 500)]
     pub health_interval_ms: u64,
+    /// How often to read a registered vLLM engine's LoRA adapters (`/v1/models`), in
+    /// milliseconds: adapters loaded or unloaded at runtime reach its card within this.
+    #[arg(
+        long,
+        env = "KVROUTE_BRIDGE_ADAPTERS_INTERVAL_MS",
+        default_value_t = 5000
+    )]
+    pub adapters_interval_ms: u64,
     /// Consecutive failed health probes after which the engine is deregistered.
     #[arg(long, env = "KVROUTE_BRIDGE_HEALTH_FAILURES", default_value_t = 3)]
     pub health_failures: u32,
@@ -329,6 +337,9 @@ impl BridgeArgs {
         }
         if self.health_interval_ms == 0 {
             return Err(ConfigError::new("health-interval-ms", "must be positive"));
+        }
+        if self.adapters_interval_ms == 0 {
+            return Err(ConfigError::new("adapters-interval-ms", "must be positive"));
         }
         if self.health_failures == 0 {
             return Err(ConfigError::new("health-failures", "must be at least 1"));

@@ -31,6 +31,9 @@ use report::Reporter;
 use requests::{RequestTask, RequestsHandle, Serving, StopMode};
 use reset::ResetTask;
 
+/// A read of the engine's LoRA adapters (`EngineClient::lora_adapters`).
+type AdaptersRead = Result<Option<Vec<String>>, crate::engine_http::EngineError>;
+
 /// How long a registration waits for the card to reach etcd before probing goes on.
 const REGISTRATION_WAIT: Duration = Duration::from_secs(1);
 
@@ -38,6 +41,8 @@ const REGISTRATION_WAIT: Duration = Duration::from_secs(1);
 #[derive(Debug, Clone)]
 pub struct SupervisorSettings {
     pub health_interval: Duration,
+    /// How often a registered vLLM engine's adapters are read again.
+    pub adapters_interval: Duration,
     pub health_failures: u32,
     pub load_interval: Duration,
     pub lease_ttl: Duration,
@@ -47,6 +52,7 @@ impl SupervisorSettings {
     pub fn from_args(args: &BridgeArgs) -> Self {
         Self {
             health_interval: args.health_interval(),
+            adapters_interval: Duration::from_millis(args.adapters_interval_ms),
             health_failures: args.health_failures,
             load_interval: args.load_interval(),
             lease_ttl: args.lease_ttl(),
@@ -169,6 +175,9 @@ impl Supervisor {
     async fn run(mut self, mut stop: oneshot::Receiver<()>) {
         let mut tick = tokio::time::interval(self.settings.health_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut adapters = tokio::time::interval(self.settings.adapters_interval);
+        adapters.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut adapters_read: Option<JoinHandle<AdaptersRead>> = None;
         let mut state = HealthState::default();
         loop {
             let probe = tokio::select! {
@@ -177,6 +186,20 @@ impl Supervisor {
                     _ = &mut stop => break,
                     probe = self.client.health() => probe,
                 },
+                // The adapters are read beside the probes (a frozen engine holds a read for
+                // the engine timeout, which must not hold up the probes that notice it).
+                _ = adapters.tick(), if adapters_read.is_none() => {
+                    adapters_read = self.read_adapters();
+                    continue;
+                }
+                read = async { adapters_read.as_mut().expect("a read").await }, if adapters_read.is_some() => {
+                    adapters_read = None;
+                    match read {
+                        Ok(read) => self.apply_adapters(read),
+                        Err(e) => tracing::warn!(engine = self.label, error = %e, "reading the engine's adapters panicked"),
+                    }
+                    continue;
+                }
             };
             let outcome = if probe.is_ok() { "ok" } else { "failed" };
             self.conn
@@ -218,8 +241,50 @@ impl Supervisor {
             }
             self.update_registered();
         }
+        if let Some(read) = adapters_read {
+            read.abort();
+        }
         self.deregister(StopMode::Cancel).await;
         tracing::info!(engine = self.label, "engine supervisor stopped");
+    }
+
+    /// Starts reading a registered vLLM engine's adapters again (`None`: not registered, or
+    /// its adapters were not known at registration: SGLang, or an unreadable list).
+    fn read_adapters(&self) -> Option<JoinHandle<AdaptersRead>> {
+        let live = self.live.as_ref()?;
+        live.agent.card().lora_adapters.as_ref()?;
+        let client = self.client.clone();
+        Some(tokio::spawn(async move { client.lora_adapters().await }))
+    }
+
+    /// Updates the card, under the same lease, when the engine's adapters changed (loaded or
+    /// unloaded through its runtime API).
+    fn apply_adapters(&mut self, read: AdaptersRead) {
+        let Some(live) = self.live.as_mut() else {
+            return;
+        };
+        let read = match read {
+            Ok(Some(read)) => card::card_adapters(Some(&read)),
+            Ok(None) => return,
+            Err(e) => {
+                tracing::debug!(engine = self.label, error = %e, "reading the engine's adapters failed");
+                return;
+            }
+        };
+        if live.agent.card().lora_adapters.is_none() || read == live.agent.card().lora_adapters {
+            return;
+        }
+        let mut card = live.agent.card().clone();
+        tracing::info!(
+            engine = self.label,
+            before = ?card.lora_adapters,
+            now = ?read,
+            "the engine's LoRA adapters changed: updating its card"
+        );
+        card.lora_adapters = read;
+        if let Err(e) = live.agent.update_card(card) {
+            tracing::warn!(engine = self.label, error = %e, "updating the card failed");
+        }
     }
 
     fn update_registered(&self) {

@@ -4,12 +4,14 @@
 //! output.
 //!
 //! Endpoints (vLLM 0.32 / SGLang 0.5.23): `GET /health` (200 = healthy, both);
-//! `GET /v1/models` (the served model is the first `data[].id`, both); vLLM `GET /metrics`
+//! `GET /v1/models` (the served model is the first `data[].id`, both; vLLM lists its LoRA
+//! adapters there too, each with its base model as `parent`, [`models`]); vLLM `GET /metrics`
 //! (Prometheus: cache facts and per-rank load) and `GET /version`; SGLang `GET /server_info`
 //! (cache facts; on a 404, its deprecated name `/get_server_info`, which older versions only
 //! have) and `GET /v1/loads` (per-rank load); both `POST /v1/completions` with `stream: true`,
 //! the data-parallel rank in vLLM's `X-data-parallel-rank` header or SGLang's body.
 
+pub mod models;
 pub mod prometheus;
 pub mod sglang;
 pub mod sse;
@@ -26,6 +28,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::config::EngineKind;
+pub use models::{first_model, lora_adapters};
 use sse::{Chunk, ChunkError, SseDecoder, StreamTally};
 
 /// Largest body read from an engine's information endpoints (`/metrics` is the big one).
@@ -48,6 +51,9 @@ pub struct EngineInfo {
     /// An SGLang prefill server's bootstrap port (`disaggregation_bootstrap_port` when its
     /// `disaggregation_mode` is `prefill`): where decode workers fetch a request's KV.
     pub bootstrap_port: Option<u16>,
+    /// The LoRA adapters the engine serves: vLLM's `/v1/models` entries that name a
+    /// `parent` (the base model). `None` when not known (SGLang, or no `/v1/models` answer).
+    pub lora_adapters: Option<Vec<String>>,
     /// Calls that failed, so a missing fact can be told from one the engine does not report.
     pub problems: Vec<String>,
 }
@@ -159,17 +165,6 @@ impl EngineError {
             _ => GenerateErrorCode::Unavailable,
         }
     }
-}
-
-/// The first model id of a `/v1/models` answer (`{"object": "list", "data": [{"id": ..}]}`).
-pub fn first_model(models: &Value) -> Option<String> {
-    models
-        .get("data")?
-        .as_array()?
-        .iter()
-        .find_map(|m| m.get("id")?.as_str())
-        .filter(|id| !id.is_empty())
-        .map(str::to_owned)
 }
 
 /// The JSON body of a completion request.
@@ -348,11 +343,23 @@ impl EngineClient {
                 if let Some(model) = first_model(&models) {
                     info.model = Some(model);
                 }
+                if self.kind == EngineKind::Vllm {
+                    info.lora_adapters = lora_adapters(&models);
+                }
                 info.problems.extend(facts_error.map(|e| e.to_string()));
             }
             (Err(e), None) => info.problems.push(e.to_string()),
         }
         Ok(info)
+    }
+
+    /// The LoRA adapters a vLLM engine lists in `/v1/models` (`None`: SGLang, whose list is
+    /// not read, or an answer without a model list).
+    pub async fn lora_adapters(&self) -> Result<Option<Vec<String>>, EngineError> {
+        if self.kind != EngineKind::Vllm {
+            return Ok(None);
+        }
+        Ok(lora_adapters(&self.get_json("/v1/models").await?))
     }
 
     /// SGLang's `/server_info`, or `/get_server_info` on versions without it.
@@ -546,17 +553,6 @@ pub fn error_message(body: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_first_model_of_v1_models() {
-        // vLLM lists the base model first, then LoRA adapters; SGLang likewise.
-        let vllm: Value = serde_json::from_str(r#"{"object":"list","data":[{"id":"Qwen/Qwen3-0.6B","object":"model","created":1764612311,"owned_by":"vllm","root":"Qwen/Qwen3-0.6B","parent":null,"max_model_len":40960,"permission":[{"id":"modelperm-1","object":"model_permission"}]},{"id":"sql-lora","object":"model","parent":"Qwen/Qwen3-0.6B"}]}"#).unwrap();
-        assert_eq!(first_model(&vllm).as_deref(), Some("Qwen/Qwen3-0.6B"));
-        let empty: Value = serde_json::from_str(r#"{"object":"list","data":[]}"#).unwrap();
-        assert_eq!(first_model(&empty), None);
-        assert_eq!(first_model(&json!({"data": [{"id": ""}]})), None);
-        assert_eq!(first_model(&json!([1])), None);
-    }
 
     #[test]
     fn completion_bodies_name_the_rank_the_engines_way() {

@@ -58,7 +58,7 @@ pub enum BadCard {
 
 impl BadCard {
     /// Every reason, for pre-registering the series at 0.
-    pub const ALL: [BadCard; 10] = [
+    pub const ALL: [BadCard; 11] = [
         BadCard::BadKey,
         BadCard::Empty,
         BadCard::TooLarge,
@@ -69,6 +69,7 @@ impl BadCard {
         BadCard::Invalid(CardField::BlockSize),
         BadCard::Invalid(CardField::TotalKvBlocks),
         BadCard::Invalid(CardField::RequestSubject),
+        BadCard::Invalid(CardField::LoraAdapters),
     ];
 
     /// The metric label.
@@ -84,6 +85,7 @@ impl BadCard {
             BadCard::Invalid(CardField::BlockSize) => "invalid_block_size",
             BadCard::Invalid(CardField::TotalKvBlocks) => "invalid_total_kv_blocks",
             BadCard::Invalid(CardField::RequestSubject) => "invalid_request_subject",
+            BadCard::Invalid(CardField::LoraAdapters) => "invalid_lora_adapters",
         }
     }
 }
@@ -319,6 +321,7 @@ mod tests {
             software_version: String::new(),
             http_url: None,
             kv_events: true,
+            lora_adapters: None,
         }
     }
 
@@ -381,6 +384,11 @@ mod tests {
                 &key,
                 with(|c| c.request_subject = "a..b".into()).to_vec(),
                 BadCard::Invalid(CardField::RequestSubject),
+            ),
+            (
+                &key,
+                with(|c| c.lora_adapters = Some(vec![String::new()])).to_vec(),
+                BadCard::Invalid(CardField::LoraAdapters),
             ),
         ];
         assert_eq!(cases.len(), BadCard::ALL.len(), "every reason is exercised");

@@ -62,6 +62,7 @@ fn card() -> WorkerCard {
         software_version: "0.1.0".into(),
         http_url: None,
         kv_events: true,
+        lora_adapters: None,
     }
 }
 

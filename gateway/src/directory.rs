@@ -242,6 +242,7 @@ mod tests {
             software_version: String::new(),
             http_url: url.map(str::to_owned),
             kv_events: true,
+            lora_adapters: None,
         }
     }
 

@@ -126,6 +126,7 @@ pub fn run_with(args: &SimArgs, registry: &RouterPluginRegistry) -> anyhow::Resu
             no_kv_events_workers: args.no_kv_events_workers,
             seed: args.seed,
             send_sessions: !args.no_sessions,
+            adapter_placement: !args.no_adapter_placement,
             sessions: args.sessions(),
             cpu_workers: args.cpu_workers,
             cpu_slowdown: args.cpu_slowdown,

@@ -189,6 +189,7 @@ fn card(config: &FleetConfig, worker_id: WorkerId, names: &Names) -> WorkerCard 
         software_version: format!("kvroute-mocker {}", env!("CARGO_PKG_VERSION")),
         http_url: None,
         kv_events: !config.no_kv_events,
+        lora_adapters: None,
     }
 }
 

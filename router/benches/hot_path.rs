@@ -106,6 +106,7 @@ fn card(worker_id: u64) -> WorkerCard {
         software_version: "sim".into(),
         http_url: None,
         kv_events: true,
+        lora_adapters: None,
     }
 }
 

@@ -140,6 +140,17 @@ pub trait SignalSource {
         let _ = worker;
         None
     }
+    /// The request's LoRA adapter's held share of its model's recent adapter requests, in
+    /// [0, 1], when the router places adapters (`SelectionSettings::adapter_placement`);
+    /// `None` otherwise.
+    fn adapter_share(&self) -> Option<f64> {
+        None
+    }
+    /// The adapter slots the rank reports; `None` when unknown.
+    fn adapter_slots(&self, worker: WorkerRank) -> Option<u32> {
+        let _ = worker;
+        None
+    }
 }
 
 /// Per-rank values sorted by rank, read in rank order: the core asks for the ranks of the

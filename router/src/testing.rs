@@ -24,6 +24,7 @@ pub fn card(worker_id: WorkerId) -> WorkerCard {
         software_version: String::new(),
         http_url: None,
         kv_events: true,
+        lora_adapters: None,
     }
 }
 

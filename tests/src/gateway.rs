@@ -133,6 +133,7 @@ pub fn http_card(worker_id: u64, model: &str, http_url: &str) -> WorkerCard {
         software_version: String::new(),
         http_url: Some(http_url.into()),
         kv_events: true,
+        lora_adapters: None,
     }
 }
 

@@ -195,6 +195,7 @@ pub fn worker_card(names: &Names, worker_id: WorkerId, model: &str) -> WorkerCar
         software_version: "sim".into(),
         http_url: None,
         kv_events: true,
+        lora_adapters: None,
     }
 }
 

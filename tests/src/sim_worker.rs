@@ -74,6 +74,7 @@ pub fn sim_card(names: &Names, worker_id: u64, model: &str) -> WorkerCard {
         software_version: "sim".into(),
         http_url: None,
         kv_events: true,
+        lora_adapters: None,
     }
 }
 

@@ -114,6 +114,8 @@ impl VllmEngine {
             ("VLLM_CPU_OMP_THREADS_BIND", core.to_string()),
             // `/reset_prefix_cache`.
             ("VLLM_SERVER_DEV_MODE", "1".to_owned()),
+            // `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
+            ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True".to_owned()),
             ("HF_HUB_OFFLINE", "1".to_owned()),
             ("VLLM_NO_USAGE_STATS", "1".to_owned()),
             ("DO_NOT_TRACK", "1".to_owned()),

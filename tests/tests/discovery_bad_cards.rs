@@ -68,6 +68,11 @@ fn bad_cards(names: &Names) -> Vec<(String, Vec<u8>, &'static str)> {
             card(19, |c| c.request_subject = "no subject".into()),
             "invalid_request_subject",
         ),
+        (
+            key(20),
+            card(20, |c| c.lora_adapters = Some(vec!["x".repeat(129)])),
+            "invalid_lora_adapters",
+        ),
     ]
 }
 

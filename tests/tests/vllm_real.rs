@@ -217,24 +217,26 @@ impl Cluster {
         out
     }
 
-    /// Workers registered in etcd.
-    async fn registered(&self) -> Vec<u64> {
+    /// The cards registered in etcd, by worker id.
+    async fn cards(&self) -> Vec<kvroute_common::messages::WorkerCard> {
         let mut etcd = self.env.etcd.connect().await.unwrap();
         let prefix = self.names.workers_prefix();
         let got = etcd
             .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
             .await
             .unwrap();
-        let mut ids: Vec<u64> = got
+        let mut cards: Vec<kvroute_common::messages::WorkerCard> = got
             .kvs()
             .iter()
-            .filter_map(|kv| {
-                let card: kvroute_common::messages::WorkerCard = decode(kv.value()).ok()?;
-                Some(card.worker_id)
-            })
+            .filter_map(|kv| decode(kv.value()).ok())
             .collect();
-        ids.sort();
-        ids
+        cards.sort_by_key(|c| c.worker_id);
+        cards
+    }
+
+    /// Workers registered in etcd.
+    async fn registered(&self) -> Vec<u64> {
+        self.cards().await.iter().map(|c| c.worker_id).collect()
     }
 
     async fn wait_registered(&self, want: &[u64], limit: Duration) -> Duration {
@@ -385,8 +387,9 @@ async fn start() -> Cluster {
     );
     let env = TestEnv::start().unwrap();
     let dir = env.nats.data_dir().to_owned();
-    // Both engines start at once, a core each; the rest starts meanwhile. They serve two LoRA
-    // adapters in one slot.
+    // Both engines start at once, a core each; the rest starts meanwhile. They serve LoRA
+    // adapters in one slot: engine a both, engine b only the first (a fleet whose engines
+    // serve different adapters).
     let adapters: Vec<String> = ADAPTERS
         .iter()
         .enumerate()
@@ -413,9 +416,16 @@ async fn start() -> Cluster {
         "8",
         "--lora-modules",
     ];
+    let mut only_first = flags.clone();
+    only_first.push(&adapters[0]);
     flags.extend(adapters.iter().map(String::as_str));
-    let spawn = |name: &str, core| VllmEngine::spawn(&install, &dir, name, MODEL, core, &flags);
-    let (mut a, mut b) = (spawn("a", 0).unwrap(), spawn("b", 1).unwrap());
+    let spawn = |name: &str, core, flags: &[&str]| {
+        VllmEngine::spawn(&install, &dir, name, MODEL, core, flags)
+    };
+    let (mut a, mut b) = (
+        spawn("a", 0, &flags).unwrap(),
+        spawn("b", 1, &only_first).unwrap(),
+    );
     // A worker gone for 2 s leaves the index (15 s by default).
     let indexer = IndexerProcess::start(&env, "i", &["--unregistered-grace-secs", "2"]).unwrap();
     // The lone replica stays in the select queue group through the machine's stalls while an
@@ -473,6 +483,9 @@ async fn start() -> Cluster {
             // of the whole machine while an engine generates (seconds, seen here).
             "--lease-ttl-secs",
             "10",
+            // Adapters loaded at runtime reach the card within half a second.
+            "--adapters-interval-ms",
+            "500",
         ]
         .map(String::from)
         .to_vec();
@@ -611,8 +624,11 @@ async fn busy_engine(c: &Cluster) {
     // 12 generations of 64 tokens kept in flight on worker 1 (2 running with --max-num-seqs 2,
     // 10 waiting): each one that ends is replaced until the gateway's prompts are answered, so
     // the busy spell lasts as long as the check needs whatever the engine's speed (a fixed
-    // batch of generations ended before a load report saw them on a fast host). Few tokens
-    // each keep the drain short: the engine's OpenMP thread spins on one of the 2 cores.
+    // batch of generations ended before a load report saw them on a fast host). Few output
+    // tokens each keep the drain short (the engine's OpenMP thread spins on one of the 2
+    // cores); prompts of 160 tokens make the 10 waiting outweigh what the gateway's first
+    // prompt leaves charged on worker 2 until its end is applied (24-token prompts lost to
+    // it once: the second prompt went to the busy worker).
     let busy = Arc::new(AtomicBool::new(true));
     let keeper = {
         let (http, url, busy) = (
@@ -624,7 +640,7 @@ async fn busy_engine(c: &Cluster) {
             let generate = |i: u32| {
                 let (http, url) = (http.clone(), url.clone());
                 async move {
-                    let body = json!({"model": MODEL, "prompt": distinct_prompt(50 + i, 24),
+                    let body = json!({"model": MODEL, "prompt": distinct_prompt(50 + i, 160),
                                       "max_tokens": 64, "ignore_eos": true});
                     http.post(url)
                         .json(&body)
@@ -810,13 +826,27 @@ async fn real_vllm_engines() {
     lora_adapters(&c).await;
 }
 
-/// The LoRA adapters every engine serves (`--lora-modules`), each the gateway's
-/// `--lora-adapter NAME=MODEL`.
+/// The LoRA adapters the engines serve (`--lora-modules`: engine a both, engine b the first),
+/// each the gateway's `--lora-adapter NAME=MODEL`.
 const ADAPTERS: [&str; 2] = ["sql", "poem"];
 
 /// An adapter named as the model runs under it, its blocks keyed apart from the base model's
-/// and the other adapter's, as vLLM's own cache keys them; the bridges report the slots.
+/// and the other adapter's, as vLLM's own cache keys them; the bridges report the slots, and
+/// register the adapters each engine lists, so an adapter one engine lacks never goes there.
 async fn lora_adapters(c: &Cluster) {
+    // The bridges read each engine's adapters from its `/v1/models` onto its card.
+    let served: Vec<(u64, Option<Vec<String>>)> = c
+        .cards()
+        .await
+        .into_iter()
+        .map(|card| (card.worker_id, card.lora_adapters))
+        .collect();
+    let list = |names: &[&str]| Some(names.iter().map(|n| n.to_string()).collect());
+    assert_eq!(
+        served,
+        [(1, list(&["poem", "sql"])), (2, list(&["sql"]))],
+        "the cards' adapters"
+    );
     let models: Value = c
         .http
         .get(c.gateway.url("/v1/models"))
@@ -878,6 +908,96 @@ async fn lora_adapters(c: &Cluster) {
             "{other}: vLLM keys it apart too: {a:?}"
         );
     }
+    // Engine b has no poem (it would answer 404): every poem request goes to engine a.
+    for i in 0..4u32 {
+        let a = complete("poem", distinct_prompt(770 + i, 4 * BS + 1)).await;
+        assert_eq!(a.status, 200, "poem {i}: {a:?}");
+        assert_eq!(a.worker_id, Some(1), "poem {i}: {a:?}");
+    }
+    // poem loaded into engine b at runtime (vLLM's `/v1/load_lora_adapter`): its bridge reads
+    // the new list onto the card, and poem may go there too; unloaded, the card drops it.
+    // `/v1/select` with a pin to worker 2 tells whether the routers see it serve poem.
+    let pinned_to_2 = || async {
+        let body = json!({"model": "poem", "token_ids": distinct_prompt(800, 2 * BS), "pin": {"worker_id": 2}});
+        let r = c.gateway.post(&c.http, "/v1/select", &body).await;
+        (r.status().as_u16(), r.text().await.unwrap())
+    };
+    let (status, text) = pinned_to_2().await;
+    assert_eq!(
+        status, 503,
+        "poem pinned to worker 2 before the load: {text}"
+    );
+    assert!(text.contains("LoRA adapter"), "{text}");
+    let path = c.env.nats.data_dir().join("lora-poem");
+    let engine_b = c.node(2).engine.url();
+    let load = json!({"lora_name": "poem", "lora_path": path.display().to_string()});
+    let r = c
+        .http
+        .post(format!("{engine_b}/v1/load_lora_adapter"))
+        .json(&load)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "load: {}", r.text().await.unwrap());
+    let card_lists = |want: Option<Vec<String>>| async move {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let cards = c.cards().await;
+            let now = cards
+                .iter()
+                .find(|card| card.worker_id == 2)
+                .map(|card| card.lora_adapters.clone());
+            if now.as_ref() == Some(&want) {
+                return Instant::now();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "worker 2's card: {now:?}, expected {want:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let loaded_at = Instant::now();
+    let listed = card_lists(list(&["poem", "sql"])).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (status, text) = pinned_to_2().await;
+    assert_eq!(
+        status, 200,
+        "poem pinned to worker 2 after the load: {text}"
+    );
+    let selected: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(selected["worker_id"], 2, "{text}");
+    let mut workers = std::collections::BTreeSet::new();
+    for i in 0..4u32 {
+        let a = complete("poem", distinct_prompt(780 + i, 4 * BS + 1)).await;
+        assert_eq!(a.status, 200, "poem {i} after the load: {a:?}");
+        workers.extend(a.worker_id);
+    }
+    let r = c
+        .http
+        .post(format!("{engine_b}/v1/unload_lora_adapter"))
+        .json(&json!({"lora_name": "poem"}))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        r.status().is_success(),
+        "unload: {}",
+        r.text().await.unwrap()
+    );
+    card_lists(list(&["sql"])).await;
+    // The router's etcd watch follows within milliseconds.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let a = complete("poem", distinct_prompt(790, 4 * BS + 1)).await;
+    assert_eq!(
+        (a.status, a.worker_id),
+        (200, Some(1)),
+        "after the unload: {a:?}"
+    );
+    eprintln!(
+        "vllm_real: poem loaded into engine b at runtime: on its card after {:.1} s; poem then went to workers {workers:?}; unloaded, off the card again",
+        (listed - loaded_at).as_secs_f64()
+    );
     // The bridges read vLLM's `lora_requests_info`: one slot.
     let worker = first.worker_id.unwrap();
     let mut loads = c.nats.subscribe(c.names.load(worker)).await.unwrap();

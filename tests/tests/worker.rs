@@ -34,6 +34,7 @@ fn card(worker_id: u64, names: &Names) -> WorkerCard {
         software_version: "test".into(),
         http_url: None,
         kv_events: true,
+        lora_adapters: None,
     }
 }
 
@@ -117,6 +118,27 @@ async fn card_in_etcd(
     resp.kvs()
         .first()
         .map(|kv| codec::decode(kv.value()).unwrap())
+}
+
+/// Worker `id`'s agent (a 2 s lease), once its card is in etcd.
+async fn registered_agent(
+    nats: async_nats::Client,
+    etcd: etcd_client::Client,
+    names: &Names,
+    id: u64,
+) -> WorkerAgent {
+    let mut agent = WorkerAgent::start(
+        nats,
+        etcd,
+        names,
+        card(id, names),
+        config(2),
+        Arc::new(FakeCache::default()),
+    )
+    .await
+    .unwrap();
+    agent.wait_registered().await;
+    agent
 }
 
 async fn wait_for(what: &str, limit: Duration, mut check: impl AsyncFnMut() -> bool) {
@@ -259,17 +281,7 @@ async fn registers_again_after_an_etcd_outage() {
     let names = Names::new(&env.namespace);
     let nats = env.nats.connect().await.unwrap();
     ensure_stream(&jetstream::new(nats.clone()), &names).await;
-    let mut agent = WorkerAgent::start(
-        nats,
-        env.etcd.connect().await.unwrap(),
-        &names,
-        card(3, &names),
-        config(2),
-        Arc::new(FakeCache::default()),
-    )
-    .await
-    .unwrap();
-    agent.wait_registered().await;
+    let agent = registered_agent(nats, env.etcd.connect().await.unwrap(), &names, 3).await;
 
     // Down for longer than the TTL: when etcd returns, the old lease has expired.
     env.etcd.kill9().unwrap();
@@ -399,4 +411,56 @@ async fn a_full_pipeline_survives_a_nats_restart_exactly_once() {
         ids == sorted || reordered > 0,
         "out of order and not counted"
     );
+}
+
+/// A card update (the engine's LoRA adapters changed) is written under the same lease: the
+/// card stays in etcd throughout, and a crash still expires it with that lease.
+#[tokio::test]
+async fn an_updated_card_is_written_under_the_same_lease() {
+    let env = TestEnv::start().unwrap();
+    let names = Names::new(&env.namespace);
+    let nats = env.nats.connect().await.unwrap();
+    ensure_stream(&jetstream::new(nats.clone()), &names).await;
+    let mut etcd = env.etcd.connect().await.unwrap();
+    let mut a = registered_agent(nats, etcd.clone(), &names, 1).await;
+    let lease = |etcd: &mut etcd_client::Client| {
+        let mut etcd = etcd.clone();
+        let key = names.worker_key(1);
+        async move { etcd.get(key, None).await.unwrap().kvs()[0].lease() }
+    };
+    let before = lease(&mut etcd).await;
+    assert_eq!(
+        card_in_etcd(&mut etcd, &names, 1)
+            .await
+            .unwrap()
+            .lora_adapters,
+        None
+    );
+
+    let mut updated = a.card().clone();
+    updated.lora_adapters = Some(vec!["sql".into()]);
+    a.update_card(updated.clone()).unwrap();
+    wait_for("the updated card", Duration::from_secs(2), async || {
+        card_in_etcd(&mut etcd, &names, 1).await == Some(updated.clone())
+    })
+    .await;
+    assert_eq!(lease(&mut etcd).await, before, "the same lease");
+    assert_eq!(a.card(), &updated);
+
+    // An update may not turn the card into another worker's, nor an invalid one.
+    let mut other = updated.clone();
+    other.worker_id = 2;
+    assert!(a.update_card(other).is_err());
+    let mut invalid = updated.clone();
+    invalid.lora_adapters = Some(vec![String::new()]);
+    assert!(a.update_card(invalid).is_err());
+    assert_eq!(a.card(), &updated);
+
+    a.abandon();
+    wait_for(
+        "the updated card expires with the lease",
+        Duration::from_secs(4),
+        async || card_in_etcd(&mut etcd, &names, 1).await.is_none(),
+    )
+    .await;
 }

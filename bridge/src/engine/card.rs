@@ -121,7 +121,21 @@ pub fn build_card(
         software_version,
         http_url: Some(spec.engine_url.trim().trim_end_matches('/').to_owned()),
         kv_events: spec.kv_events,
+        lora_adapters: card_adapters(info.lora_adapters.as_deref()),
     })
+}
+
+/// The engine's adapters as a card lists them: names a card cannot hold (empty, over
+/// `WorkerCard::MAX_LORA_NAME_BYTES`) are left out, as no request can name them; more than
+/// `WorkerCard::MAX_LORA_ADAPTERS` is `None` (not known: any adapter may be asked), which
+/// only costs a 404 for an adapter the engine lacks.
+pub fn card_adapters(adapters: Option<&[String]>) -> Option<Vec<String>> {
+    let adapters: Vec<String> = adapters?
+        .iter()
+        .filter(|a| !a.is_empty() && a.len() <= WorkerCard::MAX_LORA_NAME_BYTES)
+        .cloned()
+        .collect();
+    (adapters.len() <= WorkerCard::MAX_LORA_ADAPTERS).then_some(adapters)
 }
 
 #[cfg(test)]
@@ -149,6 +163,7 @@ mod tests {
             max_num_batched_tokens: Some(8192),
             version: Some("0.5.23".into()),
             bootstrap_port: None,
+            lora_adapters: None,
             problems: Vec::new(),
         }
     }
@@ -172,6 +187,28 @@ mod tests {
         assert_eq!(card.request_subject, names().worker_requests(s.worker_id()));
         assert_eq!(card.http_url.as_deref(), Some("http://10.0.0.7:30000"));
         assert!(card.kv_events);
+        assert_eq!(card.lora_adapters, None, "not known");
+    }
+
+    #[test]
+    fn the_card_lists_the_engines_adapters_it_can_hold() {
+        let mut i = info();
+        let list = |names: &[&str]| Some(names.iter().map(|n| n.to_string()).collect());
+        i.lora_adapters = list(&["poem", "sql"]);
+        let card = build_card(&spec(""), &i, &[0], &names()).unwrap();
+        assert_eq!(card.lora_adapters, list(&["poem", "sql"]));
+        card.validate().unwrap();
+        i.lora_adapters = list(&[]);
+        let card = build_card(&spec(""), &i, &[0], &names()).unwrap();
+        assert_eq!(card.lora_adapters, list(&[]), "serves none");
+        let long = "x".repeat(WorkerCard::MAX_LORA_NAME_BYTES + 1);
+        i.lora_adapters = list(&["sql", &long]);
+        let card = build_card(&spec(""), &i, &[0], &names()).unwrap();
+        assert_eq!(card.lora_adapters, list(&["sql"]), "no request can name it");
+        i.lora_adapters = Some((0..=256).map(|n| format!("a{n}")).collect());
+        let card = build_card(&spec(""), &i, &[0], &names()).unwrap();
+        assert_eq!(card.lora_adapters, None, "too many to list: not known");
+        card.validate().unwrap();
     }
 
     #[test]

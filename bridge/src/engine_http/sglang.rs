@@ -54,6 +54,7 @@ pub fn info(server_info: &Value) -> EngineInfo {
         .then(|| uint(server_info, "disaggregation_bootstrap_port"))
         .flatten()
         .and_then(|p| u16::try_from(p).ok()),
+        lora_adapters: None,
         problems: Vec::new(),
     }
 }
@@ -146,6 +147,7 @@ pub(crate) mod tests {
                 max_num_batched_tokens: Some(8192),
                 version: Some("0.5.23".into()),
                 bootstrap_port: None,
+                lora_adapters: None,
                 problems: Vec::new(),
             }
         );

@@ -96,6 +96,12 @@ pub struct WorkerCard {
     /// published decisions. Absent (an older card) means true; written only when false.
     #[serde(default = "yes", skip_serializing_if = "is_true")]
     pub kv_events: bool,
+    /// The LoRA adapters the engine can serve (vLLM: the `/v1/models` entries whose `parent`
+    /// is the card's model). A request naming an adapter goes only to workers whose list holds
+    /// it. Absent: not known, and any adapter may be asked of the worker (an engine that loads
+    /// adapters by itself, or whose list cannot be read).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_adapters: Option<Vec<String>>,
 }
 
 fn one() -> u32 {
@@ -117,6 +123,7 @@ pub enum CardField {
     BlockSize,
     TotalKvBlocks,
     RequestSubject,
+    LoraAdapters,
 }
 
 /// A card that decodes but cannot describe a worker.
@@ -149,7 +156,33 @@ impl WorkerCard {
         {
             return fail(CardField::RequestSubject, "not a NATS subject");
         }
+        if let Some(adapters) = &self.lora_adapters {
+            if adapters.len() > Self::MAX_LORA_ADAPTERS {
+                return fail(CardField::LoraAdapters, "more than 256 adapters");
+            }
+            if adapters
+                .iter()
+                .any(|a| a.is_empty() || a.len() > Self::MAX_LORA_NAME_BYTES)
+            {
+                return fail(
+                    CardField::LoraAdapters,
+                    "an empty adapter name or one over 128 bytes",
+                );
+            }
+        }
         Ok(())
+    }
+
+    /// The most adapters one card lists.
+    pub const MAX_LORA_ADAPTERS: usize = 256;
+    /// The longest adapter name a card lists, in bytes.
+    pub const MAX_LORA_NAME_BYTES: usize = 128;
+
+    /// Whether the worker can serve adapter `name` (an unknown list: yes).
+    pub fn serves_adapter(&self, name: &str) -> bool {
+        self.lora_adapters
+            .as_ref()
+            .is_none_or(|list| list.iter().any(|a| a == name))
     }
 
     /// The data-parallel ranks this worker serves.

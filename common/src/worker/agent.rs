@@ -91,6 +91,24 @@ impl WorkerAgent {
         &self.card
     }
 
+    /// Replaces the registered card (the same worker: its id, ranks and event setting are
+    /// kept), written under the live lease; e.g. the LoRA adapters the engine serves changed.
+    pub fn update_card(&mut self, card: WorkerCard) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            card.worker_id == self.card.worker_id
+                && card.dp_start_rank == self.card.dp_start_rank
+                && card.dp_size == self.card.dp_size
+                && card.kv_events == self.card.kv_events,
+            "a card update may not change the worker's id, ranks or KV event setting"
+        );
+        card.validate()?;
+        if let Some(r) = &self.registration {
+            r.update(&card)?;
+        }
+        self.card = card;
+        Ok(())
+    }
+
     pub fn publisher(&self) -> &EventPublisher {
         &self.publisher
     }

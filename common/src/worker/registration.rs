@@ -46,6 +46,7 @@ pub struct Registration {
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
     registered: watch::Receiver<bool>,
+    value: watch::Sender<Vec<u8>>,
 }
 
 impl Registration {
@@ -75,12 +76,28 @@ impl Registration {
         );
         let (stop_tx, stop_rx) = oneshot::channel();
         let (reg_tx, reg_rx) = watch::channel(false);
-        let task = tokio::spawn(keep_registered(etcd, key, value, config, stop_rx, reg_tx));
+        let (value_tx, value_rx) = watch::channel(value);
+        let task = tokio::spawn(keep_registered(
+            etcd, key, value_rx, config, stop_rx, reg_tx,
+        ));
         Ok(Self {
             stop: Some(stop_tx),
             task: Some(task),
             registered: reg_rx,
+            value: value_tx,
         })
+    }
+
+    /// Replaces the card: written at once under the live lease (or under the next one, if the
+    /// lease is being replaced).
+    pub fn update(&self, card: &WorkerCard) -> anyhow::Result<()> {
+        self.update_value(encode(card)?.to_vec());
+        Ok(())
+    }
+
+    /// Replaces the value held under the key (see [`Registration::update`]).
+    pub fn update_value(&self, value: Vec<u8>) {
+        self.value.send_replace(value);
     }
 
     /// Whether the card is in etcd under a live lease (as far as the last keep-alive knows).
@@ -205,7 +222,7 @@ impl LeaseTiming {
 async fn keep_registered(
     mut etcd: etcd_client::Client,
     key: String,
-    value: Vec<u8>,
+    mut value: watch::Receiver<Vec<u8>>,
     config: RegistrationConfig,
     mut stop: oneshot::Receiver<()>,
     registered: watch::Sender<bool>,
@@ -216,7 +233,7 @@ async fn keep_registered(
     let mut granted = None;
     tokio::select! {
         _ = &mut stop => {}
-        never = stay_registered(&mut etcd, &key, &value, timing, ttl_secs, &registered, &mut granted) => match never {},
+        never = stay_registered(&mut etcd, &key, &mut value, timing, ttl_secs, &registered, &mut granted) => match never {},
     }
     let _ = registered.send(false);
     if let Some(lease_id) = granted {
@@ -250,7 +267,7 @@ const REVOKE_ATTEMPTS: u32 = 3;
 async fn stay_registered(
     etcd: &mut etcd_client::Client,
     key: &str,
-    value: &[u8],
+    value: &mut watch::Receiver<Vec<u8>>,
     timing: LeaseTiming,
     ttl_secs: i64,
     registered: &watch::Sender<bool>,
@@ -274,7 +291,8 @@ async fn stay_registered(
         let mut written = false;
         while let Some(deadline) = timing.put_deadline(Instant::now(), ok_sent_at) {
             let options = PutOptions::new().with_lease(lease_id);
-            match tokio::time::timeout_at(deadline, etcd.put(key, value, Some(options))).await {
+            let latest = value.borrow_and_update().clone();
+            match tokio::time::timeout_at(deadline, etcd.put(key, latest, Some(options))).await {
                 Ok(Ok(_)) => {
                     written = true;
                     break;
@@ -291,9 +309,26 @@ async fn stay_registered(
         }
         let _ = registered.send(true);
         tracing::info!(key, lease_id, "registered");
-        // Keep it alive: a broken stream is opened again while the lease may live.
+        // Keep it alive: a broken stream is opened again while the lease may live. A new value
+        // is put under the same lease; if that fails, the lease is replaced and the latest
+        // value put under the new one.
         loop {
-            match keep_alive(etcd, lease_id, timing, &mut ok_sent_at).await {
+            let outcome = tokio::select! {
+                outcome = keep_alive(etcd, lease_id, timing, &mut ok_sent_at) => outcome,
+                Ok(()) = value.changed() => {
+                    let latest = value.borrow_and_update().clone();
+                    let options = PutOptions::new().with_lease(lease_id);
+                    let mut client = etcd.clone();
+                    match bounded(timing.call_attempt(), client.put(key, latest, Some(options))).await {
+                        Ok(_) => {
+                            tracing::info!(key, lease_id, "value updated");
+                            continue;
+                        }
+                        Err(e) => KeepAlive::Lost(format!("updating the value: {e}")),
+                    }
+                }
+            };
+            match outcome {
                 KeepAlive::Lost(why) => {
                     tracing::warn!(key, lease_id, why, "lease lost; registering again");
                     break;

@@ -63,6 +63,7 @@ fn card(worker_id: u64) -> WorkerCard {
         software_version: String::new(),
         http_url: None,
         kv_events: true,
+        lora_adapters: None,
     }
 }
 

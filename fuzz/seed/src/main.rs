@@ -275,6 +275,8 @@ fn loads() -> Vec<serde_json::Value> {
         json!({"worker_id": WORKER, "dp_rank": 1, "seq": 4, "ts": 1_700_000_000_500u64,
                "new_requests": ["0192d4c4-7f3a-7c1e-9a43-2b1f0c6e8d01",
                                 "0192d4c4-7f3a-7c1e-9a43-2b1f0c6e8d02"]}),
+        json!({"worker_id": WORKER, "dp_rank": 0, "seq": 5, "ts": 1_700_000_001_000u64,
+               "adapters": {"loaded": ["sql", "poem"], "waiting": ["chat"], "max_loaded": 2}}),
     ]
 }
 
@@ -291,7 +293,9 @@ fn decisions() -> Vec<serde_json::Value> {
     with_session["expected_output_tokens"] = json!(64);
     with_session["attempt"] = json!(1);
     with_session["prefix_hashes"] = json!([1, 2, 3, 18446744073709551615u64]);
-    vec![base, with_session]
+    let mut with_adapter = base.clone();
+    with_adapter["lora_name"] = json!("sql");
+    vec![base, with_session, with_adapter]
 }
 
 fn lifecycles() -> Vec<serde_json::Value> {
@@ -415,6 +419,9 @@ fn cards() -> Vec<Vec<u8>> {
         json_wire::<WorkerCard>(json!({"worker_id": WORKER, "model": "m", "role": "prefill",
             "block_size": 64, "total_kv_blocks": 10,
             "request_subject": "kvroute.fuzz.worker.7"})),
+        json_wire::<WorkerCard>(json!({"worker_id": WORKER, "model": "m",
+            "block_size": 16, "total_kv_blocks": 1000, "request_subject": "kvroute.fuzz.worker.7",
+            "http_url": "http://127.0.0.1:8000", "lora_adapters": ["poem", "sql"]})),
     ]
 }
 

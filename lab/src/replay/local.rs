@@ -288,6 +288,7 @@ mod tests {
             software_version: String::new(),
             http_url: None,
             kv_events: true,
+            lora_adapters: None,
         }
     }
 

@@ -172,6 +172,10 @@ pub struct SimArgs {
     /// with and without session affinity; the report still measures stickiness).
     #[arg(long, env = "KVROUTE_SIM_NO_SESSIONS")]
     pub no_sessions: bool,
+    /// The routers' `--no-adapter-placement`: a request naming a LoRA adapter may go to any
+    /// eligible worker, not only to the adapter's home and where it is resident.
+    #[arg(long, env = "KVROUTE_SIM_NO_ADAPTER_PLACEMENT")]
+    pub no_adapter_placement: bool,
     /// The routers' `--session-affinity`: hard (a session's binding is its target while
     /// eligible) or soft (a hint to the policy).
     #[arg(long, env = "KVROUTE_SIM_SESSION_AFFINITY", value_enum, default_value_t = AffinityArg::Hard)]

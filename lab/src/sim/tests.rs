@@ -62,6 +62,7 @@ fn settings(mode: Mode, routers: u32, seed: u64) -> SimSettings {
         no_kv_events_workers: 0,
         seed,
         send_sessions: true,
+        adapter_placement: true,
         sessions: Default::default(),
         cpu_workers: 0,
         cpu_slowdown: 1.0,

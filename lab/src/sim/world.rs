@@ -263,7 +263,7 @@ pub fn simulate(
                     let policy = PartitionPolicy::new(
                         policy,
                         StdRng::seed_from_u64(seed),
-                        &SelectionSettings::default(),
+                        &selection_settings(settings),
                     );
                     Ok((role, SimPartition { policy, view }))
                 })
@@ -286,7 +286,7 @@ pub fn simulate(
         )
         .with_sessions(plan.sessions.clone(), settings.send_sessions),
         partitions,
-        selection_settings: SelectionSettings::default(),
+        selection_settings: selection_settings(settings),
         names: Names::new(&Namespace::new("sim").expect("a valid namespace")),
         workers,
         index: RadixIndex::new(IndexConfig::default()),
@@ -567,5 +567,13 @@ impl World<'_> {
             .iter()
             .position(|w| w.card.worker_id == worker_id)
             .expect("the core picks a registered worker")
+    }
+}
+
+/// The routers' selection settings: the defaults, with the run's adapter placement.
+fn selection_settings(settings: &SimSettings) -> SelectionSettings {
+    SelectionSettings {
+        adapter_placement: settings.adapter_placement,
+        ..SelectionSettings::default()
     }
 }

@@ -18,7 +18,8 @@
 //! publishers, which NATS does not order) keeps that decision from being charged.
 //!
 //! Adapter residency ([`adapters`]): each rank's LoRA adapter slots as an LRU of the adapters
-//! decisions sent it and its reports listed.
+//! decisions sent it and its reports listed; and each adapter's share of its model's recent
+//! adapter requests ([`adapter_demand`]), which sizes the adapter's placement.
 //!
 //! Two optional models refine what a prediction counts ([`models`], `LoadViewConfig::models`):
 //! output blocks from `progress` events, and the decay of each rank's oldest prefill over its
@@ -27,6 +28,7 @@
 use kvroute_common::messages::{Decision, LifecycleKind, RequestLifecycle, WorkerCard, WorkerLoad};
 use kvroute_common::{RequestId, WorkerId};
 
+use self::adapter_demand::AdapterDemand;
 use self::adapters::AdapterView;
 use self::approx::ApproxCache;
 use self::foresight::Foresight;
@@ -38,7 +40,13 @@ use self::retries::{Known, RetryMemory};
 use crate::signals::{AdapterAffinity, ObservedLoad};
 use crate::worker::WorkerRank;
 
+pub mod adapter_demand;
 pub mod adapters;
+
+/// Adapter demand halves every minute ([`adapter_demand`]).
+pub const ADAPTER_DEMAND_HALF_LIFE_MS: u64 = 60_000;
+/// An adapter's peak share holds for two minutes before its replica count may shrink.
+pub const ADAPTER_SHARE_HOLD_MS: u64 = 120_000;
 pub mod approx;
 mod foresight;
 pub mod models;
@@ -108,6 +116,7 @@ pub struct LoadView {
     retries: RetryMemory,
     foresight: Foresight,
     adapters: AdapterView,
+    demand: AdapterDemand,
 }
 
 impl LoadView {
@@ -118,6 +127,7 @@ impl LoadView {
             retries: RetryMemory::default(),
             foresight: Foresight::new(config.predicted_overlap_ttl_ms, config.approx_cache_ttl_ms),
             adapters: AdapterView::new(config.prediction_max_age_ms),
+            demand: AdapterDemand::new(ADAPTER_DEMAND_HALF_LIFE_MS, ADAPTER_SHARE_HOLD_MS),
         }
     }
 
@@ -131,6 +141,16 @@ impl LoadView {
     /// `None` when nothing is known of the rank's adapters.
     pub fn adapter_affinity(&self, rank: WorkerRank, name: &str) -> Option<AdapterAffinity> {
         self.adapters.affinity(rank, name)
+    }
+
+    /// The adapter slots `rank` reports (`None`: none reported, or 0).
+    pub fn adapter_slots(&self, rank: WorkerRank) -> Option<u32> {
+        self.adapters.slots(rank)
+    }
+
+    /// Adapter `name`'s held share of `model`'s recent adapter requests ([`adapter_demand`]).
+    pub fn adapter_share(&self, model: &str, name: &str, now_ms: u64) -> f64 {
+        self.demand.share(model, name, now_ms)
     }
 
     /// Every rank the view holds anything of, in rank order: its load at `now_ms` (when known)
@@ -187,6 +207,11 @@ impl LoadView {
             Applied::Added | Applied::Replaced | Applied::AlreadyCounted
         ) {
             self.adapters.record(d, now_ms);
+            if let Some(name) = d.lora_name.as_deref().filter(|n| !n.is_empty())
+                && d.role != kvroute_common::messages::WorkerRole::Decode
+            {
+                self.demand.record(&d.model, name, now_ms);
+            }
         }
         applied
     }
@@ -318,6 +343,7 @@ impl LoadView {
     pub fn expire(&mut self, now_ms: u64) {
         self.foresight.expire(now_ms);
         self.adapters.expire(now_ms);
+        self.demand.expire(now_ms);
         let cutoff = now_ms.saturating_sub(self.config.prediction_max_age_ms);
         self.loads.expire(cutoff);
         self.retries.expire(cutoff, now_ms);

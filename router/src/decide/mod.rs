@@ -136,6 +136,8 @@ struct Signals<'a> {
     view: Option<&'a LoadView>,
     /// The request's adapter and the view, when the policy reads `ADAPTER`.
     adapter: Option<(&'a LoadView, &'a str)>,
+    /// The adapter's held share of demand, when adapters are placed.
+    adapter_share: Option<f64>,
     now_ms: u64,
 }
 
@@ -158,6 +160,15 @@ impl SignalSource for Signals<'_> {
             view.adapter_affinity(worker, name)
                 .unwrap_or(AdapterAffinity::FreeSlot)
         })
+    }
+
+    fn adapter_share(&self) -> Option<f64> {
+        self.adapter_share
+    }
+
+    fn adapter_slots(&self, worker: WorkerRank) -> Option<u32> {
+        self.adapter
+            .and_then(|(view, _)| view.adapter_slots(worker))
     }
 }
 
@@ -184,6 +195,11 @@ pub fn decide(
     let reads_cache = policy.inputs.contains(WorkerInputs::CACHE);
     let prefixes = (reads_cache && (view.predicted().is_enabled() || view.approx().is_enabled()))
         .then(|| predicted::PromptPrefixes::of(&input.prompt.hashes));
+    let adapter = input
+        .request
+        .lora_name
+        .as_deref()
+        .filter(|name| !name.is_empty() && policy.inputs.contains(WorkerInputs::ADAPTER));
     let signals = Signals {
         overlap: input.overlap,
         predicted: prefixes
@@ -191,12 +207,10 @@ pub fn decide(
             .map(|p| predicted_overlap(view, p, now_ms))
             .unwrap_or_default(),
         view: policy.inputs.contains(WorkerInputs::LOAD).then_some(&*view),
-        adapter: input
-            .request
-            .lora_name
-            .as_deref()
-            .filter(|name| !name.is_empty() && policy.inputs.contains(WorkerInputs::ADAPTER))
-            .map(|name| (&*view, name)),
+        adapter: adapter.map(|name| (&*view, name)),
+        adapter_share: adapter
+            .filter(|_| input.settings.adapter_placement)
+            .map(|name| view.adapter_share(&input.request.model, name, now_ms)),
         now_ms,
     };
     let select_input = SelectInput {

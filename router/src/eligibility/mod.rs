@@ -2,6 +2,7 @@
 //! workers may serve a request at all. Failures are typed and map onto wire error codes.
 
 mod busy;
+pub mod placement;
 mod rules;
 
 use std::collections::BTreeMap;

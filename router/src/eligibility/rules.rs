@@ -23,6 +23,8 @@ pub struct Rules<'r> {
     pub tolerated_taints: &'r [String],
     /// Taints a worker must all carry.
     pub required_taints: &'r [String],
+    /// The LoRA adapter the request names: a worker whose card lists its adapters must list it.
+    pub lora_name: Option<&'r str>,
 }
 
 impl<'r> Rules<'r> {
@@ -35,6 +37,7 @@ impl<'r> Rules<'r> {
             dp_rank_range: request.dp_rank_range,
             tolerated_taints: &request.tolerated_taints,
             required_taints: &request.required_taints,
+            lora_name: request.lora_name.as_deref().filter(|n| !n.is_empty()),
         }
     }
 
@@ -58,6 +61,11 @@ impl<'r> Rules<'r> {
                 min: range.min,
                 max: range.max,
             });
+        }
+        if let Some(name) = self.lora_name
+            && !card.serves_adapter(name)
+        {
+            return Err(Ineligible::AdapterNotServed);
         }
         if let Some(taint) = self
             .required_taints
@@ -85,9 +93,18 @@ impl<'r> Rules<'r> {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Ineligible {
     NotAllowed,
-    DpRankOutOfRange { min: u32, max: u32 },
-    MissingRequiredTaint { taint: String },
-    UntoleratedTaint { taint: String },
+    DpRankOutOfRange {
+        min: u32,
+        max: u32,
+    },
+    MissingRequiredTaint {
+        taint: String,
+    },
+    UntoleratedTaint {
+        taint: String,
+    },
+    /// The worker's card lists the adapters it serves, and not the request's.
+    AdapterNotServed,
     Busy(Busy),
 }
 
@@ -103,6 +120,9 @@ impl fmt::Display for Ineligible {
             }
             Ineligible::UntoleratedTaint { taint } => {
                 write!(f, "carries taint {taint:?} the request does not tolerate")
+            }
+            Ineligible::AdapterNotServed => {
+                f.write_str("does not serve the request's LoRA adapter")
             }
             Ineligible::Busy(busy) => busy.fmt(f),
         }

@@ -210,3 +210,50 @@ fn busy_ranks_are_skipped_and_all_busy_is_overloaded() {
         "overloaded wins when every rule-passing rank is busy"
     );
 }
+
+#[test]
+fn a_request_for_an_adapter_goes_only_where_the_card_lists_it() {
+    let with = |id: u64, adapters: Option<&[&str]>| WorkerCard {
+        lora_adapters: adapters.map(|a| a.iter().map(|s| s.to_string()).collect()),
+        ..crate::testing::card(id)
+    };
+    let cards = vec![
+        with(1, Some(&["sql"])),
+        with(2, Some(&["sql", "poem"])),
+        with(3, None),
+        with(4, Some(&[])),
+    ];
+    let ids = |request: &SelectRequest| open(request, &cards).map(|r| self::ids(&r));
+    let mut request = request();
+    assert_eq!(ids(&request).unwrap(), [1, 2, 3, 4], "the base model: all");
+    request.lora_name = Some("poem".into());
+    assert_eq!(ids(&request).unwrap(), [2, 3], "listed, or not known");
+    request.lora_name = Some("sql".into());
+    assert_eq!(ids(&request).unwrap(), [1, 2, 3]);
+    request.lora_name = Some(String::new());
+    assert_eq!(ids(&request).unwrap(), [1, 2, 3, 4], "empty: none named");
+    request.lora_name = Some("poem".into());
+    request.pin = Some(Pin {
+        worker_id: 1,
+        dp_rank: None,
+    });
+    assert_eq!(
+        ids(&request).unwrap_err(),
+        EligibilityError::PinnedUnavailable {
+            target: WorkerTarget {
+                worker_id: 1,
+                dp_rank: None
+            },
+            reason: Some(Ineligible::AdapterNotServed),
+        }
+    );
+    request.pin = None;
+    request.allowed_workers = Some(vec![1, 4]);
+    let Err(EligibilityError::AllFiltered { reasons }) = ids(&request) else {
+        panic!("all filtered")
+    };
+    assert_eq!(
+        reasons[0],
+        (WorkerRank::new(1, 0), Ineligible::AdapterNotServed)
+    );
+}

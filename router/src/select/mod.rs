@@ -14,7 +14,7 @@ use rand::RngCore;
 pub use failure::SelectFailure;
 pub use settings::{SelectionSettings, SelectionSettingsError};
 
-use crate::eligibility::{EligibleRank, Rules, eligible_ranks};
+use crate::eligibility::{EligibleRank, Rules, eligible_ranks, placement};
 use crate::pipeline::{PolicyChoice, WorkerSelectionPolicy};
 use crate::request::RequestContext;
 use crate::session::SessionRoute;
@@ -157,12 +157,13 @@ fn eligible<'a>(
     input: &SelectInput<'a>,
     rules: &Rules<'_>,
 ) -> Result<Vec<EligibleRank<'a>>, SelectFailure> {
-    Ok(eligible_ranks(
-        rules,
-        input.workers,
-        &input.settings.busy,
-        input.signals,
-    )?)
+    let ranks = eligible_ranks(rules, input.workers, &input.settings.busy, input.signals)?;
+    Ok(match rules.lora_name {
+        Some(name) if rules.exact.is_none() && input.settings.adapter_placement => {
+            placement::adapter_home(name, ranks, input.signals)
+        }
+        _ => ranks,
+    })
 }
 
 fn choose(

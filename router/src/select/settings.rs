@@ -16,6 +16,10 @@ pub struct SelectionSettings {
     /// The `preferred_taint_multiplier()` of a worker carrying at least one of the request's
     /// preferred taints, in (0, 1]; others get 1. Default 0.8.
     pub preferred_taint_multiplier: f64,
+    /// Place LoRA adapters: a request naming an adapter is eligible only on the adapter's
+    /// home ranks (sized by its share of demand, chosen by rendezvous hashing) and on ranks
+    /// where it is resident ([`crate::eligibility::placement`]). Default on.
+    pub adapter_placement: bool,
 }
 
 impl Default for SelectionSettings {
@@ -23,6 +27,7 @@ impl Default for SelectionSettings {
         Self {
             busy: BusyThresholds::default(),
             preferred_taint_multiplier: 0.8,
+            adapter_placement: true,
         }
     }
 }
@@ -47,11 +52,15 @@ impl SelectionSettings {
     }
 
     /// Every signal group one selection with `policy` may read: the policy's, plus `LOAD`
-    /// when busy thresholds are set. Gather only these (no `CACHE`: skip the index query).
+    /// when busy thresholds are set and `ADAPTER` when adapters are placed. Gather only these
+    /// (no `CACHE`: skip the index query).
     pub fn required_inputs(&self, policy: &WorkerSelectionPolicy) -> WorkerInputs {
         let mut inputs = policy.required_inputs();
         if self.busy.is_enabled() {
             inputs |= WorkerInputs::LOAD;
+        }
+        if self.adapter_placement {
+            inputs |= WorkerInputs::ADAPTER;
         }
         inputs
     }
@@ -114,8 +123,17 @@ mod tests {
 
     #[test]
     fn busy_thresholds_add_load_to_the_required_inputs() {
-        let settings = SelectionSettings::default();
+        let placing = SelectionSettings::default();
         let least_busy = build(least_busy::provider, "");
+        assert_eq!(
+            placing.required_inputs(&least_busy),
+            WorkerInputs::LOAD | WorkerInputs::ADAPTER,
+            "placing adapters reads where they are resident"
+        );
+        let settings = SelectionSettings {
+            adapter_placement: false,
+            ..SelectionSettings::default()
+        };
         assert_eq!(settings.required_inputs(&least_busy), WorkerInputs::LOAD);
         let kv = DefaultPolicyParameters::default().policy();
         assert!(settings.required_inputs(&kv).contains(WorkerInputs::CACHE));
@@ -126,7 +144,7 @@ mod tests {
                 prefill_tokens: Some(PrefillLimit::Tokens(10)),
                 ..Default::default()
             },
-            ..SelectionSettings::default()
+            ..settings
         };
         assert_eq!(busy.required_inputs(&random), WorkerInputs::LOAD);
     }

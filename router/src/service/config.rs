@@ -233,6 +233,11 @@ pub struct RouterConfig {
         default_value_t = 0.8
     )]
     pub preferred_taint_multiplier: f64,
+    /// Do not place LoRA adapters: a request naming an adapter may go to any eligible worker
+    /// (by default only to the adapter's home workers, sized by its share of demand, and to
+    /// workers where it is resident).
+    #[arg(long = "no-adapter-placement", env = "KVROUTE_NO_ADAPTER_PLACEMENT")]
+    pub no_adapter_placement: bool,
     /// Admission queue: cost units (requests, unless a classifier says otherwise) that may
     /// wait per (model, role) partition when every eligible worker is busy; a request that
     /// does not fit is answered `queue_full`. 0: no queue (`all_overloaded` at once).
@@ -404,7 +409,7 @@ impl RouterConfig {
         }
     }
 
-    /// Eligibility thresholds and the preferred-taint multiplier.
+    /// Eligibility thresholds, the preferred-taint multiplier and adapter placement.
     pub fn selection_settings(&self) -> SelectionSettings {
         SelectionSettings {
             busy: BusyThresholds {
@@ -412,6 +417,7 @@ impl RouterConfig {
                 prefill_tokens: self.busy_prefill_tokens.map(PrefillLimit::Tokens),
             },
             preferred_taint_multiplier: self.preferred_taint_multiplier,
+            adapter_placement: !self.no_adapter_placement,
         }
     }
 

@@ -53,6 +53,8 @@ pub struct SimSettings {
     pub seed: u64,
     /// Send a row's `session_id` as the request's `SessionContext`.
     pub send_sessions: bool,
+    /// The routers' adapter placement (`SelectionSettings::adapter_placement`).
+    pub adapter_placement: bool,
     /// The routers' session settings (`--session-affinity`, `--session-idle-ttl-secs`).
     pub sessions: SessionConfig,
     /// The last `cpu_workers` aggregated workers are CPU workers (card label
@@ -124,6 +126,7 @@ pub fn sim_cards(engine: &EngineConfig, workers: u32) -> Vec<WorkerCard> {
             software_version: format!("kvroute-sim {}", env!("CARGO_PKG_VERSION")),
             http_url: None,
             kv_events: true,
+            lora_adapters: None,
         })
         .collect()
 }

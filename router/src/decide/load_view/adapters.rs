@@ -91,6 +91,12 @@ impl AdapterView {
         })
     }
 
+    /// The adapter slots `rank` last reported; `None` when it reported none (or 0).
+    pub fn slots(&self, rank: WorkerRank) -> Option<u32> {
+        let n = self.ranks.get(&rank)?.slots();
+        (n > 0).then_some(n as u32)
+    }
+
     /// A decision touches its adapter on its rank (and its decode hop's).
     pub fn record(&mut self, d: &Decision, now_ms: u64) {
         let Some(name) = d.lora_name.as_deref().filter(|n| !n.is_empty()) else {
