@@ -127,6 +127,7 @@ pub fn run_with(args: &SimArgs, registry: &RouterPluginRegistry) -> anyhow::Resu
             seed: args.seed,
             send_sessions: !args.no_sessions,
             adapter_placement: !args.no_adapter_placement,
+            running_adapters_only: args.running_adapters_only,
             sessions: args.sessions(),
             cpu_workers: args.cpu_workers,
             cpu_slowdown: args.cpu_slowdown,

@@ -176,6 +176,11 @@ pub struct SimArgs {
     /// eligible worker, not only to the adapter's home and where it is resident.
     #[arg(long, env = "KVROUTE_SIM_NO_ADAPTER_PLACEMENT")]
     pub no_adapter_placement: bool,
+    /// Workers report their adapter slots as vLLM's `lora_requests_info` does: only the
+    /// adapters of running requests as loaded (an idle adapter still in its slot is not
+    /// listed). By default they report every resident adapter.
+    #[arg(long, env = "KVROUTE_SIM_RUNNING_ADAPTERS_ONLY")]
+    pub running_adapters_only: bool,
     /// The routers' `--session-affinity`: hard (a session's binding is its target while
     /// eligible) or soft (a hint to the policy).
     #[arg(long, env = "KVROUTE_SIM_SESSION_AFFINITY", value_enum, default_value_t = AffinityArg::Hard)]

@@ -63,6 +63,7 @@ fn settings(mode: Mode, routers: u32, seed: u64) -> SimSettings {
         seed,
         send_sessions: true,
         adapter_placement: true,
+        running_adapters_only: false,
         sessions: Default::default(),
         cpu_workers: 0,
         cpu_slowdown: 1.0,
@@ -569,4 +570,43 @@ fn adapters_key_the_same_prompt_apart() {
     // Each adapter's own requests still hit: 18 of 20 prompts cached but for their last
     // block's partial tail.
     assert!(split.hit_rate > 0.8, "{}", split.hit_rate);
+}
+
+/// More adapters than the fleet's slots: adapter affinity and placement cut adapter loads
+/// against round-robin, whether workers list every resident adapter or, as vLLM's gauge does,
+/// only running requests' (the routers' LRU of decisions makes up for the idle ones).
+#[test]
+fn adapters_beyond_the_slots_load_less_with_affinity_and_placement() {
+    let params = crate::tracegen::SessionTraceParams {
+        sessions: 120,
+        turns: crate::tracegen::TokenRange::new(2, 4),
+        session_rate: 2.0,
+        think_time_secs: 2.0,
+        adapters: 24,
+        ..Default::default()
+    };
+    let plan = Plan::new(crate::tracegen::generate(&params), 0, 1.0, None);
+    let loads = |mode, placement, running_only| {
+        let settings = SimSettings {
+            engine: EngineConfig {
+                max_loras: 2,
+                ..engine()
+            },
+            adapter_placement: placement,
+            running_adapters_only: running_only,
+            ..settings(mode, 1, 1)
+        };
+        let report = simulate(&plan, &settings, &builtins(), |_| {}).unwrap();
+        assert_eq!(report.errors, 0, "{report:?}");
+        report.adapter_loads.unwrap()
+    };
+    for running_only in [false, true] {
+        let rr = loads(Mode::RoundRobin, false, running_only);
+        let affinity = loads(Mode::Kv, false, running_only);
+        let placed = loads(Mode::Kv, true, running_only);
+        assert!(
+            placed < affinity && affinity < rr,
+            "running only {running_only}: placed {placed}, affinity {affinity}, round-robin {rr}"
+        );
+    }
 }

@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 
 use kvroute_common::hashing::BlockHashes;
 use kvroute_common::messages::{
-    Decision, KvEventData, LifecycleKind, RequestLifecycle, SchemaVersion, SelectRequest,
-    WorkerCard, WorkerLoad, WorkerRole,
+    AdapterSlots, Decision, KvEventData, LifecycleKind, RequestLifecycle, SchemaVersion,
+    SelectRequest, WorkerCard, WorkerLoad, WorkerRole,
 };
 use kvroute_common::{Names, Namespace, RequestId};
 use kvroute_indexer::index::{IndexConfig, RadixIndex};
@@ -365,6 +365,14 @@ impl World<'_> {
                     std::mem::take(&mut worker.new_requests),
                 );
                 report.adapters = worker.engine.adapter_slots();
+                if self.settings.running_adapters_only
+                    && let Some(slots) = report.adapters.as_mut()
+                {
+                    // vLLM's gauge: running requests' adapters only.
+                    slots.loaded = worker.engine.running_adapters();
+                    slots.loaded.truncate(AdapterSlots::MAX_NAMES);
+                    slots.waiting.retain(|a| !slots.loaded.contains(a));
+                }
                 self.schedule(now + self.settings.signal_delay, Event::Report(report));
                 self.schedule(now + self.settings.load_interval, Event::LoadTick(w));
                 return done;

@@ -55,6 +55,8 @@ pub struct SimSettings {
     pub send_sessions: bool,
     /// The routers' adapter placement (`SelectionSettings::adapter_placement`).
     pub adapter_placement: bool,
+    /// Workers list only running requests' adapters as loaded, as vLLM's gauge does.
+    pub running_adapters_only: bool,
     /// The routers' session settings (`--session-affinity`, `--session-idle-ttl-secs`).
     pub sessions: SessionConfig,
     /// The last `cpu_workers` aggregated workers are CPU workers (card label
