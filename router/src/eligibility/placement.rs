@@ -34,12 +34,14 @@ pub fn adapter_home<'a>(
     if replicas >= ranks.len() {
         return ranks;
     }
-    let mut scores: Vec<u64> = ranks.iter().map(|r| rendezvous(name, r.worker)).collect();
-    let (_, &mut threshold, _) = scores.select_nth_unstable_by(replicas - 1, |a, b| b.cmp(a));
+    let scores: Vec<u64> = ranks.iter().map(|r| rendezvous(name, r.worker)).collect();
+    let mut order = scores.clone();
+    let (_, &mut threshold, _) = order.select_nth_unstable_by(replicas - 1, |a, b| b.cmp(a));
     ranks
         .into_iter()
-        .filter(|r| {
-            rendezvous(name, r.worker) >= threshold
+        .zip(scores)
+        .filter(|(r, score)| {
+            *score >= threshold
                 || match signals.adapter(r.worker) {
                     Some(AdapterAffinity::Loaded) => true,
                     // A free slot loads the adapter without evicting another.
@@ -47,6 +49,7 @@ pub fn adapter_home<'a>(
                     _ => false,
                 }
         })
+        .map(|(r, _)| r)
         .collect()
 }
 
